@@ -1,0 +1,41 @@
+import numpy as np
+import pytest
+
+from workers.store import SlideStore, downsample2x, pyramid_shapes, write_store_from_array
+
+
+def test_pyramid_shapes_power_of_two_down_to_min_size():
+    shapes = pyramid_shapes((5000, 3001), min_size=1024)
+    assert [ds for ds, _ in shapes] == [1, 2, 4, 8]
+    assert shapes[-1][1] == (625, 376)
+    with pytest.raises(ValueError, match="positive"):
+        pyramid_shapes((0, 10))
+
+
+def test_downsample2x_is_rounded_mean_with_edge_padding():
+    a = np.arange(2 * 3 * 3, dtype=np.uint8).reshape(2, 3, 3)
+    d = downsample2x(a)
+    assert d.shape == (2, 2, 2)
+    assert d[0, 0, 0] == (0 + 1 + 3 + 4 + 2) // 4
+    assert d[0, 1, 1] == a[0, 2, 2]  # corner made of one replicated pixel
+
+
+def test_store_read_region_matches_array_and_is_white_outside(tmp_path):
+    rng = np.random.default_rng(0)
+    img = rng.integers(0, 256, size=(700, 900, 3), dtype=np.uint8)
+    s = write_store_from_array(tmp_path / "a.zarr", img, tile_size=128, min_size=256)
+    assert s.dimensions == (900, 700)
+    assert s.downsamples == (1.0, 2.0, 4.0)
+    np.testing.assert_array_equal(s.read_region((100, 50), 0, (300, 200)), img[50:250, 100:400])
+    out = s.read_region((-10, 690), 0, (30, 20))
+    assert (out[:, :10] == 255).all() and (out[10:] == 255).all()
+    np.testing.assert_array_equal(out[:10, 10:], img[690:700, 0:20])
+    assert s.best_level_for_downsample(3.0) == 1
+
+
+def test_incomplete_store_is_refused(tmp_path):
+    img = np.full((64, 64, 3), 255, np.uint8)
+    write_store_from_array(tmp_path / "b.zarr", img)
+    (tmp_path / "b.zarr" / "foveate_complete.json").unlink()
+    with pytest.raises(ValueError, match="incomplete"):
+        SlideStore(tmp_path / "b.zarr")

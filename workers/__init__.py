@@ -1,0 +1,13 @@
+"""The work each Ray actor does, as plain classes testable without a cluster."""
+
+from workers.store import COMPLETE_MARKER, SlideStore, StoreMeta, is_complete, write_store_from_array
+from workers.tissue import tissue_mask
+
+__all__ = [
+    "COMPLETE_MARKER",
+    "SlideStore",
+    "StoreMeta",
+    "is_complete",
+    "tissue_mask",
+    "write_store_from_array",
+]

@@ -1,0 +1,287 @@
+"""The foveate slide store: one OME-NGFF 0.5 multiscale image per slide, Zarr v3 format.
+
+Layout of ``STORE_DIR/<slide_id>.zarr``::
+
+    zarr.json                 group; attributes {"ome": {"version": "0.5", "multiscales": [...]},
+                                                 "foveate": {...metadata, see StoreMeta...}}
+    0/, 1/, ...               uint8 arrays (c=3, y, x), chunks (3, tile, tile); level l is level 0
+                              downsampled by ``downsamples[l]`` (powers of two, or the source's own
+                              pyramid factors for the JPEG passthrough)
+    labels/tissue/0           uint8 (1, y, x) tissue mask (1 = tissue), an NGFF label image
+    foveate_complete.json     completion marker, written last; a store without it is incomplete
+
+Coordinates: everything public is in level-0 pixels, ``(x, y)`` and ``(width, height)`` as
+OpenSlide uses them. Arrays are channel-first ``(c, y, x)`` as NGFF requires; :meth:`SlideStore.read_region`
+returns channel-last ``(h, w, 3)`` uint8 like a PIL image.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import zarr
+
+__all__ = [
+    "COMPLETE_MARKER",
+    "StoreMeta",
+    "SlideStore",
+    "is_complete",
+    "pyramid_shapes",
+    "ngff_multiscales",
+    "register_codecs",
+    "downsample2x",
+    "write_store_from_array",
+]
+
+COMPLETE_MARKER = "foveate_complete.json"
+TISSUE_LABEL = "tissue"
+
+
+def register_codecs() -> None:
+    """Register extra codecs (JPEG through imagecodecs) so stores written with them can be read.
+
+    Idempotent; every reader calls it. External readers: ``import workers.store; workers.store.register_codecs()``.
+    """
+    try:  # the JPEG chunk codec lives beside the writer; importing registers it with zarr
+        from workers import codecs as _codecs  # noqa: F401
+    except ImportError:  # pragma: no cover - optional
+        pass
+
+
+@dataclass(frozen=True)
+class StoreMeta:
+    """Slide-level metadata stored under the group's ``foveate`` attribute."""
+
+    slide_id: str
+    source: str
+    vendor: str
+    level0_size: tuple[int, int]  # (width, height) of level 0 *in the store* (after any --mpp resampling)
+    tile_size: int
+    downsamples: tuple[float, ...]
+    mpp: tuple[float, float] | None  # (x, y) microns per pixel of store level 0; None if unknown
+    source_mpp: tuple[float, float] | None = None
+    fingerprint: str = ""
+    codec: str = "zstd"
+    foveate_version: str = ""
+    tissue_downsample: float | None = None
+    tissue_fraction: float | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["level0_size"] = list(self.level0_size)
+        d["downsamples"] = list(self.downsamples)
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "StoreMeta":
+        d = dict(d)
+        d["level0_size"] = tuple(d["level0_size"])
+        d["downsamples"] = tuple(float(x) for x in d["downsamples"])
+        for k in ("mpp", "source_mpp"):
+            if d.get(k) is not None:
+                d[k] = tuple(d[k])
+        known = {f for f in cls.__dataclass_fields__}
+        extra = dict(d.pop("extra", {}) or {})
+        extra.update({k: v for k, v in d.items() if k not in known})
+        return cls(**{k: v for k, v in d.items() if k in known}, extra=extra)
+
+
+def pyramid_shapes(level0_size: tuple[int, int], *, min_size: int = 1024) -> list[tuple[int, tuple[int, int]]]:
+    """Power-of-two pyramid: ``[(downsample, (width, height)), ...]`` from level 0 down to the
+    first level whose longer side is at most ``min_size`` (so the smallest is about 1-2k px for
+    ``min_size=1024``). Sizes round up (``ceil``), matching a 2x2 mean with edge padding."""
+    w, h = int(level0_size[0]), int(level0_size[1])
+    if w < 1 or h < 1:
+        raise ValueError(f"level0_size must be positive (width, height), got {level0_size!r}")
+    out = [(1, (w, h))]
+    ds = 1
+    while max(w, h) > min_size:
+        ds *= 2
+        w, h = math.ceil(w / 2), math.ceil(h / 2)
+        out.append((ds, (w, h)))
+    return out
+
+
+def ngff_multiscales(name: str, downsamples: list[float] | tuple[float, ...], mpp: tuple[float, float] | None,
+                     *, channel_axis: bool = True) -> list[dict[str, Any]]:
+    """NGFF 0.5 ``multiscales`` for arrays ``"0", "1", ...`` with axes (c, y, x)."""
+    mx, my = mpp if mpp is not None else (1.0, 1.0)
+    unit = {"unit": "micrometer"} if mpp is not None else {}
+    axes = ([{"name": "c", "type": "channel"}] if channel_axis else []) + [
+        {"name": "y", "type": "space", **unit},
+        {"name": "x", "type": "space", **unit},
+    ]
+    datasets = []
+    for i, ds in enumerate(downsamples):
+        scale = ([1.0] if channel_axis else []) + [float(my * ds), float(mx * ds)]
+        datasets.append({"path": str(i), "coordinateTransformations": [{"type": "scale", "scale": scale}]})
+    return [{"name": name, "axes": axes, "datasets": datasets}]
+
+
+def is_complete(path: str | Path) -> bool:
+    """True when the store at ``path`` carries its completion marker (written last by ingest)."""
+    return (Path(path) / COMPLETE_MARKER).is_file()
+
+
+class SlideStore:
+    """Read access to one slide store (the contract every stage after ingest uses).
+
+    Args:
+        path: ``.../<slide_id>.zarr``.
+        require_complete: raise ``ValueError`` for a store without its completion marker.
+    """
+
+    def __init__(self, path: str | Path, *, require_complete: bool = True):
+        self.path = Path(path)
+        if not self.path.is_dir():
+            raise FileNotFoundError(f"no slide store at {self.path}")
+        if require_complete and not is_complete(self.path):
+            raise ValueError(f"slide store {self.path} is incomplete (no {COMPLETE_MARKER}); re-run ingest")
+        register_codecs()
+        self.group = zarr.open_group(str(self.path), mode="r")
+        attrs = dict(self.group.attrs)
+        if "foveate" not in attrs:
+            raise ValueError(f"{self.path} is not a foveate store (no 'foveate' attribute)")
+        self.meta = StoreMeta.from_json(attrs["foveate"])
+        self.levels = [self.group[str(i)] for i in range(len(self.meta.downsamples))]
+
+    # ------------------------------------------------------------------ geometry
+    @property
+    def slide_id(self) -> str:
+        return self.meta.slide_id
+
+    @property
+    def level_count(self) -> int:
+        return len(self.levels)
+
+    @property
+    def downsamples(self) -> tuple[float, ...]:
+        return self.meta.downsamples
+
+    @property
+    def dimensions(self) -> tuple[int, int]:
+        """Level-0 (width, height)."""
+        return self.meta.level0_size
+
+    @property
+    def level_dimensions(self) -> list[tuple[int, int]]:
+        return [(int(a.shape[2]), int(a.shape[1])) for a in self.levels]
+
+    @property
+    def tile_size(self) -> int:
+        return self.meta.tile_size
+
+    def best_level_for_downsample(self, downsample: float) -> int:
+        """Largest level whose downsample is <= ``downsample`` (OpenSlide's rule)."""
+        best = 0
+        for i, ds in enumerate(self.downsamples):
+            if ds <= downsample + 1e-9:
+                best = i
+        return best
+
+    # ------------------------------------------------------------------ pixels
+    def read_level(self, level: int) -> np.ndarray:
+        """Whole level as (h, w, 3) uint8. Only for low-resolution levels."""
+        return np.ascontiguousarray(np.moveaxis(self.levels[level][...], 0, -1))
+
+    def read_region(self, location: tuple[int, int], level: int, size: tuple[int, int]) -> np.ndarray:
+        """Like OpenSlide: ``location`` (x, y) in level-0 pixels, ``size`` (w, h) in ``level`` pixels.
+
+        Returns (h, w, 3) uint8; pixels outside the slide are white. Reads only the chunks touched.
+        """
+        if not (0 <= level < self.level_count):
+            raise ValueError(f"level must be in [0, {self.level_count}), got {level}")
+        w, h = int(size[0]), int(size[1])
+        if w < 0 or h < 0:
+            raise ValueError(f"size must be non-negative (width, height), got {size!r}")
+        ds = self.downsamples[level]
+        x_l = int(math.floor(location[0] / ds))
+        y_l = int(math.floor(location[1] / ds))
+        arr = self.levels[level]
+        H, W = int(arr.shape[1]), int(arr.shape[2])
+        out = np.full((h, w, 3), 255, dtype=np.uint8)
+        x0, y0 = max(x_l, 0), max(y_l, 0)
+        x1, y1 = min(x_l + w, W), min(y_l + h, H)
+        if x1 > x0 and y1 > y0:
+            block = arr[:, y0:y1, x0:x1]
+            out[y0 - y_l : y1 - y_l, x0 - x_l : x1 - x_l] = np.moveaxis(block, 0, -1)
+        return out
+
+    # ------------------------------------------------------------------ tissue
+    def tissue_mask(self) -> tuple[np.ndarray, float]:
+        """(mask (h, w) bool, downsample of the mask relative to level 0)."""
+        lab = self.group[f"labels/{TISSUE_LABEL}/0"]
+        mask = np.asarray(lab[...])
+        if mask.ndim == 3:
+            mask = mask[0]
+        ds = self.meta.tissue_downsample
+        if ds is None:
+            ds = self.dimensions[0] / mask.shape[1]
+        return mask.astype(bool), float(ds)
+
+    def __repr__(self) -> str:
+        return f"SlideStore({str(self.path)!r}, levels={self.level_dimensions})"
+
+
+def downsample2x(rgb_chw: np.ndarray) -> np.ndarray:
+    """2x2 mean (rounded half up) of a (c, h, w) uint8 array; odd edges are padded by edge replication."""
+    c, h, w = rgb_chw.shape
+    if h % 2 or w % 2:
+        rgb_chw = np.pad(rgb_chw, ((0, 0), (0, h % 2), (0, w % 2)), mode="edge")
+    x = rgb_chw.astype(np.uint16)
+    s = x[:, 0::2, 0::2] + x[:, 1::2, 0::2] + x[:, 0::2, 1::2] + x[:, 1::2, 1::2]
+    return ((s + 2) // 4).astype(np.uint8)
+
+
+def write_store_from_array(path: str | Path, rgb: np.ndarray, *, slide_id: str | None = None,
+                           mpp: tuple[float, float] | None = (0.5, 0.5), tile_size: int = 256,
+                           min_size: int = 1024, source: str = "<array>", extra: dict[str, Any] | None = None) -> "SlideStore":
+    """Write an in-memory (h, w, 3) uint8 image as a complete store (zstd, power-of-two pyramid).
+
+    For tests and small synthetic data; archives go through ``foveate ingest``.
+    """
+    from pipeline import __version__
+    from workers.tissue import tissue_mask
+
+    if rgb.ndim != 3 or rgb.shape[2] != 3 or rgb.dtype != np.uint8:
+        raise ValueError(f"rgb must be (h, w, 3) uint8, got {rgb.shape} {rgb.dtype}")
+    path = Path(path)
+    slide_id = slide_id or path.name.removesuffix(".zarr")
+    h, w = rgb.shape[:2]
+    shapes = pyramid_shapes((w, h), min_size=min_size)
+    downsamples = tuple(float(ds) for ds, _ in shapes)
+    group = zarr.open_group(str(path), mode="w", zarr_format=3)
+    level = np.ascontiguousarray(np.moveaxis(rgb, -1, 0))
+    compressors = [zarr.codecs.ZstdCodec(level=3)]
+    for i, (ds, (lw, lh)) in enumerate(shapes):
+        if i:
+            level = downsample2x(level)[:, :lh, :lw]
+        a = group.create_array(str(i), shape=level.shape, chunks=(3, tile_size, tile_size), dtype="uint8",
+                               compressors=compressors, fill_value=255, dimension_names=("c", "y", "x"))
+        a[...] = level
+    mask = tissue_mask(np.moveaxis(level, 0, -1))
+    tissue_ds = float(downsamples[-1])
+    labels = group.create_group("labels")
+    labels.attrs["ome"] = {"version": "0.5", "labels": [TISSUE_LABEL]}
+    tg = labels.create_group(TISSUE_LABEL)
+    lab = tg.create_array("0", shape=(1, *mask.shape), chunks=(1, *[min(s, 1024) for s in mask.shape]), dtype="uint8",
+                          compressors=compressors, fill_value=0, dimension_names=("c", "y", "x"))
+    lab[...] = mask[None].astype(np.uint8)
+    tg.attrs["ome"] = {
+        "version": "0.5",
+        "image-label": {"version": "0.5", "colors": [{"label-value": 1, "rgba": [0, 160, 0, 128]}], "source": {"image": "../../"}},
+        "multiscales": ngff_multiscales(TISSUE_LABEL, [tissue_ds], mpp),
+    }
+    meta = StoreMeta(slide_id=slide_id, source=source, vendor="array", level0_size=(w, h), tile_size=tile_size,
+                     downsamples=downsamples, mpp=mpp, source_mpp=mpp, codec="zstd", foveate_version=__version__,
+                     tissue_downsample=tissue_ds, tissue_fraction=float(mask.mean()), extra=dict(extra or {}))
+    group.attrs.update({"ome": {"version": "0.5", "multiscales": ngff_multiscales(slide_id, downsamples, mpp)},
+                        "foveate": meta.to_json()})
+    (path / COMPLETE_MARKER).write_text(json.dumps({"slide_id": slide_id, "levels": len(downsamples)}))
+    return SlideStore(path)
