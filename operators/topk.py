@@ -1,16 +1,265 @@
-"""Hard and perturbed top-k (being implemented)."""
+"""Hard top-k and the perturbed (differentiable) top-k of Cordonnier et al. 2021.
 
-__all__ = ["hard_topk", "perturbed_topk", "PerturbedTopK", ]
+``perturbed_topk`` is the perturbed-optimizer top-k of *Differentiable Patch Selection for Image Recognition*
+(Cordonnier, Mahendran, Dosovitskiy, Weissenborn, Uszkoreit, Unterthiner, CVPR 2021), built on
+*Learning with Differentiable Perturbed Optimizers* (Berthet et al., NeurIPS 2020).
+
+Forward (``Y_s`` is the index-sorted one-hot top-k indicator of the perturbed scores, shape ``[B, k, N]``)::
+
+    Y[b, :, :] = 1/n * sum_s Y_s[b],     Y_s = onehot(sort(topk(scores[b] + sigma * Z[b, s], k)))
+
+Backward, the full vector-Jacobian product of Berthet's estimator of the Jacobian::
+
+    grad[b, j] = 1/(n*sigma) * sum_s Z[b, s, j] * c[b, s],    c[b, s] = sum_{k,d} G[b, k, d] * Y_s[b, k, d]
+
+The paper's appendix code (``einsum("bnkd,bnd->bkd")`` then ``einsum("bkd,bkd->bd")``) keeps only the
+``j == d`` terms, which is biased: e.g. its gradient does not sum to zero over patches. Here nothing of size
+``n x k x N`` is ever built: the forward accumulates counts with ``scatter_add_`` and the backward gathers
+``G`` at the sampled indices (``c``, shape ``[B, n]``) and contracts ``Z^T c``. The noise is stored when small
+and regenerated in the backward from the saved generator state, in chunks, when large (see
+``_NOISE_CHUNK_ELEMENTS``), so peak memory is O(B*k*N + chunk) rather than O(B*n*N).
+
+Noise convention: when ``B*n*N <= _NOISE_CHUNK_ELEMENTS`` the noise is exactly
+``torch.randn((B, n, N), generator=generator, dtype=scores.dtype, device=scores.device)``; above that it is
+drawn as consecutive chunks ``torch.randn((B, c, N), ...)`` along the sample axis. Pass ``noise=`` to use
+your own.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from operators._checks import check_bool, check_k, check_nonneg, check_positive_int, check_scores, check_tensor
+
+__all__ = ["hard_topk", "perturbed_topk", "PerturbedTopK"]
+
+#: Largest number of noise elements (B * samples * N) drawn at once. Below it the whole noise is drawn in one
+#: call and stored for the backward; above it the samples are processed in chunks of this size and the noise
+#: is regenerated in the backward from the saved generator state (memory O(chunk) instead of O(B*n*N)).
+_NOISE_CHUNK_ELEMENTS = 1 << 22
 
 
-def hard_topk(*args, **kwargs):
-    raise NotImplementedError("hard_topk")
+def hard_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the ``k`` largest scores of each row, sorted by index (position).
+
+    Args:
+        scores: ``[B, N]`` tensor (any real dtype, finite).
+        k: number of indices per row, ``1 <= k <= N``.
+
+    Returns:
+        ``LongTensor[B, k]``, each row increasing. Ties are broken as ``torch.topk`` breaks them.
+    """
+    check_scores(scores, "scores", floating=False)
+    k = check_k(k, scores.shape[1])
+    return torch.topk(scores, k, dim=-1, sorted=False).indices.sort(dim=-1).values
 
 
-def perturbed_topk(*args, **kwargs):
-    raise NotImplementedError("perturbed_topk")
+def _sample_chunks(batch: int, num_samples: int, n: int) -> list[tuple[int, int]]:
+    per = max(1, _NOISE_CHUNK_ELEMENTS // max(1, batch * n))
+    return [(s, min(num_samples, s + per)) for s in range(0, num_samples, per)]
 
 
-class PerturbedTopK:  # placeholder until implemented
-    def __init__(self, *a, **k):
-        raise NotImplementedError("PerturbedTopK")
+def _clone_generator(state: torch.Tensor, device: torch.device) -> torch.Generator:
+    g = torch.Generator(device=device)
+    g.set_state(state)
+    return g
+
+
+class _PerturbedTopK(torch.autograd.Function):
+    """Autograd function behind :func:`perturbed_topk` (arguments already validated)."""
+
+    @staticmethod
+    def forward(ctx, scores, k, num_samples, sigma, generator, noise, control_variate):
+        bsz, n = scores.shape
+        out = torch.zeros((bsz, k, n), dtype=scores.dtype, device=scores.device)
+        ctx.sigma, ctx.num_samples, ctx.control_variate = sigma, num_samples, control_variate
+        ctx.shape = (bsz, n)
+        if sigma == 0.0:
+            # every sample equals the hard top-k: exact one-hot, zero gradient
+            idx = torch.topk(scores, k, dim=-1, sorted=False).indices.sort(dim=-1).values
+            out.scatter_(2, idx.unsqueeze(-1), 1.0)
+            ctx.mode = "zero"
+            return out
+
+        s_det = scores.detach()
+        if noise is not None:
+            chunks = [(0, num_samples)]
+            ctx.mode = "stored"
+        else:
+            chunks = _sample_chunks(bsz, num_samples, n)
+            if len(chunks) == 1:
+                ctx.mode = "stored"
+            else:
+                ctx.mode = "regen"
+                ctx.gen_state = generator.get_state()
+                ctx.gen_device = generator.device
+        idx_all = torch.empty((bsz, num_samples, k), dtype=torch.long, device=scores.device)
+        for lo, hi in chunks:
+            if noise is not None:
+                z = noise
+            else:
+                z = torch.randn((bsz, hi - lo, n), generator=generator, dtype=scores.dtype, device=scores.device)
+                if ctx.mode == "stored":
+                    noise = z
+            pert = torch.add(s_det.unsqueeze(1), z, alpha=sigma)
+            idx = torch.topk(pert, k, dim=-1, sorted=False).indices.sort(dim=-1).values  # [B, c, k]
+            del pert
+            idx_all[:, lo:hi] = idx
+        ctx.chunks = chunks
+        idx_t = idx_all.transpose(1, 2)  # [B, k, n]
+        out.scatter_add_(2, idx_t, torch.ones((1, 1, 1), dtype=out.dtype, device=out.device).expand(idx_t.shape))
+        out.div_(num_samples)
+        if ctx.mode == "stored":
+            ctx.save_for_backward(idx_all, noise)
+        else:
+            ctx.save_for_backward(idx_all)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        if ctx.mode == "zero":
+            return torch.zeros(ctx.shape, dtype=grad_out.dtype, device=grad_out.device), *([None] * 6)
+        bsz, n = ctx.shape
+        num_samples, sigma = ctx.num_samples, ctx.sigma
+        if ctx.mode == "stored":
+            idx_all, noise = ctx.saved_tensors
+        else:
+            (idx_all,) = ctx.saved_tensors
+            noise = None
+        # c[b, s] = sum_{k,d} G[b,k,d] Y_s[b,k,d] = sum_k G[b, k, idx[b, s, k]]   (a gather, no one-hot)
+        c = grad_out.gather(2, idx_all.transpose(1, 2)).sum(dim=1)  # [B, n]
+        if ctx.control_variate and num_samples > 1:
+            # leave-one-out baseline: c_s - mean_{t != s} c_t = n/(n-1) (c_s - mean c); independent of Z_s
+            c = (c - c.mean(dim=1, keepdim=True)) * (num_samples / (num_samples - 1))
+        grad = torch.zeros((bsz, n), dtype=grad_out.dtype, device=grad_out.device)
+        zbar_c = torch.zeros((bsz,), dtype=grad_out.dtype, device=grad_out.device)
+        gen = _clone_generator(ctx.gen_state, ctx.gen_device) if ctx.mode == "regen" else None
+        for lo, hi in ctx.chunks:
+            if noise is not None:
+                z = noise
+            else:
+                z = torch.randn((bsz, hi - lo, n), generator=gen, dtype=grad_out.dtype, device=grad_out.device)
+            cc = c[:, lo:hi]
+            grad.add_(torch.bmm(cc.unsqueeze(1), z).squeeze(1))  # Z^T c
+            if ctx.control_variate:
+                zbar_c.add_((z.mean(dim=2) * cc).sum(dim=1))
+        if ctx.control_variate:
+            # centre the noise over patches: top-k is shift-invariant, so E[mean_j(Z) c] = 0 (still unbiased),
+            # and the gradient then sums to exactly zero over patches
+            grad.sub_(zbar_c.unsqueeze(1))
+        grad.div_(num_samples * sigma)
+        return grad, *([None] * 6)
+
+
+def perturbed_topk(
+    scores: torch.Tensor,
+    k: int,
+    *,
+    num_samples: int = 500,
+    sigma: float = 0.05,
+    generator: torch.Generator | None = None,
+    control_variate: bool = False,
+    noise: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Differentiable top-k by Gaussian perturbation (Cordonnier et al. 2021; Berthet et al. 2020).
+
+    Args:
+        scores: ``[B, N]`` floating, finite scores, used as given (no normalisation here; the paper's
+            per-row min-max normalisation belongs to the scorer head).
+        k: number of selected patches, ``1 <= k <= N``.
+        num_samples: number ``n`` of Gaussian perturbations, ``>= 1``.
+        sigma: noise standard deviation ``>= 0``; any value per call (decay schedules live with training).
+            ``sigma == 0`` returns exactly the hard top-k one-hot and a zero gradient.
+        generator: ``torch.Generator`` on ``scores.device`` for the noise. ``None`` draws a seed from the
+            default generator (so ``torch.manual_seed`` makes runs reproducible).
+        control_variate: if True, the backward uses two zero-mean corrections that keep the estimator
+            unbiased and reduce its variance: a leave-one-out baseline over samples
+            (``c_s - mean_{t != s} c_t``; the gradient is then exactly zero for upstream gradients constant
+            along N) and noise centred over patches (``Z - mean_j Z``; the gradient then sums to exactly zero
+            over patches). False gives the plain estimator of the formula above.
+        noise: optional ``[B, num_samples, N]`` standard-normal noise to use instead of drawing it (stored for
+            the backward); for tests and common-random-number comparisons.
+
+    Returns:
+        ``Tensor[B, k, N]`` of the scores' dtype: slot ``i`` (patches in increasing index order) is the
+        empirical distribution of the ``i``-th selected index; every slot sums to 1 over N.
+
+    Memory: O(B*k*N) for output and gradient plus O(B*n*k) indices plus one noise chunk of at most
+    ``_NOISE_CHUNK_ELEMENTS`` elements; the noise is regenerated in the backward when it is larger.
+    """
+    check_scores(scores, "scores")
+    bsz, n = scores.shape
+    k = check_k(k, n)
+    num_samples = check_positive_int(num_samples, "num_samples")
+    sigma = check_nonneg(sigma, "sigma")
+    control_variate = check_bool(control_variate, "control_variate")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
+    if generator is not None and torch.device(generator.device).type != scores.device.type:
+        raise ValueError(f"generator must be on scores.device ({scores.device}), got a generator on {generator.device}")
+    if noise is not None:
+        check_tensor(noise, "noise")
+        if tuple(noise.shape) != (bsz, num_samples, n):
+            raise ValueError(
+                f"noise must have shape [B, num_samples, N] = {(bsz, num_samples, n)}, got {tuple(noise.shape)}"
+            )
+        noise = noise.to(dtype=scores.dtype, device=scores.device)
+    elif sigma > 0 and generator is None:
+        seed = int(torch.randint(0, 2**62, (1,)).item())
+        generator = torch.Generator(device=scores.device)
+        generator.manual_seed(seed)
+    return _PerturbedTopK.apply(scores, k, num_samples, sigma, generator, noise, control_variate)
+
+
+class PerturbedTopK(nn.Module):
+    """``nn.Module`` wrapper of :func:`perturbed_topk`.
+
+    Args:
+        k: number of selected patches.
+        num_samples: Gaussian perturbations per call.
+        sigma: default noise level; change ``module.sigma`` (or pass ``sigma=`` to ``forward``) for schedules.
+        control_variate: see :func:`perturbed_topk`.
+        hard_in_eval: in ``eval()`` mode return the hard top-k one-hot (``sigma = 0``), as the paper does at
+            inference.
+
+    ``forward(scores[B, N], *, sigma=None, generator=None) -> Tensor[B, k, N]``.
+    """
+
+    def __init__(
+        self,
+        k: int,
+        num_samples: int = 500,
+        sigma: float = 0.05,
+        *,
+        control_variate: bool = False,
+        hard_in_eval: bool = True,
+    ) -> None:
+        super().__init__()
+        self.k = check_positive_int(k, "k")
+        self.num_samples = check_positive_int(num_samples, "num_samples")
+        self.sigma = check_nonneg(sigma, "sigma")
+        self.control_variate = check_bool(control_variate, "control_variate")
+        self.hard_in_eval = check_bool(hard_in_eval, "hard_in_eval")
+
+    def forward(
+        self, scores: torch.Tensor, *, sigma: float | None = None, generator: torch.Generator | None = None
+    ) -> torch.Tensor:
+        s = self.sigma if sigma is None else sigma
+        if self.hard_in_eval and not self.training:
+            s = 0.0
+        return perturbed_topk(
+            scores,
+            self.k,
+            num_samples=self.num_samples,
+            sigma=s,
+            generator=generator,
+            control_variate=self.control_variate,
+        )
+
+    def extra_repr(self) -> str:
+        return (
+            f"k={self.k}, num_samples={self.num_samples}, sigma={self.sigma}, "
+            f"control_variate={self.control_variate}, hard_in_eval={self.hard_in_eval}"
+        )
