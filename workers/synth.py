@@ -1,0 +1,608 @@
+"""Synthetic whole-slide images in real WSI formats (Aperio SVS, generic pyramidal tiled TIFF).
+
+Each slide is a white background with pink/purple H&E-like tissue (smooth blobs with soft edges,
+colour drift, hashed "nuclei" and per-pixel noise) and ``K`` (3..6) small round *candidate
+structures* (diameter 48..96 level-0 pixels) lying well inside the tissue. The candidates are darker
+purple spots, visible at every level of the pyramid, and the *same* in both classes except for their
+fine texture:
+
+* label 1 (positive): a 2-pixel checkerboard between a dark and a light purple (period 4 px),
+* label 0 (negative): flat, the same mean colour.
+
+The texture amplitude tapers to zero over the outer 8 px of each structure. A ``16 x 16`` box (or any
+box that is a multiple of 4 px and aligned to 4 px) averages the checkerboard away exactly, so at 1/16
+scale (and already at 1/4) a positive and a negative slide with the same seed are identical up to JPEG
+noise, while at full resolution (and at 1/2) the checkerboard is obvious. The slide's layout (tissue,
+structure positions and sizes, noise) depends only on the seed, never on the label.
+
+What a foveated model must learn: a low-resolution scorer can find the candidates (dark spots of
+3..6 px at 1/16 scale); the label is legible only in full-resolution patches that land on them
+(patch size ~ structure size, 64..128 px). Every candidate of a positive slide is textured, so one
+well-placed patch suffices.
+
+Writing is streamed: level-0 tiles are rendered procedurally (vectorised numpy, independent of the
+tiling: :func:`render_region` gives the same pixels for any window), JPEG-encoded, and handed to
+tifffile one at a time; each is also box-downsampled 2x into a one-tile-row band buffer of level 1,
+and each completed band is encoded and downsampled into level 2, and so on. Encoded lower-level
+tiles wait in an anonymous temporary file until their page is written. Memory: about one tile row
+of each lower level (``tile_size * width * 3`` bytes in all), whatever the slide's size. Lower
+levels are therefore exact 2x box downsamples (round half up, computed before JPEG) of the intended
+level-0 image; pyramid levels are TIFF pages, not SubIFDs (OpenSlide ignores SubIFDs).
+
+Coordinates are level-0 pixels, ``(x, y)`` and ``(width, height)`` as OpenSlide uses them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "FORMATS",
+    "MIN_SIDE",
+    "MAX_SIDE",
+    "SlideLayout",
+    "make_layout",
+    "render_region",
+    "level_dimensions",
+    "parse_size",
+    "sidecar_path",
+    "write_synthetic_slide",
+    "synth_archive",
+]
+
+log = logging.getLogger(__name__)
+
+FORMATS = ("svs", "tiff")
+ARCHIVE_FORMATS = ("svs", "tiff", "mixed")
+EXTENSIONS = {"svs": ".svs", "tiff": ".tiff"}
+MIN_SIDE = 2000
+MAX_SIDE = 100_000
+MIN_LEVEL_SIDE = 1024  # keep halving while the larger side of the last level exceeds this
+
+# colours (RGB, 0..255)
+_WHITE = 255.0
+_EOSIN_LIGHT = np.array([238.0, 166.0, 204.0], np.float32)
+_EOSIN_DARK = np.array([222.0, 132.0, 186.0], np.float32)
+_NUCLEUS = np.array([98.0, 58.0, 148.0], np.float32)
+_NUCLEUS_OPACITY = 0.9
+STRUCTURE_MEAN = np.array([135.0, 85.0, 165.0], np.float32)
+STRUCTURE_AMPLITUDE = np.array([70.0, 60.0, 50.0], np.float32)  # checkerboard: mean +- amplitude
+CHECKER_CELL = 2  # px; period 2 * CHECKER_CELL
+TEXTURE_TAPER = 8.0  # px over which the texture amplitude fades to 0 at a structure's rim
+_NOISE_AMPLITUDE = 10.0  # triangular noise in [-a, a], same on all channels
+_NUCLEUS_CELL = 16  # px; at most one nucleus per cell
+_EDGE_RAMP = 1.5  # px; anti-aliasing width of tissue and structure edges
+
+_M32 = np.uint32(0xFFFFFFFF)
+
+
+# ----------------------------------------------------------------------------------------- layout
+
+@dataclass(frozen=True)
+class SlideLayout:
+    """Everything that decides a slide's pixels. Built by :func:`make_layout`; depends on the seed only
+    (and the size), except ``label`` which selects the structures' texture.
+
+    Attributes:
+        width, height: level-0 size in pixels.
+        label: 0 or 1.
+        seed: the slide's seed.
+        blobs: (n, 5) float64 tissue ellipses ``cx, cy, rx, ry, theta``.
+        waves: (m, 4) float64 boundary perturbation ``kx, ky, phase, amplitude`` (sum of sines, px).
+        colour_waves: (m, 3) float64 colour drift ``kx, ky, phase``.
+        margin: distance (px) the tissue keeps from the slide border.
+        lipschitz: bound on the gradient of the tissue field (used to skip background tiles).
+        structures: (k, 3) float64 candidate structures ``cx, cy, radius``.
+        hash_seed: 32-bit key of the coordinate hashes (noise, nuclei).
+    """
+
+    width: int
+    height: int
+    label: int
+    seed: int
+    blobs: np.ndarray
+    waves: np.ndarray
+    colour_waves: np.ndarray
+    margin: float
+    lipschitz: float
+    structures: np.ndarray
+    hash_seed: int
+
+    def structure_boxes(self) -> list[dict[str, Any]]:
+        """Ground-truth candidate structures as level-0 boxes (integer ``x, y, width, height`` enclosing the disk)."""
+        out = []
+        for cx, cy, r in self.structures:
+            x0, y0 = int(math.floor(cx - r)), int(math.floor(cy - r))
+            x1, y1 = int(math.ceil(cx + r)), int(math.ceil(cy + r))
+            out.append({"x": x0, "y": y0, "width": x1 - x0, "height": y1 - y0,
+                        "cx": float(cx), "cy": float(cy), "radius": float(r), "textured": bool(self.label)})
+        return out
+
+
+def _check_int(name: str, value: Any, lo: int, hi: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int in [{lo}, {hi}], got {value!r} ({type(value).__name__})")
+    if not lo <= int(value) <= hi:
+        raise ValueError(f"{name} must be in [{lo}, {hi}], got {value!r}")
+    return int(value)
+
+
+def make_layout(width: int, height: int, label: int, seed: int) -> SlideLayout:
+    """Draw a slide's tissue and candidate structures from ``seed`` (the label only picks the texture).
+
+    Args:
+        width, height: level-0 size, each in [MIN_SIDE, MAX_SIDE].
+        label: 0 (flat structures) or 1 (checkerboard structures).
+        seed: non-negative int.
+    """
+    width = _check_int("width", width, MIN_SIDE, MAX_SIDE)
+    height = _check_int("height", height, MIN_SIDE, MAX_SIDE)
+    label = _check_int("label", label, 0, 1)
+    seed = _check_int("seed", seed, 0, 2**63 - 1)
+    rng = np.random.default_rng(np.random.SeedSequence([seed, 0x5EED]))
+    s = float(min(width, height))
+    margin = 0.03 * s + 32.0
+    n_blobs = int(rng.integers(2, 5))
+    blobs = np.empty((n_blobs, 5))
+    for i in range(n_blobs):
+        blobs[i] = (rng.uniform(0.3, 0.7) * width, rng.uniform(0.3, 0.7) * height,
+                    rng.uniform(0.14, 0.28) * width, rng.uniform(0.14, 0.28) * height, rng.uniform(0, math.pi))
+    n_waves = 4
+    waves = np.empty((n_waves, 4))
+    for i in range(n_waves):
+        wavelength = rng.uniform(0.12, 0.4) * s
+        angle = rng.uniform(0, 2 * math.pi)
+        k = 2 * math.pi / wavelength
+        waves[i] = (k * math.cos(angle), k * math.sin(angle), rng.uniform(0, 2 * math.pi), 0.025 * s)
+    colour_waves = np.empty((3, 3))
+    for i in range(3):
+        wavelength = rng.uniform(800.0, 4000.0)
+        angle = rng.uniform(0, 2 * math.pi)
+        k = 2 * math.pi / wavelength
+        colour_waves[i] = (k * math.cos(angle), k * math.sin(angle), rng.uniform(0, 2 * math.pi))
+    lipschitz = 1.0 + float(np.sum(np.hypot(waves[:, 0], waves[:, 1]) * waves[:, 3]))
+    hash_seed = int(rng.integers(1, 2**32 - 1))
+    layout = SlideLayout(width, height, label, seed, blobs, waves, colour_waves, margin, lipschitz,
+                         np.zeros((0, 3)), hash_seed)
+    # candidate structures: K in 3..6, radius 24..48 px, well inside tissue, apart from each other
+    k = int(rng.integers(3, 7))
+    placed: list[tuple[float, float, float]] = []
+    for _ in range(4000):
+        if len(placed) == k:
+            break
+        r = float(rng.uniform(24.0, 48.0))
+        cx, cy = float(rng.uniform(0, width)), float(rng.uniform(0, height))
+        if _tissue_field(layout, np.array([cx]), np.array([cy]))[0] < r + 32.0:
+            continue
+        if any(math.hypot(cx - px, cy - py) < r + pr + 64.0 for px, py, pr in placed):
+            continue
+        placed.append((cx, cy, r))
+    if len(placed) < 3:  # pragma: no cover - the tissue always has room for three
+        raise RuntimeError(f"could not place candidate structures for seed {seed}")
+    return SlideLayout(width, height, label, seed, blobs, waves, colour_waves, margin, lipschitz,
+                       np.array(placed, dtype=np.float64), hash_seed)
+
+
+# ------------------------------------------------------------------------------------- rendering
+
+def _tissue_field(layout: SlideLayout, xs: np.ndarray, ys: np.ndarray) -> np.ndarray:
+    """Approximate signed distance (px, positive inside) to the tissue boundary.
+
+    ``xs`` and ``ys`` broadcast against each other: either equal-shape point arrays, or a row
+    ``(1, w)`` and a column ``(h, 1)`` (then sines are evaluated separably).
+    """
+    dt = np.float64 if xs.dtype == np.float64 else np.float32
+    field = None
+    for cx, cy, rx, ry, th in layout.blobs:
+        c, s = math.cos(th), math.sin(th)
+        dx, dy = xs - dt(cx), ys - dt(cy)
+        u = (dx * dt(c / rx)) + (dy * dt(s / rx))
+        v = (dy * dt(c / ry)) - (dx * dt(s / ry))
+        f = (dt(1.0) - np.sqrt(u * u + v * v)) * dt(min(rx, ry))
+        field = f if field is None else np.maximum(field, f)
+    for kx, ky, ph, amp in layout.waves:
+        a = dt(amp / math.sqrt(len(layout.waves)))
+        # sin(kx x + ky y + ph) = sin(kx x) cos(ky y + ph) + cos(kx x) sin(ky y + ph)
+        ax, ay = xs * dt(kx), ys * dt(ky) + dt(ph)
+        field = field + (np.sin(ax) * a) * np.cos(ay) + (np.cos(ax) * a) * np.sin(ay)
+    border = np.minimum(np.minimum(xs, dt(layout.width) - xs), np.minimum(ys, dt(layout.height) - ys))
+    return np.minimum(field, border - dt(layout.margin))
+
+
+def _hash32(a: np.ndarray) -> np.ndarray:
+    """Integer avalanche hash (lowbias32) on uint32 arrays, vectorised."""
+    a = a ^ (a >> np.uint32(16))
+    a = a * np.uint32(0x7FEB352D)
+    a = a ^ (a >> np.uint32(15))
+    a = a * np.uint32(0x846CA68B)
+    return a ^ (a >> np.uint32(16))
+
+
+def _coord_hash(ix: np.ndarray, iy: np.ndarray, key: int) -> np.ndarray:
+    """Hash of integer coordinates (row ``(1, w)`` and column ``(h, 1)`` uint32) -> ``(h, w)`` uint32."""
+    hx = _hash32(ix * np.uint32(0x9E3779B1) ^ np.uint32(key))
+    return _hash32(hx ^ (iy * np.uint32(0x85EBCA77)))
+
+
+def _background(h: int, w: int) -> np.ndarray:
+    return np.full((h, w, 3), 255, np.uint8)
+
+
+def render_region(layout: SlideLayout, x: int, y: int, width: int, height: int) -> np.ndarray:
+    """The intended (pre-JPEG) level-0 pixels of a window; independent of how the slide is tiled.
+
+    Pixels outside the slide are white.
+
+    Returns:
+        (height, width, 3) uint8 RGB.
+    """
+    f32 = np.float32
+    xs = (np.arange(x, x + width, dtype=np.float64) + 0.5).astype(f32)[None, :]
+    ys = (np.arange(y, y + height, dtype=np.float64) + 0.5).astype(f32)[:, None]
+    # skip windows far from any tissue: the field is Lipschitz with constant layout.lipschitz
+    cx, cy = x + width / 2.0, y + height / 2.0
+    centre = float(_tissue_field(layout, np.array([cx]), np.array([cy]))[0])
+    if centre + layout.lipschitz * 0.5 * math.hypot(width, height) < -2 * _EDGE_RAMP:
+        return _background(height, width)
+    field = _tissue_field(layout, xs, ys)
+    alpha = np.clip(field * f32(1.0 / _EDGE_RAMP) + f32(0.5), 0.0, 1.0)
+    if not alpha.any():
+        return _background(height, width)
+
+    # colour drift between two eosin shades, separable sines
+    drift = np.zeros((height, width), f32)
+    for kx, ky, ph in layout.colour_waves:
+        ax, ay = xs * f32(kx), ys * f32(ky) + f32(ph)
+        drift += np.sin(ax) * np.cos(ay) + np.cos(ax) * np.sin(ay)
+    g = drift * f32(1.0 / (2 * len(layout.colour_waves))) + f32(0.5)  # ~[0, 1]
+    col = _EOSIN_LIGHT + g[..., None] * (_EOSIN_DARK - _EOSIN_LIGHT)
+
+    # nuclei: at most one per 16 px cell, position/radius/presence from a hash of the cell
+    ix = np.arange(x, x + width, dtype=np.int64)
+    iy = np.arange(y, y + height, dtype=np.int64)
+    cxi = (ix // _NUCLEUS_CELL).astype(np.uint32)[None, :]
+    cyi = (iy // _NUCLEUS_CELL).astype(np.uint32)[:, None]
+    hc = _coord_hash(cxi, cyi, layout.hash_seed ^ 0xA5A5A5A5)
+    present = (hc & np.uint32(0xFF)) < np.uint32(120)  # ~47 % of cells
+    radius = f32(2.5) + ((hc >> np.uint32(8)) & np.uint32(0xFF)).astype(f32) * f32(2.0 / 255)
+    span = f32(_NUCLEUS_CELL) - 2 * (radius + f32(0.5))
+    ox = radius + f32(0.5) + ((hc >> np.uint32(16)) & np.uint32(0xFF)).astype(f32) * f32(1 / 255) * span
+    oy = radius + f32(0.5) + ((hc >> np.uint32(24)) & np.uint32(0xFF)).astype(f32) * f32(1 / 255) * span
+    lx = (ix % _NUCLEUS_CELL).astype(f32)[None, :] + f32(0.5)
+    ly = (iy % _NUCLEUS_CELL).astype(f32)[:, None] + f32(0.5)
+    d = np.sqrt((lx - ox) ** 2 + (ly - oy) ** 2)
+    nuc = np.clip(radius - d + f32(0.5), 0.0, 1.0) * (present * f32(_NUCLEUS_OPACITY))
+    col += nuc[..., None] * (_NUCLEUS - col)
+
+    # candidate structures (only those overlapping the window)
+    for scx, scy, r in layout.structures:
+        x0, x1 = max(int(math.floor(scx - r - 2)), x), min(int(math.ceil(scx + r + 2)), x + width)
+        y0, y1 = max(int(math.floor(scy - r - 2)), y), min(int(math.ceil(scy + r + 2)), y + height)
+        if x0 >= x1 or y0 >= y1:
+            continue
+        sx = xs[:, x0 - x:x1 - x]
+        sy = ys[y0 - y:y1 - y, :]
+        dist = np.sqrt((sx - f32(scx)) ** 2 + (sy - f32(scy)) ** 2)
+        a = np.clip(f32(r) - dist + f32(0.5), 0.0, 1.0)[..., None]
+        target = np.broadcast_to(STRUCTURE_MEAN, a.shape[:2] + (3,)).astype(f32)
+        if layout.label == 1:
+            env = np.clip((f32(r) - dist) * f32(1.0 / TEXTURE_TAPER), 0.0, 1.0)
+            cx_i = np.arange(x0, x1) // CHECKER_CELL
+            cy_i = np.arange(y0, y1) // CHECKER_CELL
+            checker = ((cx_i[None, :] + cy_i[:, None]) % 2).astype(f32) * f32(2.0) - f32(1.0)
+            target = target + (checker * env)[..., None] * STRUCTURE_AMPLITUDE
+        sub = col[y0 - y:y1 - y, x0 - x:x1 - x]
+        sub += a * (target - sub)
+
+    # per-pixel luminance noise (triangular, from a hash of the pixel coordinates)
+    hp = _coord_hash(ix.astype(np.uint32)[None, :], iy.astype(np.uint32)[:, None], layout.hash_seed)
+    noise = ((hp & np.uint32(0xFF)).astype(f32) + ((hp >> np.uint32(8)) & np.uint32(0xFF)).astype(f32)) \
+        * f32(_NOISE_AMPLITUDE / 255.0) - f32(_NOISE_AMPLITUDE)
+    col += noise[..., None]
+
+    out = f32(_WHITE) + alpha[..., None] * (col - f32(_WHITE))
+    return np.clip(out + f32(0.5), 0, 255).astype(np.uint8)
+
+
+# ---------------------------------------------------------------------------------------- writing
+
+def level_dimensions(width: int, height: int) -> list[tuple[int, int]]:
+    """Pyramid sizes: level 0, then halving (ceil) while the larger side of the last level exceeds 1024."""
+    dims = [(int(width), int(height))]
+    while max(dims[-1]) > MIN_LEVEL_SIDE:
+        w, h = dims[-1]
+        dims.append(((w + 1) // 2, (h + 1) // 2))
+    return dims
+
+
+def sidecar_path(slide_path: str | os.PathLike) -> Path:
+    """Ground-truth JSON beside a slide: ``<slide file name>.json``."""
+    p = Path(slide_path)
+    return p.with_name(p.name + ".json")
+
+
+def _downsample2x(a: np.ndarray) -> np.ndarray:
+    """2x box downsample of (h, w, 3) uint8 with even h, w; round half up."""
+    h, w, c = a.shape
+    s = a.reshape(h // 2, 2, w // 2, 2, c).sum(axis=(1, 3), dtype=np.uint16)
+    return ((s + 2) >> 2).astype(np.uint8)
+
+
+class _PyramidWriter:
+    """Streams level-0 tiles and builds the lower levels band by band (see module docstring)."""
+
+    def __init__(self, layout: SlideLayout, tile: int, quality: int, dims: list[tuple[int, int]],
+                 spool, progress: Callable[[int], None] | None):
+        import imagecodecs
+
+        self.layout, self.tile, self.quality, self.dims = layout, tile, quality, dims
+        self.spool = spool  # temporary file holding encoded tiles of levels >= 1
+        self.progress = progress
+        self.ntiles = [(-(-w // tile), -(-h // tile)) for w, h in dims]
+        self.offsets: list[list[tuple[int, int]]] = [[] for _ in dims]
+        self.bands = [np.full((tile, nx * tile, 3), 255, np.uint8) if lvl else None
+                      for lvl, (nx, _) in enumerate(self.ntiles)]
+        self._encode = imagecodecs.jpeg8_encode
+
+    def encode(self, tile: np.ndarray) -> bytes:
+        return self._encode(tile, level=self.quality, colorspace="RGB", outcolorspace="YCBCR", subsampling=(2, 2))
+
+    def level0_tiles(self) -> Iterator[bytes]:
+        t, half = self.tile, self.tile // 2
+        nx, ny = self.ntiles[0]
+        nlev = len(self.dims)
+        for ty in range(ny):
+            for tx in range(nx):
+                px = render_region(self.layout, tx * t, ty * t, t, t)
+                if nlev > 1:
+                    r0 = (ty % 2) * half
+                    self.bands[1][r0:r0 + half, tx * half:(tx + 1) * half] = _downsample2x(px)
+                data = self.encode(px)
+                if tx == nx - 1 and nlev > 1 and (ty % 2 == 1 or ty == ny - 1):
+                    self._band_done(1, ty // 2)  # before yielding: tifffile may stop pulling after the last tile
+                if self.progress is not None:
+                    self.progress(1)
+                yield data
+
+    def _band_done(self, level: int, band: int) -> None:
+        """Band ``band`` of ``level`` is complete: encode its tiles, push it down one level, reset it."""
+        t, half = self.tile, self.tile // 2
+        buf = self.bands[level]
+        nx, ny = self.ntiles[level]
+        for tx in range(nx):
+            data = self.encode(np.ascontiguousarray(buf[:, tx * t:(tx + 1) * t]))
+            self.offsets[level].append((self.spool.tell(), len(data)))
+            self.spool.write(data)
+        if self.progress is not None:
+            self.progress(nx)
+        if level + 1 < len(self.dims):
+            r0 = (band % 2) * half
+            small = _downsample2x(buf)
+            nxt = self.bands[level + 1]
+            nxt[r0:r0 + half, :small.shape[1]] = small
+            if band % 2 == 1 or band == ny - 1:
+                self._band_done(level + 1, band // 2)
+        buf.fill(255)
+
+    def level_tiles(self, level: int) -> Iterator[bytes]:
+        for off, n in self.offsets[level]:
+            self.spool.seek(off)
+            yield self.spool.read(n)
+        self.spool.seek(0, os.SEEK_END)
+
+
+def _fmt_num(v: float) -> str:
+    return f"{v:.6g}"
+
+
+def write_synthetic_slide(path: str | os.PathLike, *, width: int, height: int, label: int, seed: int,
+                          fmt: str = "svs", tile_size: int = 256, mpp: float = 0.25, quality: int = 90,
+                          progress: Callable[[int], None] | None = None, sidecar: bool = True) -> dict[str, Any]:
+    """Write one synthetic slide (JPEG tiles, power-of-two pyramid as TIFF pages) and its ground truth.
+
+    Args:
+        path: output file; written as ``<path>.partial`` then renamed, so a crash never leaves a
+            file that looks complete.
+        width, height: level-0 size in pixels, each in [2000, 100000].
+        label: 0 (structures flat) or 1 (structures carry a 2-px checkerboard).
+        seed: non-negative int; decides everything but the texture (same seed, other label = same layout).
+        fmt: ``"svs"`` (Aperio: ImageDescription ``Aperio Image Library ...|AppMag = ..|MPP = ..``) or
+            ``"tiff"`` (generic tiled TIFF; mpp as X/YResolution in pixels per centimetre).
+        tile_size: tile side, a multiple of 16 in [64, 2048].
+        mpp: microns per pixel at level 0, in (0, 100].
+        quality: JPEG quality, 1..100.
+        progress: called with the number of tiles just written (all levels).
+        sidecar: also write ``<path>.json`` with the returned info (minus timing).
+
+    Returns:
+        Info dict: path, format, width, height, label, seed, tile_size, mpp, quality, levels
+        (list of [w, h]), structures (list of level-0 boxes ``x, y, width, height`` plus ``cx, cy,
+        radius, textured``), seconds.
+    """
+    import tifffile
+
+    if fmt not in FORMATS:
+        raise ValueError(f"fmt must be one of {FORMATS}, got {fmt!r}")
+    tile_size = _check_int("tile_size", tile_size, 64, 2048)
+    if tile_size % 16:
+        raise ValueError(f"tile_size must be a multiple of 16 in [64, 2048], got {tile_size}")
+    quality = _check_int("quality", quality, 1, 100)
+    if isinstance(mpp, bool) or not isinstance(mpp, (int, float)) or not (0 < float(mpp) <= 100) \
+            or not math.isfinite(float(mpp)):
+        raise ValueError(f"mpp must be a number in (0, 100], got {mpp!r}")
+    mpp = float(mpp)
+    layout = make_layout(width, height, label, seed)
+    path = Path(path)
+    if not path.parent.is_dir():
+        raise FileNotFoundError(f"output folder does not exist: {path.parent}")
+    t0 = time.perf_counter()
+    dims = level_dimensions(layout.width, layout.height)
+    raw = sum(w * h * 3 for w, h in dims)
+    bigtiff = raw > 2**32 - 2**26  # JPEG never exceeds the raw size in practice
+    mag = 10.0 / mpp
+    partial = path.with_name(path.name + ".partial")
+    try:
+        with tempfile.TemporaryFile(dir=path.parent, prefix=".synth-spool-") as spool, \
+                tifffile.TiffWriter(partial, bigtiff=bigtiff) as tw:
+            pw = _PyramidWriter(layout, tile_size, quality, dims, spool, progress)
+            for lvl, (w, h) in enumerate(dims):
+                kw: dict[str, Any] = {}
+                if fmt == "svs":
+                    if lvl == 0:
+                        head = (f"{w}x{h} [0,0 {w}x{h}] ({tile_size}x{tile_size}) JPEG/RGB Q={quality}")
+                    else:
+                        head = f"{dims[0][0]}x{dims[0][1]} -> {w}x{h} - "
+                    kw["description"] = (
+                        f"Aperio Image Library v12.0.15 \r\n{head}|AppMag = {_fmt_num(mag)}"
+                        f"|MPP = {_fmt_num(mpp)}|Filename = {path.stem}|Title = foveate synthetic slide"
+                        f"|foveate.label = {layout.label}|foveate.seed = {layout.seed}")
+                else:
+                    res = 1e4 / (mpp * 2**lvl)
+                    kw["resolution"] = (res, res)
+                    kw["resolutionunit"] = "CENTIMETER"
+                    kw["subfiletype"] = 1 if lvl else 0
+                tiles = pw.level0_tiles() if lvl == 0 else pw.level_tiles(lvl)
+                tw.write(tiles, shape=(h, w, 3), dtype=np.uint8, tile=(tile_size, tile_size),
+                         photometric="rgb", compression="jpeg", metadata=None, software=False, **kw)
+        os.replace(partial, path)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
+    info: dict[str, Any] = {
+        "path": str(path.resolve()), "format": fmt, "width": layout.width, "height": layout.height,
+        "label": layout.label, "seed": layout.seed, "tile_size": tile_size, "mpp": mpp, "quality": quality,
+        "levels": [list(d) for d in dims], "structures": layout.structure_boxes(),
+    }
+    if sidecar:
+        sidecar_path(path).write_text(json.dumps(info, indent=1) + "\n")
+    info["seconds"] = time.perf_counter() - t0
+    return info
+
+
+# ---------------------------------------------------------------------------------------- archive
+
+def parse_size(size: Any) -> tuple[tuple[int, int], tuple[int, int]]:
+    """Size spec -> ``((wmin, wmax), (hmin, hmax))``.
+
+    Accepts an int (square), ``"4096"``, ``"6000x4000"``, a range ``"2048:8192"`` (width and height
+    each drawn from it), a ``(lo, hi)`` tuple (range) or the same nested. Sides in [2000, 100000].
+    """
+    def side(v: Any) -> int:
+        try:
+            iv = int(str(v).strip()) if not isinstance(v, (int, np.integer)) or isinstance(v, bool) else int(v)
+        except ValueError:
+            raise ValueError(f"size must be N, WxH or LO:HI with integer sides in [{MIN_SIDE}, {MAX_SIDE}], "
+                             f"got {size!r}") from None
+        if isinstance(v, bool) or not MIN_SIDE <= iv <= MAX_SIDE:
+            raise ValueError(f"size sides must be integers in [{MIN_SIDE}, {MAX_SIDE}], got {size!r}")
+        return iv
+
+    if isinstance(size, str):
+        s = size.strip().lower()
+        if ":" in s:
+            lo_s, _, hi_s = s.partition(":")
+            lo, hi = side(lo_s), side(hi_s)
+            rng = (lo, hi)
+        elif "x" in s:
+            w_s, _, h_s = s.partition("x")
+            w, h = side(w_s), side(h_s)
+            return (w, w), (h, h)
+        else:
+            v = side(s)
+            return (v, v), (v, v)
+    elif isinstance(size, (tuple, list)) and len(size) == 2:
+        lo, hi = side(size[0]), side(size[1])
+        rng = (lo, hi)
+    elif isinstance(size, (int, np.integer)) and not isinstance(size, bool):
+        v = side(size)
+        return (v, v), (v, v)
+    else:
+        raise ValueError(f"size must be N, WxH or LO:HI with integer sides in [{MIN_SIDE}, {MAX_SIDE}], got {size!r}")
+    if rng[0] > rng[1]:
+        raise ValueError(f"size range LO:HI needs LO <= HI, got {size!r}")
+    return rng, rng
+
+
+def synth_archive(out_dir: str | os.PathLike, *, count: int, size: Any = 4096, fmt: str = "svs", seed: int = 0,
+                  positive_fraction: float = 0.5, tile_size: int = 256, mpp: float = 0.25, quality: int = 90,
+                  progress: Callable[[int, str], None] | None = None,
+                  on_total: Callable[[int], None] | None = None):
+    """Write ``count`` synthetic slides into ``out_dir`` plus ``labels.csv`` (columns ``path,label``).
+
+    ``path`` holds absolute paths. Exactly ``round(count * positive_fraction)`` slides are positive,
+    in an order shuffled by ``seed``. ``fmt="mixed"`` alternates SVS (even index) and TIFF (odd).
+    Slide ``i`` is ``synth_{i:05d}.svs|.tiff`` with seed drawn from ``(seed, i)``; files are overwritten.
+    Same arguments -> same bytes.
+
+    Args:
+        out_dir: created if missing.
+        count: number of slides, 1..100000.
+        size: see :func:`parse_size`.
+        fmt: "svs", "tiff" or "mixed".
+        seed: non-negative int.
+        positive_fraction: in [0, 1].
+        tile_size, mpp, quality: see :func:`write_synthetic_slide`.
+        progress: called as ``progress(n_tiles, slide_name)`` as tiles are written.
+        on_total: called once with the total number of tiles (all slides, all levels) before writing.
+
+    Returns:
+        pandas.DataFrame with columns ``path`` (absolute, str) and ``label`` (int), as in labels.csv.
+    """
+    import pandas as pd
+
+    count = _check_int("count", count, 1, 100_000)
+    if fmt not in ARCHIVE_FORMATS:
+        raise ValueError(f"fmt must be one of {ARCHIVE_FORMATS}, got {fmt!r}")
+    seed = _check_int("seed", seed, 0, 2**63 - 1)
+    if isinstance(positive_fraction, bool) or not isinstance(positive_fraction, (int, float)) \
+            or not 0.0 <= float(positive_fraction) <= 1.0:
+        raise ValueError(f"positive_fraction must be a number in [0, 1], got {positive_fraction!r}")
+    (wlo, whi), (hlo, hhi) = parse_size(size)
+    tile_size = _check_int("tile_size", tile_size, 64, 2048)
+    if tile_size % 16:
+        raise ValueError(f"tile_size must be a multiple of 16 in [64, 2048], got {tile_size}")
+    quality = _check_int("quality", quality, 1, 100)
+    if isinstance(mpp, bool) or not isinstance(mpp, (int, float)) or not (0 < float(mpp) <= 100):
+        raise ValueError(f"mpp must be a number in (0, 100], got {mpp!r}")
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(np.random.SeedSequence([seed, 0xA4C1]))
+    n_pos = int(round(count * float(positive_fraction)))
+    labels = np.zeros(count, np.int64)
+    labels[:n_pos] = 1
+    rng.shuffle(labels)
+    widths = rng.integers(wlo, whi + 1, size=count)
+    heights = rng.integers(hlo, hhi + 1, size=count)
+    slide_seeds = rng.integers(0, 2**62, size=count)
+    fmts = [("svs" if i % 2 == 0 else "tiff") if fmt == "mixed" else fmt for i in range(count)]
+
+    def n_tiles(w: int, h: int) -> int:
+        return sum(-(-lw // tile_size) * -(-lh // tile_size) for lw, lh in level_dimensions(w, h))
+
+    if on_total is not None:
+        on_total(int(sum(n_tiles(int(w), int(h)) for w, h in zip(widths, heights))))
+    rows = []
+    for i in range(count):
+        name = f"synth_{i:05d}{EXTENSIONS[fmts[i]]}"
+        cb = (lambda n, _name=name: progress(n, _name)) if progress is not None else None
+        info = write_synthetic_slide(out / name, width=int(widths[i]), height=int(heights[i]), label=int(labels[i]),
+                                     seed=int(slide_seeds[i]), fmt=fmts[i], tile_size=tile_size, mpp=float(mpp),
+                                     quality=quality, progress=cb)
+        log.debug("wrote %s (%dx%d, label %d) in %.1fs", name, info["width"], info["height"], info["label"],
+                  info["seconds"])
+        rows.append({"path": info["path"], "label": int(labels[i])})
+    df = pd.DataFrame(rows, columns=["path", "label"])
+    df.to_csv(out / "labels.csv", index=False)
+    return df
