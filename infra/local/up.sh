@@ -1,0 +1,115 @@
+#!/usr/bin/env bash
+# Start a local Ray head (token authentication on, dashboard on 127.0.0.1) and an MLflow tracking
+# server (sqlite backend, artifacts served over HTTP, bound to 127.0.0.1). Idempotent: a service
+# already running from this run directory is left alone. Waits until both answer.
+#
+#   eval "$(bash infra/local/up.sh)"     # stdout is only `export ...` lines; progress goes to stderr
+#   source runs/local/env.sh             # the same exports, written by this script
+#
+# Settings (environment):
+#   FOVEATE_RUN_DIR         run directory for PIDs, logs, token, MLflow data   (default ./runs/local)
+#   FOVEATE_RAY_PORT        GCS port of the head                                (default 6379)
+#   FOVEATE_DASHBOARD_PORT  dashboard / job submission port                     (default 8265)
+#   FOVEATE_MLFLOW_PORT     MLflow server port                                  (default 5000)
+#   FOVEATE_RAY_NUM_CPUS    CPUs the head advertises                            (default: all)
+#   FOVEATE_RAY_TEMP_DIR    Ray's temp dir (keep it short: unix socket paths)   (default /tmp/foveate-ray-<hash of run dir>)
+#   FOVEATE_UP_TIMEOUT      seconds to wait for each service                    (default 120)
+#   PYTHON                  interpreter whose environment has ray and mlflow    (default ./.venv/bin/python, else python3)
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "$0")/../.." && pwd)
+RUN_DIR=${FOVEATE_RUN_DIR:-$ROOT/runs/local}
+mkdir -p "$RUN_DIR"
+RUN_DIR=$(cd "$RUN_DIR" && pwd)
+RAY_PORT=${FOVEATE_RAY_PORT:-6379}
+DASHBOARD_PORT=${FOVEATE_DASHBOARD_PORT:-8265}
+MLFLOW_PORT=${FOVEATE_MLFLOW_PORT:-5000}
+TIMEOUT=${FOVEATE_UP_TIMEOUT:-120}
+if [ -n "${PYTHON:-}" ]; then PY=$PYTHON
+elif [ -x "$ROOT/.venv/bin/python" ]; then PY=$ROOT/.venv/bin/python
+else PY=$(command -v python3); fi
+BIN=$(dirname "$PY")
+RAY_TMP=${FOVEATE_RAY_TEMP_DIR:-/tmp/foveate-ray-$(printf '%s' "$RUN_DIR" | cksum | cut -d' ' -f1)}
+
+LOGS=$RUN_DIR/logs
+TOKEN_FILE=$RUN_DIR/ray_auth_token
+mkdir -p "$LOGS" "$RUN_DIR/mlflow/artifacts"
+say() { echo "up.sh: $*" >&2; }
+alive() { [ -f "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }
+
+# ---------------------------------------------------------------- Ray token authentication
+# Ray 2.60 reads the token from RAY_AUTH_TOKEN, else the file RAY_AUTH_TOKEN_PATH, else ~/.ray/auth_token,
+# and checks it when RAY_AUTH_MODE=token. We keep our own token in the run directory (mode 600) and point
+# every process (head, workers, job drivers, `ray job submit`) at it.
+if [ ! -s "$TOKEN_FILE" ]; then
+  (umask 077; "$PY" -c 'import secrets; print(secrets.token_hex(32), end="")' > "$TOKEN_FILE")
+  say "generated Ray auth token in $TOKEN_FILE"
+fi
+chmod 600 "$TOKEN_FILE"
+export RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH=$TOKEN_FILE RAY_USAGE_STATS_ENABLED=0
+unset RAY_AUTH_TOKEN RAY_ADDRESS
+MLFLOW_URI=http://127.0.0.1:$MLFLOW_PORT
+DASHBOARD_URL=http://127.0.0.1:$DASHBOARD_PORT
+
+# ---------------------------------------------------------------- MLflow tracking server
+if alive "$RUN_DIR/mlflow.pid"; then
+  say "MLflow server already running (pid $(cat "$RUN_DIR/mlflow.pid"))"
+else
+  say "starting MLflow server on $MLFLOW_URI (log $LOGS/mlflow.log)"
+  nohup setsid "$BIN/mlflow" server --host 127.0.0.1 --port "$MLFLOW_PORT" --workers 1 \
+    --backend-store-uri "sqlite:///$RUN_DIR/mlflow/mlflow.db" \
+    --artifacts-destination "$RUN_DIR/mlflow/artifacts" --serve-artifacts \
+    >"$LOGS/mlflow.log" 2>&1 </dev/null &
+  echo $! >"$RUN_DIR/mlflow.pid"
+fi
+
+# ---------------------------------------------------------------- Ray head
+# `ray start --block` stays in the foreground of its own session and stops the head's processes when it
+# is terminated, so down.sh only needs this one PID. The temp dir is our own: ray.init() elsewhere on the
+# machine does not find this cluster through /tmp/ray/ray_current_cluster.
+if alive "$RUN_DIR/ray.pid"; then
+  say "Ray head already running (pid $(cat "$RUN_DIR/ray.pid"))"
+else
+  say "starting Ray head on 127.0.0.1:$RAY_PORT, dashboard $DASHBOARD_URL (log $LOGS/ray-head.log)"
+  echo "$RAY_TMP" >"$RUN_DIR/ray_temp_dir"
+  # Jobs inherit the head's environment: `python` in an entrypoint is this interpreter (PATH), and
+  # MLFLOW_TRACKING_URI points them at the server above.
+  PATH=$BIN:$PATH MLFLOW_TRACKING_URI=$MLFLOW_URI nohup setsid "$BIN/ray" start --head --block --disable-usage-stats \
+    --node-ip-address 127.0.0.1 --port "$RAY_PORT" \
+    --dashboard-host 127.0.0.1 --dashboard-port "$DASHBOARD_PORT" \
+    --temp-dir "$RAY_TMP" ${FOVEATE_RAY_NUM_CPUS:+--num-cpus "$FOVEATE_RAY_NUM_CPUS"} \
+    >"$LOGS/ray-head.log" 2>&1 </dev/null &
+  echo $! >"$RUN_DIR/ray.pid"
+fi
+
+# ---------------------------------------------------------------- wait until both answer
+wait_for() {  # name pidfile log url [curl args...]
+  local name=$1 pidfile=$2 log=$3 url=$4; shift 4
+  local t0=$SECONDS
+  until curl -sf -o /dev/null --max-time 5 "$@" "$url"; do
+    if ! alive "$pidfile"; then
+      say "$name exited during start-up; last lines of $log:"; tail -n 30 "$log" >&2; exit 1
+    fi
+    if (( SECONDS - t0 > TIMEOUT )); then
+      say "$name not ready after ${TIMEOUT}s; last lines of $log:"; tail -n 30 "$log" >&2; exit 1
+    fi
+    sleep 1
+  done
+  say "$name ready ($url, $((SECONDS - t0))s)"
+}
+wait_for "MLflow server" "$RUN_DIR/mlflow.pid" "$LOGS/mlflow.log" "$MLFLOW_URI/health"
+wait_for "Ray job API" "$RUN_DIR/ray.pid" "$LOGS/ray-head.log" "$DASHBOARD_URL/api/jobs/" \
+  -H "Authorization: Bearer $(cat "$TOKEN_FILE")"
+
+# ---------------------------------------------------------------- the client environment
+cat >"$RUN_DIR/env.sh" <<EOF
+export RAY_ADDRESS=$DASHBOARD_URL
+export RAY_AUTH_MODE=token
+export RAY_AUTH_TOKEN_PATH=$TOKEN_FILE
+export MLFLOW_TRACKING_URI=$MLFLOW_URI
+export RAY_USAGE_STATS_ENABLED=0
+EOF
+say "Ray dashboard: $DASHBOARD_URL (log in with the token in $TOKEN_FILE)"
+say "MLflow UI:     $MLFLOW_URI"
+say "client environment (also in $RUN_DIR/env.sh):"
+cat "$RUN_DIR/env.sh"
