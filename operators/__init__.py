@@ -1,13 +1,43 @@
 """Pure-PyTorch operators: patch selection, losses and networks (no Ray, batch-first, CPU and CUDA)."""
 
+from operators.aggregators import (
+    AttentionMILAggregator,
+    MaxAggregator,
+    MeanAggregator,
+    TransformerAggregator,
+    build_aggregator,
+)
 from operators.attention_sampling import AttentionSampler, attention_entropy, attention_sample
 from operators.lapsum import LapSumTopK, lapsum_topk
 from operators.nms import MISTLoss, mist_loss, nms_topk
+from operators.model import FoveateModel, ModelConfig, ModelOutput, Selection
+from operators.resnet import ResNet, ResNetConfig
+from operators.scorer import ScorerCNN, ScorerConfig, cell_pool, minmax_normalise
 from operators.sinkhorn import SinkhornTopK, sinkhorn_topk
+from operators.soft_patches import cap_support, combine_patches
 from operators.topk import PerturbedTopK, hard_topk, perturbed_topk
 from operators.topk_loss import TopKCrossEntropyLoss
 
 __all__ = [
+    # model (H5)
+    "AttentionMILAggregator",
+    "FoveateModel",
+    "MaxAggregator",
+    "MeanAggregator",
+    "ModelConfig",
+    "ModelOutput",
+    "ResNet",
+    "ResNetConfig",
+    "ScorerCNN",
+    "ScorerConfig",
+    "Selection",
+    "TransformerAggregator",
+    "build_aggregator",
+    "cap_support",
+    "cell_pool",
+    "combine_patches",
+    "minmax_normalise",
+    # selection operators
     "AttentionSampler",
     "LapSumTopK",
     "MISTLoss",

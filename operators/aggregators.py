@@ -1,0 +1,175 @@
+"""Aggregators: from the K patch features of a slide to slide logits.
+
+All take ``features[B, K, D]``, ``positions[B, K, 2]`` (patch centres, level-0 ``(x, y)`` divided by the slide
+``(width, height)``, so in [0, 1]) and optional per-slot ``weights[B, K]``, and return ``logits[B, C]``.
+
+* ``mean`` — mean of the features (without weights) or the weighted sum ``sum_k w_k f_k`` (with weights: the
+  attention-sampling estimator of Katharopoulos & Fleuret 2019 of ``E_a[f]``, or mask-gated features for
+  SOFT / LapSum); then a linear head.
+* ``max`` — element-wise max over patches; linear head.
+* ``attention_mil`` — attention-based deep MIL pooling of Ilse et al. 2018: ``a = softmax_k(w^T tanh(V h_k))``
+  or the gated variant ``w^T (tanh(V h_k) * sigmoid(U h_k))``; ``z = sum_k a_k h_k``; linear head.
+* ``transformer`` — a CLS token plus one token per patch (feature projection + a Fourier encoding of the
+  patch position), a few pre-norm self-attention layers, linear head on the CLS token.
+
+Except ``mean`` (where weights define the estimator), weights are applied by scaling each feature by
+``K * w_k`` before pooling, so uniform weights ``1/K`` leave features unchanged.
+
+Mean, max and attention-MIL are invariant to a permutation of the patches; the transformer is invariant to a
+permutation applied to features, positions and weights together (no sequence-order encoding).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+__all__ = [
+    "AGGREGATORS",
+    "MeanAggregator",
+    "MaxAggregator",
+    "AttentionMILAggregator",
+    "TransformerAggregator",
+    "build_aggregator",
+    "fourier_position_encoding",
+]
+
+AGGREGATORS = ("mean", "max", "attention_mil", "transformer")
+
+
+def _check(features: torch.Tensor, positions: torch.Tensor | None, weights: torch.Tensor | None) -> None:
+    if not isinstance(features, torch.Tensor) or features.dim() != 3:
+        raise ValueError(f"features must be a tensor [B, K, D], got {getattr(features, 'shape', type(features))}")
+    b, k, _ = features.shape
+    if k < 1:
+        raise ValueError(f"features must hold at least one patch (K >= 1), got shape {tuple(features.shape)}")
+    if positions is not None and tuple(positions.shape) != (b, k, 2):
+        raise ValueError(f"positions must be [B, K, 2] = {[b, k, 2]}, got {tuple(positions.shape)}")
+    if weights is not None and tuple(weights.shape) != (b, k):
+        raise ValueError(f"weights must be [B, K] = {[b, k]}, got {tuple(weights.shape)}")
+
+
+def _scale(features: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+    if weights is None:
+        return features
+    return features * (weights * features.shape[1]).unsqueeze(-1).to(features.dtype)
+
+
+class MeanAggregator(nn.Module):
+    """Mean (or estimator-weighted sum) of patch features, then dropout and a linear head."""
+
+    def __init__(self, dim: int, num_classes: int, *, dropout: float = 0.0):
+        super().__init__()
+        self.head = nn.Sequential(nn.Dropout(dropout), nn.Linear(dim, num_classes))
+
+    def forward(self, features: torch.Tensor, positions: torch.Tensor | None = None,
+                weights: torch.Tensor | None = None) -> torch.Tensor:
+        _check(features, positions, weights)
+        if weights is None:
+            z = features.mean(1)
+        else:
+            z = (features * weights.unsqueeze(-1).to(features.dtype)).sum(1)
+        return self.head(z)
+
+
+class MaxAggregator(nn.Module):
+    """Element-wise max over patch features, then dropout and a linear head."""
+
+    def __init__(self, dim: int, num_classes: int, *, dropout: float = 0.0):
+        super().__init__()
+        self.head = nn.Sequential(nn.Dropout(dropout), nn.Linear(dim, num_classes))
+
+    def forward(self, features: torch.Tensor, positions: torch.Tensor | None = None,
+                weights: torch.Tensor | None = None) -> torch.Tensor:
+        _check(features, positions, weights)
+        return self.head(_scale(features, weights).amax(1))
+
+
+class AttentionMILAggregator(nn.Module):
+    """Attention-based deep MIL pooling (Ilse, Tomczak & Welling 2018), optionally gated.
+
+    ``last_attention`` holds the attention ``[B, K]`` of the latest call (detached), for heatmaps.
+    """
+
+    def __init__(self, dim: int, num_classes: int, *, hidden: int = 128, gated: bool = True, dropout: float = 0.0):
+        super().__init__()
+        self.V = nn.Linear(dim, hidden)
+        self.U = nn.Linear(dim, hidden) if gated else None
+        self.w = nn.Linear(hidden, 1)
+        self.head = nn.Sequential(nn.Dropout(dropout), nn.Linear(dim, num_classes))
+        self.last_attention: torch.Tensor | None = None
+
+    def forward(self, features: torch.Tensor, positions: torch.Tensor | None = None,
+                weights: torch.Tensor | None = None) -> torch.Tensor:
+        _check(features, positions, weights)
+        h = _scale(features, weights)
+        a = torch.tanh(self.V(h))
+        if self.U is not None:
+            a = a * torch.sigmoid(self.U(h))
+        att = torch.softmax(self.w(a).squeeze(-1), dim=1)  # [B, K]
+        self.last_attention = att.detach()
+        return self.head((att.unsqueeze(-1) * h).sum(1))
+
+
+def fourier_position_encoding(positions: torch.Tensor, num_frequencies: int) -> torch.Tensor:
+    """``[..., 2]`` positions in [0, 1] -> ``[..., 4 * num_frequencies]`` of ``sin, cos(2^i * pi * p)``."""
+    freqs = (2.0 ** torch.arange(num_frequencies, device=positions.device, dtype=positions.dtype)) * math.pi
+    ang = positions.unsqueeze(-1) * freqs  # [..., 2, F]
+    return torch.cat([ang.sin(), ang.cos()], dim=-1).flatten(-2)
+
+
+class TransformerAggregator(nn.Module):
+    """Self-attention over patch tokens with a position encoding and a CLS token.
+
+    Args:
+        dim: input feature size D.
+        num_classes: C.
+        hidden: token width (a multiple of ``heads``).
+        layers: number of encoder layers.
+        heads: attention heads.
+        num_frequencies: Fourier frequencies per coordinate of the position encoding.
+        dropout: dropout inside the encoder and before the head.
+    """
+
+    def __init__(self, dim: int, num_classes: int, *, hidden: int = 128, layers: int = 2, heads: int = 4,
+                 num_frequencies: int = 8, dropout: float = 0.0):
+        super().__init__()
+        if hidden % heads:
+            raise ValueError(f"aggregator hidden ({hidden}) must be a multiple of heads ({heads})")
+        self.num_frequencies = num_frequencies
+        self.inp = nn.Linear(dim, hidden)
+        self.pos = nn.Linear(4 * num_frequencies, hidden)
+        self.cls = nn.Parameter(torch.zeros(1, 1, hidden))
+        nn.init.normal_(self.cls, std=0.02)
+        layer = nn.TransformerEncoderLayer(hidden, heads, dim_feedforward=2 * hidden, dropout=dropout,
+                                           batch_first=True, norm_first=True)
+        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(hidden)
+        self.head = nn.Sequential(nn.Dropout(dropout), nn.Linear(hidden, num_classes))
+
+    def forward(self, features: torch.Tensor, positions: torch.Tensor | None = None,
+                weights: torch.Tensor | None = None) -> torch.Tensor:
+        _check(features, positions, weights)
+        if positions is None:
+            raise ValueError("the transformer aggregator needs positions [B, K, 2]")
+        h = self.inp(_scale(features, weights))
+        h = h + self.pos(fourier_position_encoding(positions.to(h.dtype), self.num_frequencies))
+        tokens = torch.cat([self.cls.expand(h.shape[0], -1, -1).to(h.dtype), h], dim=1)
+        out = self.encoder(tokens)
+        return self.head(self.norm(out[:, 0]))
+
+
+def build_aggregator(name: str, dim: int, num_classes: int, *, hidden: int = 128, gated: bool = True,
+                     layers: int = 2, heads: int = 4, dropout: float = 0.0) -> nn.Module:
+    """The aggregator called ``name`` (one of :data:`AGGREGATORS`)."""
+    if name == "mean":
+        return MeanAggregator(dim, num_classes, dropout=dropout)
+    if name == "max":
+        return MaxAggregator(dim, num_classes, dropout=dropout)
+    if name == "attention_mil":
+        return AttentionMILAggregator(dim, num_classes, hidden=hidden, gated=gated, dropout=dropout)
+    if name == "transformer":
+        return TransformerAggregator(dim, num_classes, hidden=hidden, layers=layers, heads=heads, dropout=dropout)
+    raise ValueError(f"aggregator must be one of {list(AGGREGATORS)}, got {name!r}")

@@ -1,0 +1,374 @@
+"""The foveated model as separable stages: score -> select -> (read patches) -> embed -> aggregate.
+
+Stages (each callable on its own, so batch scoring can run the scorer on GPU actors and patch reading,
+features and aggregation on CPU actors)::
+
+    scores = model.score(lowres[B,3,h,w], cell_mask[B,Gh,Gw])            # [B, N], -inf = not a candidate
+    sel = model.select(scores, training=..., sigma=..., generator=...)   # Selection (indices/weights [B,K,S])
+    # read the distinct cells of sel.indices at full resolution (workers.patches.PatchReader), combine them
+    # with sel.weights (operators.soft_patches.combine_patches) -> patches[B,K,3,p,p] float in [0,1]
+    feats = model.embed(patches.flatten(0, 1)).view(B, K, -1)           # [B, K, D]
+    logits = model.aggregate(feats, positions[B,K,2], sel.slot_weights)  # [B, C]
+
+``workers.patches.forward_slide`` runs the whole chain for one slide. The grid and the low-res input are
+defined in ``workers.patches`` (grid cells in level-0 pixels; the low-res input covers the grid extent).
+
+Papers: Cordonnier et al. 2021 (scorer, min–max normalisation, perturbed top-k and soft patches);
+Katharopoulos & Fleuret 2019 (attention sampling); Xie et al. 2020 (SOFT top-k); Struski et al. 2025 (LapSum);
+Ilse et al. 2018 (attention-MIL).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+from torch import nn
+
+from operators.aggregators import AGGREGATORS, build_aggregator
+from operators.resnet import ResNet, ResNetConfig
+from operators.scorer import ScorerCNN, ScorerConfig, candidate_mask, cell_pool, mask_scores, minmax_normalise
+from operators.soft_patches import cap_support
+
+__all__ = ["SELECTORS", "ModelConfig", "Selection", "ModelOutput", "FoveateModel"]
+
+log = logging.getLogger(__name__)
+
+SELECTORS = ("perturbed", "sinkhorn", "lapsum", "attention", "hard")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Model settings (YAML section ``model:``); every default is usable.
+
+    Attributes:
+        patch_size: side of a patch (grid cell) in level-0 pixels.
+        stride: grid stride in level-0 pixels; ``None`` means ``patch_size`` (no overlap).
+        scorer_downsample: downsample of the low-res view the scorer sees (the store level is picked with
+            ``SlideStore.best_level_for_downsample`` and resampled to this scale).
+        tissue_threshold: a cell is a candidate when at least this fraction of it is tissue.
+        k: number of patches per slide.
+        selector: ``"perturbed"`` (perturbed top-k, Cordonnier et al.), ``"sinkhorn"`` (SOFT top-k),
+            ``"lapsum"``, ``"attention"`` (attention sampling) or ``"hard"`` (hard top-k: no gradient to the
+            scorer). Every selector uses hard top-k at inference.
+        num_samples: noise samples of the perturbed top-k.
+        sigma: noise scale of the perturbed top-k (the trainer may pass a decayed value per call).
+        control_variate: use the perturbed top-k's control variate in its backward.
+        epsilon: entropic regularisation of SOFT top-k.
+        sinkhorn_max_iter: Sinkhorn iterations of SOFT top-k.
+        alpha: LapSum scale.
+        replace: attention sampling with replacement (multinomial) instead of without (Gumbel top-k).
+        entropy_weight: weight of the attention-entropy regulariser (``aux_losses["entropy"] = -w * H``).
+        max_support: cells kept per slot for soft patches (see ``operators.soft_patches``).
+        scorer: :class:`~operators.scorer.ScorerConfig`.
+        features: :class:`~operators.resnet.ResNetConfig` (``feature_dim``, widths, ``frozen``).
+        aggregator: ``"mean"``, ``"max"``, ``"attention_mil"`` or ``"transformer"``.
+        aggregator_hidden: hidden size of attention-MIL / token width of the transformer.
+        gated: gated attention-MIL.
+        transformer_layers, transformer_heads: transformer aggregator size.
+        num_classes: C (>= 2).
+        dropout: dropout in the aggregator.
+    """
+
+    patch_size: int = 128
+    stride: int | None = None
+    scorer_downsample: float = 16.0
+    tissue_threshold: float = 0.1
+    k: int = 8
+    selector: Literal["perturbed", "sinkhorn", "lapsum", "attention", "hard"] = "perturbed"
+    num_samples: int = 500
+    sigma: float = 0.05
+    control_variate: bool = False
+    epsilon: float = 0.01
+    sinkhorn_max_iter: int = 200
+    alpha: float = 0.05
+    replace: bool = False
+    entropy_weight: float = 0.01
+    max_support: int = 4
+    scorer: ScorerConfig = field(default_factory=ScorerConfig)
+    features: ResNetConfig = field(default_factory=ResNetConfig)
+    aggregator: Literal["mean", "max", "attention_mil", "transformer"] = "mean"
+    aggregator_hidden: int = 128
+    gated: bool = True
+    transformer_layers: int = 2
+    transformer_heads: int = 4
+    num_classes: int = 2
+    dropout: float = 0.0
+
+    def __post_init__(self) -> None:
+        def pos_int(name: str, minimum: int = 1) -> None:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+                raise ValueError(f"model.{name} must be an int >= {minimum}, got {v!r}")
+
+        for name in ("patch_size", "k", "num_samples", "sinkhorn_max_iter", "max_support", "aggregator_hidden",
+                     "transformer_layers", "transformer_heads"):
+            pos_int(name)
+        pos_int("num_classes", 2)
+        if self.patch_size < 8:
+            raise ValueError(f"model.patch_size must be >= 8 level-0 pixels, got {self.patch_size}")
+        if self.stride is not None:
+            pos_int("stride")
+        if not (isinstance(self.scorer_downsample, (int, float)) and math.isfinite(self.scorer_downsample)
+                and self.scorer_downsample >= 1):
+            raise ValueError(f"model.scorer_downsample must be a number >= 1, got {self.scorer_downsample!r}")
+        if not (0.0 <= self.tissue_threshold <= 1.0):
+            raise ValueError(f"model.tissue_threshold must be in [0, 1], got {self.tissue_threshold!r}")
+        if self.selector not in SELECTORS:
+            raise ValueError(f"model.selector must be one of {list(SELECTORS)}, got {self.selector!r}")
+        if self.aggregator not in AGGREGATORS:
+            raise ValueError(f"model.aggregator must be one of {list(AGGREGATORS)}, got {self.aggregator!r}")
+        for name in ("sigma", "entropy_weight"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and v >= 0):
+                raise ValueError(f"model.{name} must be a finite number >= 0, got {v!r}")
+        for name in ("epsilon", "alpha"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and v > 0):
+                raise ValueError(f"model.{name} must be a finite number > 0, got {v!r}")
+        if not (0.0 <= self.dropout < 1.0):
+            raise ValueError(f"model.dropout must be in [0, 1), got {self.dropout!r}")
+        if self.aggregator == "transformer" and self.aggregator_hidden % self.transformer_heads:
+            raise ValueError(f"model.aggregator_hidden ({self.aggregator_hidden}) must be a multiple of "
+                             f"model.transformer_heads ({self.transformer_heads})")
+
+    @property
+    def stride_l0(self) -> int:
+        """The grid stride in level-0 pixels (``stride`` or ``patch_size``)."""
+        return self.patch_size if self.stride is None else self.stride
+
+
+@dataclass
+class Selection:
+    """What :meth:`FoveateModel.select` chose.
+
+    Attributes:
+        indices: ``[B, K, S]`` long, cell indices (row-major ``r * Gw + c``) of the support of each slot,
+            sorted by decreasing weight; ``S = 1`` for hard top-k, SOFT/LapSum and attention sampling.
+            Slots are in increasing cell order for the top-k selectors, in sampling order for attention
+            sampling (which may repeat a cell when sampling with replacement).
+        weights: ``[B, K, S]`` differentiable weights of the patch combination of each slot, summing to one
+            over S (renormalised over the capped support; see ``operators.soft_patches`` for the bias).
+        slot_weights: ``[B, K]`` per-slot weights for the aggregator, or ``None``: the attention-sampling
+            estimator weights (training) / attention renormalised over the chosen cells (inference); the SOFT
+            or LapSum mask values divided by K (mask gating, differentiable).
+        aux: extra tensors: ``"kept_mass"`` ``[B, K]`` (perturbed: indicator mass inside the capped support),
+            ``"attention_entropy"`` ``[B]`` (attention: entropy of the attention over the candidates).
+    """
+
+    indices: torch.Tensor
+    weights: torch.Tensor
+    slot_weights: torch.Tensor | None = None
+    aux: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def primary(self) -> torch.Tensor:
+        """``[B, K]`` the highest-weight cell of each slot (the "chosen" cell)."""
+        return self.indices[..., 0]
+
+
+@dataclass
+class ModelOutput:
+    """Result of ``workers.patches.forward_slide`` for one slide.
+
+    Attributes:
+        logits: ``[1, C]``.
+        scores: ``[N]`` scores of all cells (``-inf`` for cells that were not candidates).
+        cell_indices: ``[K]`` long, the chosen cell of each slot (:attr:`Selection.primary`).
+        coords_l0: ``[K, 2]`` long, level-0 ``(x, y)`` of the top-left corner of each chosen patch.
+        patch_scores: ``[K]`` the scores of the chosen cells.
+        aux_losses: terms to add to the loss as they are (``"entropy"``: ``-entropy_weight * H`` for attention
+            sampling); empty otherwise.
+        selection: the full :class:`Selection`.
+        info: floats for logging (``num_cells``, ``num_candidates``, ``tissue_fallback`` (0/1),
+            ``cells_read``, ``kept_mass`` (perturbed)).
+    """
+
+    logits: torch.Tensor
+    scores: torch.Tensor
+    cell_indices: torch.Tensor
+    coords_l0: torch.Tensor
+    patch_scores: torch.Tensor
+    aux_losses: dict[str, torch.Tensor] = field(default_factory=dict)
+    selection: Selection | None = None
+    info: dict[str, float] = field(default_factory=dict)
+
+
+class FoveateModel(nn.Module):
+    """Scorer CNN + selection + ResNet features + aggregator (see the module docstring for the stages).
+
+    ``forward(patches[B,K,3,p,p], positions[B,K,2], slot_weights=None) -> logits[B,C]`` is
+    :meth:`classify` (embed + aggregate), the part that runs after patch reading.
+
+    Args:
+        cfg: :class:`ModelConfig` (default: all defaults).
+    """
+
+    def __init__(self, cfg: ModelConfig | None = None):
+        super().__init__()
+        cfg = cfg or ModelConfig()
+        if not isinstance(cfg, ModelConfig):
+            raise TypeError(f"cfg must be a ModelConfig, got {type(cfg).__name__}")
+        self.cfg = cfg
+        self.scorer = ScorerCNN(cfg.scorer)
+        self.features = ResNet(cfg.features)
+        self.aggregator = build_aggregator(cfg.aggregator, cfg.features.feature_dim, cfg.num_classes,
+                                           hidden=cfg.aggregator_hidden, gated=cfg.gated,
+                                           layers=cfg.transformer_layers, heads=cfg.transformer_heads,
+                                           dropout=cfg.dropout)
+
+    # ------------------------------------------------------------------ stage 1: scores
+    def score(self, lowres: torch.Tensor, cell_mask: torch.Tensor) -> torch.Tensor:
+        """One score per grid cell.
+
+        Args:
+            lowres: ``[B, 3, h, w]`` float in [0, 1], covering exactly the grid extent (see
+                ``workers.patches.lowres_input``), any resolution.
+            cell_mask: ``[B, Gh, Gw]`` bool, tissue cells (the grid shape comes from here).
+
+        Returns:
+            ``scores[B, N]`` (``N = Gh * Gw``, row-major): min–max normalised to [0, 1] per row over the
+            candidate cells for the top-k selectors, raw logits of the attention distribution for
+            ``selector="attention"``; ``-inf`` for cells that are not candidates (outside tissue). A row with
+            fewer than ``k`` tissue cells falls back to all cells (logged warning).
+
+        Raises:
+            ValueError: wrong shapes, or a grid with fewer than ``k`` cells.
+        """
+        if not isinstance(lowres, torch.Tensor) or lowres.dim() != 4 or lowres.shape[1] != 3 or not lowres.is_floating_point():
+            raise ValueError(f"lowres must be float [B, 3, h, w], got {getattr(lowres, 'shape', type(lowres))} "
+                             f"{getattr(lowres, 'dtype', '')}")
+        if not isinstance(cell_mask, torch.Tensor) or cell_mask.dim() != 3 or cell_mask.shape[0] != lowres.shape[0]:
+            raise ValueError(f"cell_mask must be bool [B, Gh, Gw] with B={lowres.shape[0]}, got "
+                             f"{getattr(cell_mask, 'shape', type(cell_mask))}")
+        b, gh, gw = cell_mask.shape
+        n = gh * gw
+        if n < self.cfg.k:
+            raise ValueError(f"the grid has N={n} cells ({gh}x{gw}), fewer than model.k={self.cfg.k}; use a smaller "
+                             f"patch_size/stride or k")
+        smap = self.scorer(lowres)
+        raw = cell_pool(smap, (gh, gw), self.cfg.patch_size, self.cfg.stride_l0, mode=self.cfg.scorer.pool)[:, 0]
+        cand = candidate_mask(cell_mask.reshape(b, n).to(device=raw.device, dtype=torch.bool), self.cfg.k)
+        if self.cfg.selector == "attention":
+            return mask_scores(raw, cand)
+        return minmax_normalise(raw, cand)
+
+    # ------------------------------------------------------------------ stage 2: selection
+    def select(self, scores: torch.Tensor, *, training: bool, sigma: float | None = None,
+               generator: torch.Generator | None = None) -> Selection:
+        """Choose K cells per row among the candidates (finite scores).
+
+        Args:
+            scores: ``[B, N]`` from :meth:`score` (``-inf`` = not a candidate).
+            training: soft/stochastic selection (True) or hard top-k (False).
+            sigma: perturbed top-k noise for this call (default ``cfg.sigma``; the trainer decays it).
+            generator: RNG for the perturbed noise / attention sampling.
+
+        Returns:
+            :class:`Selection`. Per selector in training: ``perturbed`` -> soft slots over the capped support
+            (``S = max_support``); ``hard`` -> hard top-k (``S = 1``, weights 1); ``sinkhorn``/``lapsum`` ->
+            hard top-k cells with ``slot_weights`` = the soft mask at those cells / K (gating features);
+            ``attention`` -> sampled cells with the estimator weights as ``slot_weights`` and the entropy in
+            ``aux``. At inference every selector takes the hard top-k (sinkhorn/lapsum keep their mask
+            gates, attention its renormalised attention).
+        """
+        from operators import topk as _topk
+
+        if not isinstance(training, bool):
+            raise TypeError(f"training must be a bool, got {type(training).__name__}")
+        if not isinstance(scores, torch.Tensor) or scores.dim() != 2 or not scores.is_floating_point():
+            raise ValueError(f"scores must be float [B, N], got {getattr(scores, 'shape', type(scores))}")
+        if bool(torch.isnan(scores).any()) or bool((scores == float("inf")).any()):
+            raise ValueError("scores must be finite or -inf (not a candidate), got NaN or +inf entries")
+        cfg = self.cfg
+        k = cfg.k
+        sigma = cfg.sigma if sigma is None else float(sigma)
+        if not (math.isfinite(sigma) and sigma >= 0):
+            raise ValueError(f"sigma must be a finite number >= 0, got {sigma!r}")
+        cand = torch.isfinite(scores)
+        counts = cand.sum(1)
+        if bool((counts < k).any()):
+            raise ValueError(f"every row needs at least k={k} candidate cells (finite scores), got counts {counts.tolist()}")
+        rows = []
+        for b in range(scores.shape[0]):  # rows differ in their candidate count: select on the compacted row
+            cidx = torch.nonzero(cand[b]).flatten()
+            sc = scores[b, cidx].unsqueeze(0)  # [1, Nc], finite
+            rows.append(self._select_row(sc, cidx, training=training, sigma=sigma, generator=generator, topk=_topk))
+        out = Selection(
+            indices=torch.cat([r.indices for r in rows]),
+            weights=torch.cat([r.weights for r in rows]),
+            slot_weights=None if rows[0].slot_weights is None else torch.cat([r.slot_weights for r in rows]),
+            aux={key: torch.cat([r.aux[key] for r in rows]) for key in rows[0].aux},
+        )
+        return out
+
+    def _select_row(self, sc: torch.Tensor, cidx: torch.Tensor, *, training: bool, sigma: float,
+                    generator: torch.Generator | None, topk) -> Selection:
+        cfg = self.cfg
+        k = cfg.k
+        ones = sc.new_ones((1, k, 1))
+        if cfg.selector == "attention":
+            from operators.attention_sampling import attention_entropy, attention_sample
+
+            att = torch.softmax(sc, dim=1)  # [1, Nc]
+            ent = attention_entropy(att)
+            if training:
+                idx, w = attention_sample(att, k, replace=cfg.replace, generator=generator)
+            else:
+                idx = topk.hard_topk(sc, k)
+                w = att.gather(1, idx)
+                w = w / w.sum(1, keepdim=True)
+            return Selection(cidx[idx].unsqueeze(-1), ones, w, {"attention_entropy": ent})
+        if cfg.selector == "perturbed" and training:
+            y = topk.perturbed_topk(sc, k, num_samples=cfg.num_samples, sigma=sigma, generator=generator,
+                                  control_variate=cfg.control_variate)  # [1,K,Nc]
+            idx, w, mass = cap_support(y, cfg.max_support)
+            return Selection(cidx[idx], w, None, {"kept_mass": mass})
+        idx = topk.hard_topk(sc, k)  # [1, K], sorted by position
+        if cfg.selector == "sinkhorn":
+            from operators.sinkhorn import sinkhorn_topk
+
+            mask = sinkhorn_topk(sc, k, epsilon=cfg.epsilon, max_iter=cfg.sinkhorn_max_iter)
+            return Selection(cidx[idx].unsqueeze(-1), ones, mask.gather(1, idx) / k, {})
+        if cfg.selector == "lapsum":
+            from operators.lapsum import lapsum_topk
+
+            if sc.shape[1] == k:  # LapSum needs k < N; all candidates are chosen with mask 1
+                return Selection(cidx[idx].unsqueeze(-1), ones, sc.new_full((1, k), 1.0 / k), {})
+            mask = lapsum_topk(sc, k, alpha=cfg.alpha)
+            return Selection(cidx[idx].unsqueeze(-1), ones, mask.gather(1, idx) / k, {})
+        return Selection(cidx[idx].unsqueeze(-1), ones, None, {})
+
+    # ------------------------------------------------------------------ stage 3: features
+    def embed(self, patches: torch.Tensor) -> torch.Tensor:
+        """``patches[M, 3, p, p]`` float in [0, 1] -> ``features[M, D]`` (the ResNet)."""
+        return self.features(patches)
+
+    # ------------------------------------------------------------------ stage 4: aggregation
+    def aggregate(self, features: torch.Tensor, positions: torch.Tensor,
+                  weights: torch.Tensor | None = None) -> torch.Tensor:
+        """``features[B, K, D]``, ``positions[B, K, 2]`` (patch centres / slide size, in [0, 1]) and optional
+        ``weights[B, K]`` (:attr:`Selection.slot_weights`) -> ``logits[B, C]``."""
+        return self.aggregator(features, positions, weights)
+
+    def classify(self, patches: torch.Tensor, positions: torch.Tensor,
+                 slot_weights: torch.Tensor | None = None) -> torch.Tensor:
+        """embed + aggregate: ``patches[B, K, 3, p, p]`` float in [0, 1] -> ``logits[B, C]``."""
+        if not isinstance(patches, torch.Tensor) or patches.dim() != 5:
+            raise ValueError(f"patches must be [B, K, 3, p, p], got {getattr(patches, 'shape', type(patches))}")
+        b, k = patches.shape[:2]
+        feats = self.embed(patches.flatten(0, 1)).view(b, k, -1)
+        return self.aggregate(feats, positions, slot_weights)
+
+    def forward(self, patches: torch.Tensor, positions: torch.Tensor,
+                slot_weights: torch.Tensor | None = None) -> torch.Tensor:
+        return self.classify(patches, positions, slot_weights)
+
+    def aux_losses(self, selection: Selection) -> dict[str, torch.Tensor]:
+        """Terms to add to the loss: ``{"entropy": -entropy_weight * mean H}`` for attention sampling."""
+        if self.cfg.selector == "attention" and "attention_entropy" in selection.aux and self.cfg.entropy_weight > 0:
+            return {"entropy": -self.cfg.entropy_weight * selection.aux["attention_entropy"].mean()}
+        return {}

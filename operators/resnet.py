@@ -1,0 +1,145 @@
+"""A small ResNet feature network for patches (He et al. 2016, basic blocks), written in the project.
+
+No torchvision. Input patches are float ``[M, 3, p, p]`` in ``[0, 1]`` (the model divides the uint8 store pixels
+by 255); the network centres them itself. Output is one feature vector per patch, ``[M, feature_dim]``.
+
+Normalisation defaults to GroupNorm: the model embeds the K patches of one slide at a time, and BatchNorm
+statistics over the patches of a single slide differ between training and inference. ``norm="batch"`` is
+available for experiments.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+__all__ = ["ResNetConfig", "BasicBlock", "ResNet"]
+
+
+@dataclass(frozen=True)
+class ResNetConfig:
+    """Feature-network settings.
+
+    Attributes:
+        widths: channels of the 4 (or any number of) stages; the first stage keeps resolution, each later
+            stage halves it.
+        blocks: basic blocks per stage (same length as ``widths``).
+        feature_dim: size of the output feature vector (a linear projection of the pooled last stage).
+        norm: ``"group"`` (GroupNorm, default) or ``"batch"`` (BatchNorm2d).
+        frozen: no parameter of the network receives gradients and it always runs in eval mode.
+        weights: optional path to a ``state_dict`` file (``torch.save``) loaded at construction; nothing is
+            downloaded.
+    """
+
+    widths: tuple[int, ...] = (16, 32, 64, 128)
+    blocks: tuple[int, ...] = (1, 1, 1, 1)
+    feature_dim: int = 128
+    norm: str = "group"
+    frozen: bool = False
+    weights: str | None = None
+
+    def __post_init__(self) -> None:
+        if len(self.widths) < 1 or any((not isinstance(w, int)) or w < 1 for w in self.widths):
+            raise ValueError(f"features.widths must be a non-empty list of positive ints, got {self.widths!r}")
+        if len(self.blocks) != len(self.widths) or any((not isinstance(b, int)) or b < 1 for b in self.blocks):
+            raise ValueError(
+                f"features.blocks must list one positive int per stage ({len(self.widths)} stages), got {self.blocks!r}"
+            )
+        if not isinstance(self.feature_dim, int) or self.feature_dim < 1:
+            raise ValueError(f"features.feature_dim must be a positive int, got {self.feature_dim!r}")
+        if self.norm not in ("group", "batch"):
+            raise ValueError(f"features.norm must be 'group' or 'batch', got {self.norm!r}")
+
+
+def _norm(kind: str, channels: int) -> nn.Module:
+    if kind == "batch":
+        return nn.BatchNorm2d(channels)
+    groups = 8
+    while channels % groups:
+        groups //= 2
+    return nn.GroupNorm(groups, channels)
+
+
+class BasicBlock(nn.Module):
+    """Two 3x3 convolutions with a residual connection (1x1 projection when the shape changes)."""
+
+    def __init__(self, cin: int, cout: int, stride: int, norm: str):
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride=stride, padding=1, bias=False)
+        self.n1 = _norm(norm, cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, padding=1, bias=False)
+        self.n2 = _norm(norm, cout)
+        self.short = None
+        if stride != 1 or cin != cout:
+            self.short = nn.Sequential(nn.Conv2d(cin, cout, 1, stride=stride, bias=False), _norm(norm, cout))
+        self.act = nn.ReLU(inplace=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.act(self.n1(self.conv1(x)))
+        y = self.n2(self.conv2(y))
+        return self.act(y + (x if self.short is None else self.short(x)))
+
+
+class ResNet(nn.Module):
+    """Patch feature network: stem (3x3 conv stride 2 + max-pool), basic-block stages, global average pool,
+    linear projection.
+
+    Args:
+        cfg: :class:`ResNetConfig`.
+
+    Shapes:
+        ``forward(patches[M, 3, p, p] float in [0, 1]) -> features[M, feature_dim]``; ``p >= 8``.
+    """
+
+    def __init__(self, cfg: ResNetConfig | None = None):
+        super().__init__()
+        cfg = cfg or ResNetConfig()
+        self.cfg = cfg
+        w0 = cfg.widths[0]
+        self.stem = nn.Sequential(
+            nn.Conv2d(3, w0, 3, stride=2, padding=1, bias=False), _norm(cfg.norm, w0), nn.ReLU(inplace=True),
+            nn.MaxPool2d(3, stride=2, padding=1),
+        )
+        layers: list[nn.Module] = []
+        cin = w0
+        for i, (w, nb) in enumerate(zip(cfg.widths, cfg.blocks)):
+            for j in range(nb):
+                layers.append(BasicBlock(cin, w, 2 if (i > 0 and j == 0) else 1, cfg.norm))
+                cin = w
+        self.stages = nn.Sequential(*layers)
+        self.proj = nn.Linear(cin, cfg.feature_dim)
+        self.register_buffer("mean", torch.tensor([0.5, 0.5, 0.5]).view(1, 3, 1, 1), persistent=False)
+        self.register_buffer("std", torch.tensor([0.25, 0.25, 0.25]).view(1, 3, 1, 1), persistent=False)
+        for m in self.modules():
+            if isinstance(m, nn.Conv2d):
+                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+        if cfg.weights:
+            path = Path(cfg.weights)
+            if not path.is_file():
+                raise ValueError(f"features.weights must be an existing state_dict file, got {cfg.weights!r}")
+            self.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+        if cfg.frozen:
+            self.requires_grad_(False)
+            super().train(False)
+
+    @property
+    def feature_dim(self) -> int:
+        return self.cfg.feature_dim
+
+    def train(self, mode: bool = True) -> "ResNet":
+        """Frozen networks stay in eval mode."""
+        return super().train(mode and not self.cfg.frozen)
+
+    def forward(self, patches: torch.Tensor) -> torch.Tensor:
+        if not isinstance(patches, torch.Tensor):
+            raise TypeError(f"patches must be a torch.Tensor, got {type(patches).__name__}")
+        if patches.dim() != 4 or patches.shape[1] != 3 or not patches.is_floating_point():
+            raise ValueError(f"patches must be float [M, 3, p, p], got shape {tuple(patches.shape)} dtype {patches.dtype}")
+        if patches.shape[0] == 0:
+            return patches.new_zeros((0, self.cfg.feature_dim))
+        x = (patches - self.mean.to(patches.dtype)) / self.std.to(patches.dtype)
+        x = self.stages(self.stem(x))
+        return self.proj(x.mean(dim=(2, 3)))

@@ -1,0 +1,429 @@
+"""Patch geometry on a slide store, the scorer's low-res input, patch reading, and the per-slide forward chain.
+
+* :class:`PatchGrid` — the grid of candidate patches in level-0 pixels: cell ``(r, c)`` (index ``r * Gw + c``)
+  covers ``x in [c*stride, c*stride + patch_size)``, ``y in [r*stride, r*stride + patch_size)``. The grid
+  covers the whole slide: the last row/column may overhang the slide edge, and those pixels read as white
+  (like OpenSlide outside the slide).
+* :func:`lowres_input` — the low-res RGB view (``[3, h, w]`` float in [0, 1]) covering exactly the grid
+  extent, at ``scorer_downsample`` (from the level ``SlideStore.best_level_for_downsample`` picks, resampled
+  with area interpolation where that level is finer), and the tissue cells ``[Gh, Gw]`` (tissue fraction of
+  the cell ``>= tissue_threshold``, from ``store.tissue_mask()``).
+* :class:`PatchReader` — full-resolution patches of chosen cells, reading each store chunk they touch
+  exactly once per call (chunk-aligned reads, cropped in memory; never a whole-level read).
+* :func:`prepare_slide` / :func:`gather_patches` / :func:`forward_slide` — the model chain for one slide
+  (slides differ in grid size, so B = 1 per call; the trainer accumulates over slides).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from operators.model import FoveateModel, ModelConfig, ModelOutput, Selection
+from operators.soft_patches import combine_patches, unique_cells
+from workers.store import SlideStore
+
+__all__ = [
+    "PatchGrid",
+    "PatchReader",
+    "SlideInput",
+    "ModelOutput",
+    "cell_tissue_fraction",
+    "lowres_input",
+    "prepare_slide",
+    "gather_patches",
+    "forward_slide",
+    "clear_cache",
+]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PatchGrid:
+    """Grid of candidate patches in level-0 pixels (see the module docstring).
+
+    Attributes:
+        level0_size: slide ``(width, height)``.
+        patch_size: cell side in level-0 pixels.
+        stride: cell stride in level-0 pixels.
+        shape: ``(Gh, Gw)``; ``G = max(1, ceil((size - patch_size) / stride) + 1)`` per axis.
+    """
+
+    level0_size: tuple[int, int]
+    patch_size: int
+    stride: int
+    shape: tuple[int, int]
+
+    @classmethod
+    def from_size(cls, level0_size: tuple[int, int], patch_size: int, stride: int | None = None) -> "PatchGrid":
+        """The grid covering a slide of ``level0_size = (width, height)``."""
+        if isinstance(patch_size, bool) or not isinstance(patch_size, int) or patch_size < 1:
+            raise ValueError(f"patch_size must be a positive int (level-0 pixels), got {patch_size!r}")
+        stride = patch_size if stride is None else stride
+        if isinstance(stride, bool) or not isinstance(stride, int) or stride < 1:
+            raise ValueError(f"stride must be a positive int (level-0 pixels) or None, got {stride!r}")
+        w, h = int(level0_size[0]), int(level0_size[1])
+        if w < 1 or h < 1:
+            raise ValueError(f"level0_size must be positive (width, height), got {level0_size!r}")
+
+        def count(size: int) -> int:
+            return 1 if size <= patch_size else math.ceil((size - patch_size) / stride) + 1
+
+        return cls((w, h), patch_size, stride, (count(h), count(w)))
+
+    @classmethod
+    def from_store(cls, store: SlideStore, patch_size: int, stride: int | None = None) -> "PatchGrid":
+        """The grid covering ``store``'s level 0."""
+        return cls.from_size(store.dimensions, patch_size, stride)
+
+    @property
+    def num_cells(self) -> int:
+        return self.shape[0] * self.shape[1]
+
+    @property
+    def extent_l0(self) -> tuple[int, int]:
+        """``(width, height)`` in level-0 pixels covered by the grid (>= the slide size)."""
+        gh, gw = self.shape
+        return ((gw - 1) * self.stride + self.patch_size, (gh - 1) * self.stride + self.patch_size)
+
+    def _check_indices(self, indices: Any) -> torch.Tensor:
+        idx = torch.as_tensor(indices)
+        if idx.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
+            raise TypeError(f"cell indices must be an integer tensor, got dtype {idx.dtype}")
+        idx = idx.long()
+        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= self.num_cells):
+            raise ValueError(f"cell indices must lie in [0, {self.num_cells}) for grid {self.shape}, got range "
+                             f"[{int(idx.min())}, {int(idx.max())}]")
+        return idx
+
+    def cell_xy_l0(self, indices: Any) -> torch.Tensor:
+        """Level-0 ``(x, y)`` of the top-left corner of cells ``indices[...]`` -> long ``[..., 2]``."""
+        idx = self._check_indices(indices)
+        gw = self.shape[1]
+        return torch.stack([(idx % gw) * self.stride, (idx // gw) * self.stride], dim=-1)
+
+    def cell_centres(self, indices: Any) -> torch.Tensor:
+        """Patch centres divided by the slide ``(width, height)`` -> float32 ``[..., 2]`` (about [0, 1])."""
+        xy = self.cell_xy_l0(indices).to(torch.float32) + self.patch_size / 2.0
+        return xy / torch.tensor(self.level0_size, dtype=torch.float32, device=xy.device)
+
+
+def cell_tissue_fraction(mask: np.ndarray, mask_downsample: float, grid: PatchGrid) -> np.ndarray:
+    """Fraction of each cell that is tissue.
+
+    Args:
+        mask: ``(h, w)`` bool tissue mask of the slide.
+        mask_downsample: level-0 pixels per mask pixel.
+        grid: the patch grid.
+
+    Returns:
+        ``(Gh, Gw)`` float64 in [0, 1]; the part of a cell outside the slide counts as background.
+    """
+    mask = np.asarray(mask, dtype=bool)
+    if mask.ndim != 2:
+        raise ValueError(f"mask must be (h, w), got shape {mask.shape}")
+    ii = np.zeros((mask.shape[0] + 1, mask.shape[1] + 1), dtype=np.int64)
+    ii[1:, 1:] = mask.astype(np.int64).cumsum(0).cumsum(1)
+
+    def bounds(g: int, size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        start = np.arange(g, dtype=np.float64) * grid.stride
+        lo = np.floor(start / mask_downsample + 1e-9).astype(np.int64)
+        hi = np.maximum(np.ceil((start + grid.patch_size) / mask_downsample - 1e-9).astype(np.int64), lo + 1)
+        return np.clip(lo, 0, size), np.clip(hi, 0, size), hi - lo
+
+    y0, y1, hy = bounds(grid.shape[0], mask.shape[0])
+    x0, x1, hx = bounds(grid.shape[1], mask.shape[1])
+    s = ii[y1][:, x1] - ii[y0][:, x1] - ii[y1][:, x0] + ii[y0][:, x0]
+    return s / (hy[:, None] * hx[None, :]).astype(np.float64)
+
+
+def lowres_input(store: SlideStore, cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """The scorer's input for one slide.
+
+    Args:
+        store: the slide store.
+        cfg: the model config (``patch_size``, ``stride``, ``scorer_downsample``, ``tissue_threshold``).
+
+    Returns:
+        ``(lowres[3, h, w] float32 in [0, 1], cell_mask[Gh, Gw] bool)``: the low-res view covering the grid
+        extent (``h = round(extent_h / scorer_downsample)``, white beyond the slide) and the tissue cells.
+        Reads one low-resolution level (not level 0 unless the store has no coarser level).
+    """
+    if not isinstance(store, SlideStore):
+        raise TypeError(f"store must be a SlideStore, got {type(store).__name__}")
+    if not isinstance(cfg, ModelConfig):
+        raise TypeError(f"cfg must be a ModelConfig, got {type(cfg).__name__}")
+    grid = PatchGrid.from_store(store, cfg.patch_size, cfg.stride_l0)
+    ext_w, ext_h = grid.extent_l0
+    level = store.best_level_for_downsample(cfg.scorer_downsample)
+    ds = store.downsamples[level]
+    img = store.read_region((0, 0), level, (math.ceil(ext_w / ds), math.ceil(ext_h / ds)))
+    t = torch.from_numpy(img).permute(2, 0, 1).to(torch.float32).div_(255.0)
+    th = max(1, round(ext_h / cfg.scorer_downsample))
+    tw = max(1, round(ext_w / cfg.scorer_downsample))
+    if tuple(t.shape[1:]) != (th, tw):
+        t = F.interpolate(t[None], size=(th, tw), mode="area")[0]
+    mask, mask_ds = store.tissue_mask()
+    frac = cell_tissue_fraction(mask, mask_ds, grid)
+    cell_mask = torch.from_numpy(frac >= max(cfg.tissue_threshold, 1e-12))
+    return t.contiguous(), cell_mask
+
+
+class PatchReader:
+    """Reads full-resolution (level-0) patches of grid cells from a store.
+
+    Each call reads the chunks the requested patches touch exactly once: chunks are grouped into horizontal
+    runs of adjacent chunks, each run read with one chunk-aligned slice, and patches are cropped from those
+    blocks in memory. Pixels beyond the slide are white (255).
+
+    Args:
+        store: the slide store (its level-0 array ``store.levels[0]`` is looked up at each call).
+        grid: the patch grid on this store.
+    """
+
+    def __init__(self, store: SlideStore, grid: PatchGrid):
+        if not isinstance(store, SlideStore):
+            raise TypeError(f"store must be a SlideStore, got {type(store).__name__}")
+        if not isinstance(grid, PatchGrid):
+            raise TypeError(f"grid must be a PatchGrid, got {type(grid).__name__}")
+        if tuple(grid.level0_size) != tuple(store.dimensions):
+            raise ValueError(f"grid level0_size {grid.level0_size} does not match the store's {store.dimensions}")
+        self.store = store
+        self.grid = grid
+
+    def read(self, cell_indices: Any) -> torch.Tensor:
+        """Patches of ``cell_indices`` (LongTensor ``[M]``, repeats allowed) -> uint8 ``[M, 3, p, p]``."""
+        idx = self.grid._check_indices(cell_indices)
+        if idx.dim() != 1:
+            raise ValueError(f"cell_indices must be a 1-D tensor [M], got shape {tuple(idx.shape)}")
+        p = self.grid.patch_size
+        m = idx.shape[0]
+        out = np.full((m, 3, p, p), 255, dtype=np.uint8)
+        if m == 0:
+            return torch.from_numpy(out)
+        arr = self.store.levels[0]
+        H, W = int(arr.shape[1]), int(arr.shape[2])
+        th, tw = int(arr.chunks[1]), int(arr.chunks[2])
+        xy = self.grid.cell_xy_l0(idx).cpu().numpy()
+        x0 = np.clip(xy[:, 0], 0, W)
+        x1 = np.clip(xy[:, 0] + p, 0, W)
+        y0 = np.clip(xy[:, 1], 0, H)
+        y1 = np.clip(xy[:, 1] + p, 0, H)
+        valid = (x1 > x0) & (y1 > y0)
+        needed: dict[int, set[int]] = {}
+        for i in np.nonzero(valid)[0]:
+            for cy in range(y0[i] // th, (y1[i] - 1) // th + 1):
+                needed.setdefault(int(cy), set()).update(range(int(x0[i] // tw), int((x1[i] - 1) // tw) + 1))
+        chunks: dict[tuple[int, int], np.ndarray] = {}
+        for cy, cxs in needed.items():
+            run: list[int] = []
+            for cx in sorted(cxs) + [None]:  # type: ignore[list-item]
+                if run and (cx is None or cx != run[-1] + 1):
+                    a, b = run[0], run[-1]
+                    block = np.asarray(arr[:, cy * th:min((cy + 1) * th, H), a * tw:min((b + 1) * tw, W)])
+                    for c in run:
+                        chunks[(cy, c)] = block[:, :, (c - a) * tw:(c - a + 1) * tw]
+                    run = []
+                if cx is not None:
+                    run.append(cx)
+        for i in np.nonzero(valid)[0]:
+            for cy in range(y0[i] // th, (y1[i] - 1) // th + 1):
+                for cx in range(x0[i] // tw, (x1[i] - 1) // tw + 1):
+                    blk = chunks[(int(cy), int(cx))]
+                    gy0, gy1 = max(y0[i], cy * th), min(y1[i], cy * th + blk.shape[1])
+                    gx0, gx1 = max(x0[i], cx * tw), min(x1[i], cx * tw + blk.shape[2])
+                    out[i, :, gy0 - xy[i, 1]:gy1 - xy[i, 1], gx0 - xy[i, 0]:gx1 - xy[i, 0]] = \
+                        blk[:, gy0 - cy * th:gy1 - cy * th, gx0 - cx * tw:gx1 - cx * tw]
+        return torch.from_numpy(out)
+
+
+@dataclass
+class SlideInput:
+    """Everything the model needs about one slide before selection (cheap to keep per process).
+
+    Attributes:
+        store: the slide store.
+        grid: its patch grid.
+        lowres_u8: ``[3, h, w]`` uint8 low-res view (see :func:`lowres_input`); :attr:`lowres` is the float one.
+        cell_mask: ``[Gh, Gw]`` bool tissue cells.
+        reader: a :class:`PatchReader` on the store.
+    """
+
+    store: SlideStore
+    grid: PatchGrid
+    lowres_u8: torch.Tensor
+    cell_mask: torch.Tensor
+    reader: PatchReader
+
+    @property
+    def lowres(self) -> torch.Tensor:
+        """``[3, h, w]`` float32 in [0, 1]."""
+        return self.lowres_u8.to(torch.float32) / 255.0
+
+    @property
+    def slide_id(self) -> str:
+        return self.store.slide_id
+
+
+_CACHE: "OrderedDict[tuple, SlideInput]" = OrderedDict()
+_CACHE_LOCK = threading.Lock()
+_CACHE_MAX_BYTES = 512 * 2**20
+
+
+def clear_cache() -> None:
+    """Forget the per-process cache of :func:`prepare_slide`."""
+    with _CACHE_LOCK:
+        _CACHE.clear()
+
+
+def _resolve_store(store_or_sample: Any) -> SlideStore:
+    obj = store_or_sample
+    if isinstance(obj, dict):
+        for key in ("store", "store_path", "path"):
+            if key in obj:
+                obj = obj[key]
+                break
+    else:
+        for attr in ("store", "store_path", "path"):
+            if not isinstance(obj, (SlideStore, str, Path)) and hasattr(obj, attr):
+                obj = getattr(obj, attr)
+                break
+    if isinstance(obj, SlideStore):
+        return obj
+    if isinstance(obj, (str, Path)):
+        return SlideStore(obj)
+    raise TypeError("store_or_sample must be a SlideStore, a store path, a SlideInput, or a sample with a "
+                    f"'store'/'store_path'/'path' attribute or key; got {type(store_or_sample).__name__}")
+
+
+def prepare_slide(store_or_sample: Any, cfg: ModelConfig, *, cache: bool = True) -> SlideInput:
+    """Grid, low-res input, tissue cells and reader for one slide (cached per process by store path and
+    geometry, up to 512 MiB of low-res pixels).
+
+    Args:
+        store_or_sample: a :class:`SlideInput` (returned as is), a ``SlideStore``, a store path, or an object
+            / dict with a ``store``, ``store_path`` or ``path`` attribute / key.
+        cfg: the model config.
+        cache: use the per-process cache.
+    """
+    if isinstance(store_or_sample, SlideInput):
+        return store_or_sample
+    key_geom = (cfg.patch_size, cfg.stride_l0, float(cfg.scorer_downsample), float(cfg.tissue_threshold))
+    path_key = None
+    if cache and isinstance(store_or_sample, (str, Path, SlideStore)):
+        p = store_or_sample.path if isinstance(store_or_sample, SlideStore) else Path(store_or_sample)
+        path_key = (str(Path(p).resolve()),) + key_geom
+        with _CACHE_LOCK:
+            hit = _CACHE.get(path_key)
+            if hit is not None:
+                _CACHE.move_to_end(path_key)
+                return hit
+    store = _resolve_store(store_or_sample)
+    if cache and path_key is None:
+        path_key = (str(store.path.resolve()),) + key_geom
+        with _CACHE_LOCK:
+            hit = _CACHE.get(path_key)
+            if hit is not None:
+                _CACHE.move_to_end(path_key)
+                return hit
+    grid = PatchGrid.from_store(store, cfg.patch_size, cfg.stride_l0)
+    lowres, cell_mask = lowres_input(store, cfg)
+    lowres_u8 = (lowres * 255.0).round_().clamp_(0, 255).to(torch.uint8)
+    si = SlideInput(store, grid, lowres_u8, cell_mask, PatchReader(store, grid))
+    if cache:
+        with _CACHE_LOCK:
+            _CACHE[path_key] = si
+            total = sum(v.lowres_u8.numel() for v in _CACHE.values())
+            while total > _CACHE_MAX_BYTES and len(_CACHE) > 1:
+                _, old = _CACHE.popitem(last=False)
+                total -= old.lowres_u8.numel()
+    return si
+
+
+def gather_patches(slide: SlideInput, selection: Selection, *, device: torch.device | str | None = None,
+                   dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Read the selected patches of one slide and form each slot's (soft) patch.
+
+    Each distinct cell of ``selection.indices`` is read once; slot ``k`` is
+    ``sum_s weights[0, k, s] * patch[indices[0, k, s]]`` (Cordonnier et al. soft patches; memory
+    O(K * S) patches).
+
+    Args:
+        slide: from :func:`prepare_slide`.
+        selection: for this slide (``B = 1``).
+        device, dtype: of the returned patches (default: the selection weights' device).
+
+    Returns:
+        ``(patches[1, K, 3, p, p] in [0, 1], positions[1, K, 2], cells_read)``: positions are the normalised
+        centres of the slots' primary cells (:meth:`PatchGrid.cell_centres`).
+    """
+    if selection.indices.dim() != 3 or selection.indices.shape[0] != 1:
+        raise ValueError(f"gather_patches works on one slide: selection.indices must be [1, K, S], got "
+                         f"{tuple(selection.indices.shape)}")
+    device = selection.weights.device if device is None else torch.device(device)
+    cells, inverse = unique_cells(selection.indices)
+    pix = slide.reader.read(cells.cpu())
+    x = pix.to(device=device, dtype=dtype).div_(255.0)
+    patches = combine_patches(x, inverse.to(device), selection.weights.to(device=device, dtype=dtype))
+    positions = slide.grid.cell_centres(selection.primary.cpu()).to(device=device, dtype=dtype)
+    return patches, positions, int(cells.numel())
+
+
+def forward_slide(model: FoveateModel, store_or_sample: Any, *, training: bool, sigma: float | None = None,
+                  generator: torch.Generator | None = None) -> ModelOutput:
+    """The whole chain for ONE slide: low-res input -> scores -> selection -> patch reading -> features ->
+    logits.
+
+    Args:
+        model: the :class:`~operators.model.FoveateModel` (its parameters' device is used; patches are read
+            on the CPU and moved there).
+        store_or_sample: see :func:`prepare_slide`.
+        training: soft/stochastic selection (True) or hard top-k (False). Does not switch the module's
+            train/eval mode (call ``model.train()`` / ``model.eval()`` yourself).
+        sigma: perturbed top-k noise for this call (default ``model.cfg.sigma``).
+        generator: RNG for the selection noise (on the model's device).
+
+    Returns:
+        :class:`~operators.model.ModelOutput` (logits ``[1, C]``; add ``sum(out.aux_losses.values())`` to the
+        loss).
+    """
+    if not isinstance(model, FoveateModel):
+        raise TypeError(f"model must be a FoveateModel, got {type(model).__name__}")
+    slide = prepare_slide(store_or_sample, model.cfg)
+    param = next(model.parameters())
+    device, dtype = param.device, param.dtype
+    cell_mask = slide.cell_mask
+    scores = model.score(slide.lowres[None].to(device=device, dtype=dtype), cell_mask[None].to(device))
+    sel = model.select(scores, training=training, sigma=sigma, generator=generator)
+    patches, positions, cells_read = gather_patches(slide, sel, device=device, dtype=dtype)
+    logits = model.classify(patches, positions, sel.slot_weights)
+    cells = sel.primary[0]
+    n_tissue = int(cell_mask.sum())
+    info = {
+        "num_cells": float(slide.grid.num_cells),
+        "num_candidates": float(torch.isfinite(scores[0]).sum()),
+        "tissue_fallback": float(n_tissue < model.cfg.k),
+        "cells_read": float(cells_read),
+    }
+    if "kept_mass" in sel.aux:
+        info["kept_mass"] = float(sel.aux["kept_mass"].mean())
+    return ModelOutput(
+        logits=logits,
+        scores=scores[0],
+        cell_indices=cells,
+        coords_l0=slide.grid.cell_xy_l0(cells.cpu()),
+        patch_scores=scores[0, cells],
+        aux_losses=model.aux_losses(sel),
+        selection=sel,
+        info=info,
+    )
