@@ -1,0 +1,223 @@
+"""``foveate compare --experiment NAME``: a table of an MLflow experiment's training runs.
+
+One row per run: operator (the selector), K, aggregator, accuracy, AUC, train time, patches per second and
+peak memory, read from what ``foveate train`` logs (params: the flattened resolved config, ``model.selector``,
+``model.k``, ``model.aggregator``; metrics: ``val_accuracy``, ``val_auc``, ``train_seconds``,
+``epoch_patches_per_second``, ``peak_memory_mb``; latest value of each). Runs from other tools (e.g. the
+benchmarks) may log ``operator``/``k``/``aggregator`` params and ``accuracy``/``auc``/... metrics instead;
+those are read as fallbacks. Batch-scoring runs (tag ``foveate.stage=score``) are left out.
+
+The table is printed, written as CSV, and accuracy is plotted against train time (PNG). Works against any
+tracking URI MLflow supports (sqlite file, ``http://`` server).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = ["COLUMNS", "CompareResult", "runs_table", "format_table", "plot_accuracy_vs_time", "compare",
+           "add_arguments", "run"]
+
+log = logging.getLogger(__name__)
+
+# column -> (source, candidate names in order of preference)
+_PARAMS: dict[str, tuple[str, ...]] = {
+    "operator": ("model.selector", "operator", "selector", "model.operator"),
+    "k": ("model.k", "k", "K"),
+    "aggregator": ("model.aggregator", "aggregator"),
+}
+_METRICS: dict[str, tuple[str, ...]] = {
+    "accuracy": ("val_accuracy", "test_accuracy", "accuracy", "epoch_train_accuracy"),
+    "auc": ("val_auc", "test_auc", "auc", "epoch_train_auc"),
+    "train_seconds": ("train_seconds", "train_time_s", "train_time"),
+    "patches_per_second": ("epoch_patches_per_second", "patches_per_second"),
+    "peak_memory_mb": ("peak_memory_mb", "peak_memory"),
+}
+COLUMNS = ("run_id", "run_name", "status", "operator", "k", "aggregator", "accuracy", "auc", "train_seconds",
+           "patches_per_second", "peak_memory_mb", "accuracy_metric", "start_time")
+
+
+@dataclass
+class CompareResult:
+    """What :func:`compare` returns."""
+
+    table: Any  # pandas.DataFrame with COLUMNS
+    csv_path: Path | None
+    png_path: Path | None
+    experiment_id: str
+    tracking_uri: str
+
+
+def _first(mapping: dict[str, Any], names: tuple[str, ...]) -> tuple[Any, str | None]:
+    for name in names:
+        if name in mapping and mapping[name] is not None:
+            return mapping[name], name
+    return None, None
+
+
+def _as_int(text: Any) -> int | None:
+    try:
+        return int(float(text))
+    except (TypeError, ValueError):
+        return None
+
+
+def runs_table(experiment: str, *, tracking_uri: str | None = None, include_score_runs: bool = False):
+    """The experiment's runs as a DataFrame (columns :data:`COLUMNS`), best accuracy first.
+
+    Args:
+        experiment: MLflow experiment name.
+        tracking_uri: default ``$MLFLOW_TRACKING_URI``.
+        include_score_runs: keep batch-scoring runs (tag ``foveate.stage=score``).
+
+    Returns:
+        ``(table, experiment_id, tracking_uri)``.
+
+    Raises:
+        ValueError: the experiment does not exist.
+    """
+    import mlflow
+    import pandas as pd
+
+    if not isinstance(experiment, str) or not experiment:
+        raise ValueError(f"experiment must be a non-empty experiment name, got {experiment!r}")
+    uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or mlflow.get_tracking_uri()
+    client = mlflow.MlflowClient(tracking_uri=uri)
+    exp = client.get_experiment_by_name(experiment)
+    if exp is None:
+        names = sorted(e.name for e in client.search_experiments())
+        raise ValueError(f"experiment {experiment!r} not found at {uri}; experiments there: {names}")
+    rows = []
+    page_token = None
+    while True:
+        page = client.search_runs([exp.experiment_id], max_results=1000, page_token=page_token)
+        for r in page:
+            tags = r.data.tags
+            if not include_score_runs and tags.get("foveate.stage") == "score":
+                continue
+            params, metrics = r.data.params, r.data.metrics
+            row: dict[str, Any] = {
+                "run_id": r.info.run_id,
+                "run_name": r.info.run_name or tags.get("mlflow.runName", ""),
+                "status": r.info.status,
+                "start_time": pd.Timestamp(r.info.start_time, unit="ms", tz="UTC") if r.info.start_time else pd.NaT,
+            }
+            for col, names in _PARAMS.items():
+                row[col] = _first(params, names)[0]
+            row["k"] = _as_int(row["k"])
+            for col, names in _METRICS.items():
+                value, name = _first(metrics, names)
+                row[col] = float(value) if value is not None else math.nan
+                if col == "accuracy":
+                    row["accuracy_metric"] = name
+            if math.isnan(row["train_seconds"]) and r.info.end_time and r.info.start_time:
+                row["train_seconds"] = (r.info.end_time - r.info.start_time) / 1000.0  # wall time of the run
+            rows.append(row)
+        page_token = page.token
+        if not page_token:
+            break
+    table = pd.DataFrame(rows, columns=list(COLUMNS))
+    if len(table):
+        table["k"] = table["k"].astype("Int64")
+        table = table.sort_values(["accuracy", "train_seconds"], ascending=[False, True], na_position="last",
+                                  kind="mergesort").reset_index(drop=True)
+    return table, exp.experiment_id, uri
+
+
+def format_table(table) -> str:
+    """The table as fixed-width text (what ``foveate compare`` prints)."""
+    if len(table) == 0:
+        return "(no runs)"
+    shown = table[["run_name", "status", "operator", "k", "aggregator", "accuracy", "auc", "train_seconds",
+                   "patches_per_second", "peak_memory_mb"]].copy()
+    shown.columns = ["run", "status", "operator", "K", "aggregator", "accuracy", "AUC", "train s", "patches/s",
+                     "peak MB"]
+    return shown.to_string(index=False, na_rep="-", float_format=lambda v: f"{v:.4g}")
+
+
+def plot_accuracy_vs_time(table, path: str | Path, *, title: str = "") -> Path:
+    """Scatter of accuracy against train time, one labelled point per run (runs missing either are skipped)."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+    import pandas as pd
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    ok = table.dropna(subset=["accuracy", "train_seconds"]) if len(table) else table
+    for _, row in ok.iterrows():
+        k = row["k"]
+        label = f"{row['operator'] or '?'} K={'?' if pd.isna(k) else int(k)} {row['aggregator'] or '?'}"
+        ax.scatter(row["train_seconds"], row["accuracy"], s=36)
+        ax.annotate(label, (row["train_seconds"], row["accuracy"]), fontsize=7, xytext=(4, 3),
+                    textcoords="offset points")
+    ax.set_xlabel("train time (s)")
+    ax.set_ylabel("accuracy")
+    ax.set_ylim(-0.02, 1.05)
+    ax.grid(True, alpha=0.3)
+    ax.set_title(title or "accuracy vs train time", fontsize=9)
+    if len(ok) == 0:
+        ax.text(0.5, 0.5, "no runs with accuracy and train time", ha="center", va="center", transform=ax.transAxes)
+    fig.tight_layout()
+    tmp = path.with_name(path.name + ".tmp.png")
+    fig.savefig(tmp, dpi=100)
+    plt.close(fig)
+    tmp.replace(path)
+    return path
+
+
+def _safe_name(text: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in text) or "experiment"
+
+
+def compare(experiment: str, *, out_dir: str | Path | None = ".", tracking_uri: str | None = None,
+            include_score_runs: bool = False) -> CompareResult:
+    """Build the table, write ``<out_dir>/compare_<experiment>.csv`` and ``..._accuracy_vs_time.png``.
+
+    Args:
+        experiment: MLflow experiment name.
+        out_dir: where to write the CSV and PNG (None: write nothing).
+        tracking_uri: default ``$MLFLOW_TRACKING_URI``.
+        include_score_runs: keep batch-scoring runs.
+    """
+    table, exp_id, uri = runs_table(experiment, tracking_uri=tracking_uri, include_score_runs=include_score_runs)
+    csv_path = png_path = None
+    if out_dir is not None:
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        stem = f"compare_{_safe_name(experiment)}"
+        csv_path = out / f"{stem}.csv"
+        tmp = csv_path.with_name(csv_path.name + ".tmp")
+        table.to_csv(tmp, index=False)
+        tmp.replace(csv_path)
+        png_path = plot_accuracy_vs_time(table, out / f"{stem}_accuracy_vs_time.png",
+                                         title=f"experiment {experiment}: accuracy vs train time")
+    return CompareResult(table, csv_path, png_path, exp_id, uri)
+
+
+# ---------------------------------------------------------------------------------------------- CLI
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--experiment", required=True, help="MLflow experiment name (e.g. the train config's "
+                                                            "tracking.experiment)")
+    parser.add_argument("--out", default=".", help="directory for compare_<experiment>.csv and the PNG (default .)")
+    parser.add_argument("--tracking-uri", default=None,
+                        help="MLflow tracking URI (default $MLFLOW_TRACKING_URI; sqlite:///... or http://host:port)")
+    parser.add_argument("--include-score-runs", action="store_true", help="also list batch-scoring runs")
+
+
+def run(args: argparse.Namespace) -> int:
+    res = compare(args.experiment, out_dir=args.out, tracking_uri=args.tracking_uri,
+                  include_score_runs=args.include_score_runs)
+    print(f"experiment {args.experiment!r} (id {res.experiment_id}) at {res.tracking_uri}: {len(res.table)} run(s)")
+    print(format_table(res.table))
+    print(f"table: {res.csv_path}")
+    print(f"plot:  {res.png_path}")
+    return 0
