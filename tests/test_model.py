@@ -1,0 +1,212 @@
+"""FoveateModel stages and the per-slide chain on real Zarr stores."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+
+from operators.model import SELECTORS, FoveateModel, ModelConfig
+from operators.resnet import ResNetConfig
+from operators.scorer import ScorerConfig
+from operators.topk import hard_topk
+from pipeline.config import ConfigError, from_dict, to_dict
+from workers.patches import forward_slide, prepare_slide
+from workers.store import write_store_from_array
+
+torch.set_num_threads(1)
+
+SMALL = dict(patch_size=64, scorer_downsample=8.0, k=4, num_samples=32, sigma=0.1,
+             scorer=ScorerConfig(channels=8), features=ResNetConfig(widths=(8, 16), blocks=(1, 1), feature_dim=16),
+             aggregator_hidden=16)
+
+
+def _slide(seed: int, blobs: bool) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    img = np.full((512, 512, 3), 245, np.uint8)
+    img[64:448, 128:448] = (200, 120, 180)  # tissue block (pink)
+    img[64:448, 128:448] = np.clip(img[64:448, 128:448].astype(int) + rng.integers(-15, 15, (384, 320, 3)), 0, 255)
+    if blobs:
+        for (y, x) in [(100, 200), (300, 350)]:
+            img[y:y + 24, x:x + 24] = (40, 20, 90)  # dark purple structures (the "label")
+    return img
+
+
+@pytest.fixture(scope="module")
+def stores(tmp_path_factory):
+    d = tmp_path_factory.mktemp("model")
+    return [write_store_from_array(d / f"s{i}.zarr", _slide(i, blobs=bool(i % 2)), tile_size=128, min_size=64)
+            for i in range(2)]
+
+
+@pytest.fixture(scope="module")
+def blank_store(tmp_path_factory):
+    return write_store_from_array(tmp_path_factory.mktemp("blank") / "b.zarr", np.full((256, 256, 3), 250, np.uint8),
+                                  tile_size=128, min_size=64)
+
+
+def test_config_defaults_and_yaml_roundtrip():
+    cfg = ModelConfig()
+    assert cfg.stride_l0 == cfg.patch_size == 128 and cfg.selector == "perturbed" and cfg.k == 8
+    FoveateModel(cfg)
+    d = {"k": 4, "selector": "attention", "stride": 96, "features": {"widths": [8, 16], "blocks": [1, 1], "frozen": True},
+         "scorer": {"channels": 8}, "aggregator": "transformer"}
+    c2 = from_dict(ModelConfig, d)
+    assert c2.features.widths == (8, 16) and c2.features.frozen and c2.stride_l0 == 96
+    assert from_dict(ModelConfig, to_dict(c2)) == c2
+    with pytest.raises(ConfigError, match="unknown config key"):
+        from_dict(ModelConfig, {"kk": 3})
+    with pytest.raises(ConfigError, match="selector"):
+        from_dict(ModelConfig, {"selector": "topk"})
+    with pytest.raises(ValueError, match=r"model\.k must be an int >= 1, got 0"):
+        ModelConfig(k=0)
+    with pytest.raises(ValueError, match="model.num_classes"):
+        ModelConfig(num_classes=1)
+    with pytest.raises(ValueError, match="transformer_heads"):
+        ModelConfig(aggregator="transformer", aggregator_hidden=30, transformer_heads=4)
+
+
+def test_score_masks_non_tissue_and_normalises():
+    model = FoveateModel(ModelConfig(**SMALL))
+    lowres = torch.rand(2, 3, 40, 48)
+    mask = torch.zeros(2, 5, 6, dtype=torch.bool)
+    mask[0, 1:4, 2:5] = True
+    mask[1] = True
+    s = model.score(lowres, mask).detach()
+    assert tuple(s.shape) == (2, 30)
+    assert torch.equal(torch.isfinite(s), mask.flatten(1))
+    for b in range(2):
+        fin = s[b][torch.isfinite(s[b])]
+        assert float(fin.min()) == 0 and abs(float(fin.max()) - 1) < 1e-4
+    sel = model.select(s, training=True, sigma=1.0, generator=torch.Generator().manual_seed(0))
+    assert mask.flatten(1).gather(1, sel.indices.flatten(1)).all()  # never a non-tissue cell
+    with pytest.raises(ValueError, match="fewer than model.k"):
+        model.score(torch.rand(1, 3, 8, 8), torch.ones(1, 1, 3, dtype=torch.bool))
+    with pytest.raises(ValueError, match="lowres"):
+        model.score(torch.rand(1, 1, 8, 8), mask[:1])
+
+
+def test_score_fallback_on_empty_mask(caplog):
+    model = FoveateModel(ModelConfig(**SMALL))
+    mask = torch.zeros(1, 5, 6, dtype=torch.bool)
+    mask[0, 0, :3] = True  # 3 < k = 4 tissue cells
+    with caplog.at_level(logging.WARNING, logger="operators.scorer"):
+        s = model.score(torch.rand(1, 3, 40, 48), mask)
+    assert torch.isfinite(s).all()
+    assert any("fewer than k=4" in r.getMessage() for r in caplog.records)
+
+
+def test_fallback_on_blank_slide(blank_store, caplog):
+    model = FoveateModel(ModelConfig(**SMALL)).eval()
+    with caplog.at_level(logging.WARNING, logger="operators.scorer"):
+        out = forward_slide(model, blank_store, training=False)
+    assert int(prepare_slide(blank_store, model.cfg).cell_mask.sum()) == 0
+    assert any("using all 16 cells" in r.getMessage() for r in caplog.records)
+    assert out.info["tissue_fallback"] == 1.0 and out.info["num_candidates"] == 16.0
+    assert torch.isfinite(out.scores).all() and out.cell_indices.numel() == 4
+
+
+@pytest.mark.parametrize("selector", SELECTORS)
+def test_select_shapes_and_inference_is_hard_topk(selector):
+    cfg = ModelConfig(**{**SMALL, "selector": selector, "max_support": 3})
+    model = FoveateModel(cfg)
+    g = torch.Generator().manual_seed(3)
+    scores = torch.rand(2, 20, generator=g)
+    scores[0, :5] = float("-inf")
+    try:
+        sel = model.select(scores, training=True, generator=g)
+    except NotImplementedError:
+        pytest.skip(f"{selector} operator not implemented yet")
+    k = cfg.k
+    s_expected = cfg.max_support if selector == "perturbed" else 1
+    assert tuple(sel.indices.shape) == (2, k, s_expected) == tuple(sel.weights.shape)
+    torch.testing.assert_close(sel.weights.sum(-1), torch.ones(2, k))
+    assert torch.isfinite(scores.gather(1, sel.indices.flatten(1))).all()
+    if selector in ("sinkhorn", "lapsum", "attention"):
+        assert tuple(sel.slot_weights.shape) == (2, k)
+    else:
+        assert sel.slot_weights is None
+    if selector == "attention":
+        assert tuple(sel.aux["attention_entropy"].shape) == (2,)
+        assert set(model.aux_losses(sel)) == {"entropy"}
+    hard = model.select(scores, training=False)
+    assert hard.indices.shape[-1] == 1
+    for b in range(2):
+        cand = torch.nonzero(torch.isfinite(scores[b])).flatten()
+        want = cand[hard_topk(scores[b, cand][None], k)[0]]
+        assert torch.equal(hard.indices[b, :, 0], want)
+    with pytest.raises(ValueError, match="candidate"):
+        model.select(torch.full((1, 20), float("-inf")), training=False)
+    with pytest.raises(ValueError, match="sigma"):
+        model.select(scores, training=True, sigma=-1.0)
+
+
+@pytest.mark.parametrize("aggregator", ["mean", "transformer"])
+def test_gradient_reaches_scorer_through_perturbed_soft_patches(stores, aggregator):
+    torch.manual_seed(0)
+    cfg = ModelConfig(**{**SMALL, "aggregator": aggregator, "sigma": 0.2, "num_samples": 64})
+    model = FoveateModel(cfg).train()
+    out = forward_slide(model, stores[1], training=True, generator=torch.Generator().manual_seed(1))
+    assert tuple(out.logits.shape) == (1, 2) and tuple(out.coords_l0.shape) == (4, 2)
+    grid = prepare_slide(stores[1], cfg).grid
+    assert tuple(out.scores.shape) == (grid.num_cells,)
+    assert torch.equal(out.coords_l0, grid.cell_xy_l0(out.cell_indices))
+    assert torch.equal(out.patch_scores, out.scores[out.cell_indices])
+    assert out.info["cells_read"] <= cfg.k * cfg.max_support
+    torch.nn.functional.cross_entropy(out.logits, torch.tensor([1])).backward()
+    grads = [p.grad for p in model.scorer.parameters()]
+    assert all(gr is not None and torch.isfinite(gr).all() for gr in grads)
+    assert sum(float(gr.abs().sum()) for gr in grads) > 0
+    # hard selection: no gradient path to the scorer
+    model.zero_grad(set_to_none=True)
+    out = forward_slide(model, stores[1], training=False)
+    torch.nn.functional.cross_entropy(out.logits, torch.tensor([1])).backward()
+    assert all(p.grad is None or float(p.grad.abs().sum()) == 0 for p in model.scorer.parameters())
+
+
+def test_soft_patch_slot_equals_weighted_sum_of_store_patches(stores):
+    from workers.patches import gather_patches
+
+    cfg = ModelConfig(**{**SMALL, "sigma": 0.5, "num_samples": 16, "max_support": 3})
+    model = FoveateModel(cfg).double()
+    slide = prepare_slide(stores[0], cfg)
+    scores = model.score(slide.lowres[None].double(), slide.cell_mask[None])
+    sel = model.select(scores, training=True, generator=torch.Generator().manual_seed(0))
+    patches, positions, n_read = gather_patches(slide, sel, dtype=torch.float64)
+    assert n_read == int(torch.unique(sel.indices).numel())
+    for k in range(cfg.k):
+        ref = sum(float(sel.weights[0, k, s].detach()) * slide.reader.read(sel.indices[0, k, s:s + 1])[0].double() / 255
+                  for s in range(3))
+        torch.testing.assert_close(patches[0, k], ref, rtol=0, atol=1e-12)
+    torch.testing.assert_close(positions[0], slide.grid.cell_centres(sel.primary[0]).double())
+
+
+def test_tiny_overfit_two_slides(stores):
+    torch.manual_seed(0)
+    cfg = ModelConfig(**{**SMALL, "num_samples": 16})
+    model = FoveateModel(cfg).train()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(0)
+    labels = [torch.tensor([0]), torch.tensor([1])]
+
+    def epoch_loss(train: bool) -> float:
+        total = 0.0
+        for st, y in zip(stores, labels):
+            out = forward_slide(model, st, training=train, generator=g)
+            loss = torch.nn.functional.cross_entropy(out.logits, y)
+            if train:
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+            total += float(loss)
+        return total / 2
+
+    with torch.no_grad():
+        before = epoch_loss(False)
+    for _ in range(40):
+        epoch_loss(True)
+    with torch.no_grad():
+        after = epoch_loss(False)
+    assert after < 0.85 * before, (before, after)  # seeds 0-4 measured: ratio 0.63-0.73

@@ -1,0 +1,193 @@
+"""ResNet, scorer pooling, aggregators and soft-patch combination."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from operators.aggregators import AGGREGATORS, build_aggregator, fourier_position_encoding
+from operators.resnet import ResNet, ResNetConfig
+from operators.scorer import ScorerCNN, ScorerConfig, cell_pool, minmax_normalise
+from operators.soft_patches import cap_support, combine_patches, unique_cells
+
+torch.set_num_threads(1)
+
+
+# ---------------------------------------------------------------- ResNet
+@pytest.mark.parametrize("p", [32, 96, 128])
+def test_resnet_shapes(p):
+    net = ResNet(ResNetConfig(widths=(8, 16, 32), blocks=(1, 2, 1), feature_dim=24))
+    out = net(torch.rand(5, 3, p, p))
+    assert tuple(out.shape) == (5, 24) and torch.isfinite(out).all()
+    assert tuple(net(torch.rand(0, 3, p, p)).shape) == (0, 24)
+
+
+def test_resnet_frozen_has_no_param_grads_but_passes_input_grads():
+    net = ResNet(ResNetConfig(widths=(8, 16), blocks=(1, 1), feature_dim=8, frozen=True, norm="batch"))
+    assert all(not p.requires_grad for p in net.parameters())
+    net.train()
+    assert not net.training and all(not m.training for m in net.modules())
+    x = torch.rand(3, 3, 32, 32, requires_grad=True)
+    before = net.stages[0].n1.running_mean.clone()
+    net(x).sum().backward()
+    assert all(p.grad is None for p in net.parameters())
+    assert x.grad is not None and x.grad.abs().sum() > 0  # the scorer still gets gradients through it
+    assert torch.equal(before, net.stages[0].n1.running_mean)  # eval mode: BN statistics untouched
+    trainable = ResNet(ResNetConfig(widths=(8, 16), blocks=(1, 1), feature_dim=8))
+    trainable(torch.rand(2, 3, 32, 32)).sum().backward()
+    assert all(p.grad is not None for p in trainable.parameters())
+
+
+def test_resnet_weights_file(tmp_path):
+    cfg = ResNetConfig(widths=(8,), blocks=(1,), feature_dim=4)
+    a = ResNet(cfg)
+    torch.save(a.state_dict(), tmp_path / "w.pt")
+    b = ResNet(ResNetConfig(widths=(8,), blocks=(1,), feature_dim=4, weights=str(tmp_path / "w.pt")))
+    x = torch.rand(2, 3, 16, 16)
+    torch.testing.assert_close(a(x), b(x))
+    with pytest.raises(ValueError, match="features.weights"):
+        ResNet(ResNetConfig(weights=str(tmp_path / "missing.pt")))
+
+
+def test_resnet_config_validation():
+    with pytest.raises(ValueError, match="features.blocks"):
+        ResNetConfig(widths=(8, 16), blocks=(1,))
+    with pytest.raises(ValueError, match="features.norm"):
+        ResNetConfig(norm="layer")
+    with pytest.raises(ValueError, match="patches"):
+        ResNet()(torch.rand(2, 1, 16, 16))
+
+
+# ---------------------------------------------------------------- scorer
+def _cell_pool_reference(smap, grid_shape, patch, stride, mode):
+    b, c, h, w = smap.shape
+    gh, gw = grid_shape
+    ext_w, ext_h = (gw - 1) * stride + patch, (gh - 1) * stride + patch
+    out = torch.empty(b, c, gh * gw, dtype=smap.dtype)
+    for r in range(gh):
+        for q in range(gw):
+            # map pixels whose area overlaps the cell box
+            ys = [i for i in range(h) if (i + 1) * ext_h / h > r * stride and i * ext_h / h < r * stride + patch]
+            xs = [j for j in range(w) if (j + 1) * ext_w / w > q * stride and j * ext_w / w < q * stride + patch]
+            blk = smap[:, :, ys][:, :, :, xs]
+            out[:, :, r * gw + q] = blk.mean((2, 3)) if mode == "mean" else blk.amax((2, 3))
+    return out
+
+
+@pytest.mark.parametrize("mode", ["mean", "max"])
+@pytest.mark.parametrize("geom", [((4, 5), 16, 16, (8, 10)), ((3, 6), 24, 16, (7, 14)), ((5, 4), 12, 8, (11, 9))])
+def test_cell_pool_matches_reference(mode, geom):
+    grid_shape, patch, stride, (h, w) = geom
+    smap = torch.randn(2, 1, h, w, dtype=torch.float64)
+    got = cell_pool(smap, grid_shape, patch, stride, mode=mode)
+    torch.testing.assert_close(got, _cell_pool_reference(smap, grid_shape, patch, stride, mode))
+    if mode == "mean":
+        x = smap.clone().requires_grad_(True)
+        assert torch.autograd.gradcheck(lambda t: cell_pool(t, grid_shape, patch, stride), (x,))
+
+
+def test_scorer_and_minmax():
+    net = ScorerCNN(ScorerConfig(channels=8, num_layers=4))
+    assert sum(isinstance(m, torch.nn.Conv2d) for m in net.modules()) == 4
+    assert sum(isinstance(m, torch.nn.MaxPool2d) for m in net.modules()) == 1
+    assert tuple(net(torch.rand(2, 3, 33, 40)).shape) == (2, 1, 17, 20)
+    s = torch.tensor([[3.0, -1.0, 5.0, 100.0], [1.0, 1.0, 2.0, 0.0]], dtype=torch.float64, requires_grad=True)
+    cand = torch.tensor([[True, True, True, False], [True, True, True, True]])
+    out = minmax_normalise(s, cand, eps=0.0)
+    assert out[0, :3].tolist() == [4 / 6, 0.0, 1.0] and out[0, 3] == float("-inf")
+    assert out[1].tolist() == [0.5, 0.5, 1.0, 0.0]
+    out[torch.isfinite(out)].sum().backward()
+    assert torch.isfinite(s.grad).all() and s.grad[0, 3] == 0
+
+
+# ---------------------------------------------------------------- aggregators
+@pytest.mark.parametrize("name", AGGREGATORS)
+def test_aggregator_permutation(name):
+    torch.manual_seed(0)
+    agg = build_aggregator(name, 12, 3, hidden=16, layers=2, heads=4).double().eval()
+    f = torch.randn(2, 7, 12, dtype=torch.float64)
+    pos = torch.rand(2, 7, 2, dtype=torch.float64)
+    w = torch.softmax(torch.randn(2, 7, dtype=torch.float64), 1)
+    perm = torch.randperm(7)
+    for weights in (None, w):
+        out = agg(f, pos, weights)
+        assert tuple(out.shape) == (2, 3)
+        wp = None if weights is None else weights[:, perm]
+        torch.testing.assert_close(agg(f[:, perm], pos[:, perm], wp), out)
+    if name == "transformer":  # positions matter: permuting them alone changes the output
+        assert not torch.allclose(agg(f, pos[:, perm]), agg(f, pos))
+    else:
+        torch.testing.assert_close(agg(f, pos[:, perm]), agg(f, pos))
+
+
+def test_aggregator_weights_semantics():
+    agg = build_aggregator("mean", 4, 2).double()
+    f = torch.randn(1, 3, 4, dtype=torch.float64)
+    w = torch.tensor([[0.2, 0.3, 0.5]], dtype=torch.float64)
+    lin = agg.head[1]
+    torch.testing.assert_close(agg(f, None, w), lin((w[..., None] * f).sum(1)))
+    torch.testing.assert_close(agg(f, None, torch.full((1, 3), 1 / 3, dtype=torch.float64)), agg(f, None))
+    mx = build_aggregator("max", 4, 2).double()
+    torch.testing.assert_close(mx(f, None, torch.full((1, 3), 1 / 3, dtype=torch.float64)), mx(f, None))
+    with pytest.raises(ValueError, match="aggregator must be one of"):
+        build_aggregator("median", 4, 2)
+    with pytest.raises(ValueError, match="weights must be"):
+        agg(f, None, w[:, :2])
+
+
+def test_attention_mil_is_ilse():
+    torch.manual_seed(1)
+    agg = build_aggregator("attention_mil", 6, 2, hidden=5, gated=True).double()
+    h = torch.randn(1, 4, 6, dtype=torch.float64)
+    a = agg.w(torch.tanh(agg.V(h)) * torch.sigmoid(agg.U(h))).squeeze(-1).softmax(1)
+    torch.testing.assert_close(agg(h, None), agg.head((a[..., None] * h).sum(1)))
+    torch.testing.assert_close(agg.last_attention, a)
+
+
+def test_fourier_encoding():
+    e = fourier_position_encoding(torch.tensor([[0.25, 0.5]]), 2)
+    assert tuple(e.shape) == (1, 8)
+    import math
+    want = [math.sin(math.pi / 4), math.sin(math.pi / 2), math.cos(math.pi / 4), math.cos(math.pi / 2),
+            math.sin(math.pi / 2), math.sin(math.pi), math.cos(math.pi / 2), math.cos(math.pi)]
+    torch.testing.assert_close(e[0], torch.tensor(want), atol=1e-6, rtol=0)
+
+
+# ---------------------------------------------------------------- soft patches
+def test_combine_patches_equals_explicit_sum_and_gradcheck():
+    g = torch.Generator().manual_seed(0)
+    patches = torch.rand(5, 3, 4, 4, dtype=torch.float64, generator=g)
+    idx = torch.tensor([[[0, 3, 4], [1, 1, 2]], [[4, 0, 2], [3, 2, 1]]])
+    w = torch.rand(2, 2, 3, dtype=torch.float64, generator=g)
+    out = combine_patches(patches, idx, w)
+    ref = torch.zeros(2, 2, 3, 4, 4, dtype=torch.float64)
+    for b in range(2):
+        for k in range(2):
+            for s in range(3):
+                ref[b, k] += w[b, k, s] * patches[idx[b, k, s]]
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-14)
+    wr = w.clone().requires_grad_(True)
+    pr = patches.clone().requires_grad_(True)
+    assert torch.autograd.gradcheck(lambda ww, pp: combine_patches(pp, idx, ww), (wr, pr))
+    one = combine_patches(patches, idx[..., :1], w[..., :1])
+    torch.testing.assert_close(one, w[..., :1, None, None] * patches[idx[..., 0]])
+
+
+def test_cap_support_renormalises_and_gradcheck():
+    y = torch.tensor([[[0.6, 0.3, 0.1, 0.0, 0.0], [0.0, 0.05, 0.15, 0.5, 0.3]]], dtype=torch.float64)
+    idx, w, mass = cap_support(y, 2)
+    assert idx.tolist() == [[[0, 1], [3, 4]]]
+    torch.testing.assert_close(w, torch.tensor([[[2 / 3, 1 / 3], [0.625, 0.375]]], dtype=torch.float64))
+    torch.testing.assert_close(mass, torch.tensor([[0.9, 0.8]], dtype=torch.float64))
+    # zero-weight support entries point at the slot's first cell (no extra read)
+    idx3, w3, _ = cap_support(torch.tensor([[[0.0, 1.0, 0.0, 0.0]]]), 3)
+    assert idx3.tolist() == [[[1, 1, 1]]] and w3.tolist() == [[[1.0, 0.0, 0.0]]]
+    cells, inv = unique_cells(idx3)
+    assert cells.tolist() == [1] and torch.equal(cells[inv], idx3)
+    # no cap: identical to the indicators
+    idx5, w5, _ = cap_support(y, 10)
+    torch.testing.assert_close(torch.zeros_like(y).scatter_add(-1, idx5, w5), y)
+    x = (y + 0.01).requires_grad_(True)
+    assert torch.autograd.gradcheck(lambda t: cap_support(t, 3)[1], (x,))
+    with pytest.raises(ValueError, match="max_support"):
+        cap_support(y, 0)
