@@ -9,14 +9,14 @@ from operators.aggregators import (
 )
 from operators.attention_sampling import AttentionSampler, attention_entropy, attention_sample
 from operators.lapsum import LapSumTopK, lapsum_topk
-from operators.nms import MISTLoss, mist_loss, nms_topk
+from operators.nms import MISTLoss, mist_loss, nms_topk, render_gaussian_heatmap
 from operators.model import FoveateModel, ModelConfig, ModelOutput, Selection
 from operators.resnet import ResNet, ResNetConfig
 from operators.scorer import ScorerCNN, ScorerConfig, cell_pool, minmax_normalise
 from operators.sinkhorn import SinkhornTopK, sinkhorn_topk
 from operators.soft_patches import cap_support, combine_patches
 from operators.topk import PerturbedTopK, hard_topk, perturbed_topk
-from operators.topk_loss import TopKCrossEntropyLoss
+from operators.topk_loss import TopKCrossEntropyLoss, topk_cross_entropy
 
 __all__ = [
     # model (H5)
@@ -51,5 +51,7 @@ __all__ = [
     "mist_loss",
     "nms_topk",
     "perturbed_topk",
+    "render_gaussian_heatmap",
     "sinkhorn_topk",
+    "topk_cross_entropy",
 ]
