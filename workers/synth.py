@@ -34,6 +34,7 @@ Coordinates are level-0 pixels, ``(x, y)`` and ``(width, height)`` as OpenSlide 
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -157,7 +158,7 @@ def make_layout(width: int, height: int, label: int, seed: int) -> SlideLayout:
     blobs = np.empty((n_blobs, 5))
     for i in range(n_blobs):
         blobs[i] = (rng.uniform(0.3, 0.7) * width, rng.uniform(0.3, 0.7) * height,
-                    rng.uniform(0.14, 0.28) * width, rng.uniform(0.14, 0.28) * height, rng.uniform(0, math.pi))
+                    rng.uniform(0.18, 0.34) * width, rng.uniform(0.18, 0.34) * height, rng.uniform(0, math.pi))
     n_waves = 4
     waves = np.empty((n_waves, 4))
     for i in range(n_waves):
@@ -196,26 +197,45 @@ def make_layout(width: int, height: int, label: int, seed: int) -> SlideLayout:
 
 # ------------------------------------------------------------------------------------- rendering
 
+def _separable_sines(xs: np.ndarray, ys: np.ndarray, waves: np.ndarray, amps: np.ndarray) -> np.ndarray:
+    """``sum_k amps[k] * sin(kx_k x + ky_k y + phase_k)`` on the grid ``ys (h, 1) x xs (1, w)`` as one matmul.
+
+    sin(a + b) = sin(a) cos(b) + cos(a) sin(b), so the sum is ``A (h, 2m) @ B (2m, w)``.
+    """
+    x = xs.reshape(-1).astype(np.float64)
+    y = ys.reshape(-1).astype(np.float64)
+    ax = np.outer(waves[:, 0], x)  # (m, w)
+    ay = np.outer(y, waves[:, 1]) + waves[:, 2]  # (h, m)
+    a = np.concatenate([np.cos(ay) * amps, np.sin(ay) * amps], axis=1)  # (h, 2m)
+    b = np.concatenate([np.sin(ax), np.cos(ax)], axis=0)  # (2m, w)
+    return (a @ b).astype(np.float32)
+
+
 def _tissue_field(layout: SlideLayout, xs: np.ndarray, ys: np.ndarray) -> np.ndarray:
     """Approximate signed distance (px, positive inside) to the tissue boundary.
 
-    ``xs`` and ``ys`` broadcast against each other: either equal-shape point arrays, or a row
-    ``(1, w)`` and a column ``(h, 1)`` (then sines are evaluated separably).
+    ``xs`` and ``ys`` are either equal-shape point arrays (float64), or a row ``(1, w)`` and a column
+    ``(h, 1)`` of pixel centres (float32 grid; the sines are then evaluated separably).
     """
-    dt = np.float64 if xs.dtype == np.float64 else np.float32
+    grid = xs.ndim == 2 and ys.ndim == 2 and xs.shape[0] == 1 and ys.shape[1] == 1
+    dt = np.float32 if grid else np.float64
     field = None
     for cx, cy, rx, ry, th in layout.blobs:
         c, s = math.cos(th), math.sin(th)
         dx, dy = xs - dt(cx), ys - dt(cy)
         u = (dx * dt(c / rx)) + (dy * dt(s / rx))
         v = (dy * dt(c / ry)) - (dx * dt(s / ry))
-        f = (dt(1.0) - np.sqrt(u * u + v * v)) * dt(min(rx, ry))
-        field = f if field is None else np.maximum(field, f)
-    for kx, ky, ph, amp in layout.waves:
-        a = dt(amp / math.sqrt(len(layout.waves)))
-        # sin(kx x + ky y + ph) = sin(kx x) cos(ky y + ph) + cos(kx x) sin(ky y + ph)
-        ax, ay = xs * dt(kx), ys * dt(ky) + dt(ph)
-        field = field + (np.sin(ax) * a) * np.cos(ay) + (np.cos(ax) * a) * np.sin(ay)
+        u *= u
+        v *= v
+        u += v
+        f = (dt(1.0) - np.sqrt(u, out=u)) * dt(min(rx, ry))
+        field = f if field is None else np.maximum(field, f, out=field)
+    amps = layout.waves[:, 3] / math.sqrt(len(layout.waves))
+    if grid:
+        field += _separable_sines(xs, ys, layout.waves, amps)
+    else:
+        for (kx, ky, ph, _), a in zip(layout.waves, amps):
+            field = field + a * np.sin(kx * xs + ky * ys + ph)
     border = np.minimum(np.minimum(xs, dt(layout.width) - xs), np.minimum(ys, dt(layout.height) - ys))
     return np.minimum(field, border - dt(layout.margin))
 
@@ -235,6 +255,24 @@ def _coord_hash(ix: np.ndarray, iy: np.ndarray, key: int) -> np.ndarray:
     return _hash32(hx ^ (iy * np.uint32(0x85EBCA77)))
 
 
+_NOISE_PERIOD = 1024
+
+
+@functools.lru_cache(maxsize=8)
+def _noise_texture(key: int) -> np.ndarray:
+    """(1024, 1024) float32 triangular noise in [-a, a] from a hash of the coordinates; tiled periodically."""
+    i = np.arange(_NOISE_PERIOD, dtype=np.uint32)
+    n = np.empty((_NOISE_PERIOD, _NOISE_PERIOD), np.float32)
+    for r0 in range(0, _NOISE_PERIOD, 128):  # in row chunks: small transient memory
+        hp = _coord_hash(i[None, :], i[r0:r0 + 128, None], key)
+        n[r0:r0 + 128] = (hp & np.uint32(0xFF)).astype(np.float32)
+        n[r0:r0 + 128] += ((hp >> np.uint32(8)) & np.uint32(0xFF)).astype(np.float32)
+    n *= np.float32(_NOISE_AMPLITUDE / 255.0)
+    n -= np.float32(_NOISE_AMPLITUDE)
+    n.setflags(write=False)
+    return n
+
+
 def _background(h: int, w: int) -> np.ndarray:
     return np.full((h, w, 3), 255, np.uint8)
 
@@ -250,39 +288,55 @@ def render_region(layout: SlideLayout, x: int, y: int, width: int, height: int) 
     f32 = np.float32
     xs = (np.arange(x, x + width, dtype=np.float64) + 0.5).astype(f32)[None, :]
     ys = (np.arange(y, y + height, dtype=np.float64) + 0.5).astype(f32)[:, None]
-    # skip windows far from any tissue: the field is Lipschitz with constant layout.lipschitz
-    cx, cy = x + width / 2.0, y + height / 2.0
-    centre = float(_tissue_field(layout, np.array([cx]), np.array([cy]))[0])
-    if centre + layout.lipschitz * 0.5 * math.hypot(width, height) < -2 * _EDGE_RAMP:
+    # the tissue field is Lipschitz (constant layout.lipschitz): windows far outside are white, windows
+    # deep inside are fully opaque tissue (no per-pixel field needed)
+    centre = float(_tissue_field(layout, np.array([x + width / 2.0]), np.array([y + height / 2.0]))[0])
+    reach = layout.lipschitz * 0.5 * math.hypot(width, height) + 2 * _EDGE_RAMP
+    if centre + reach < 0:
         return _background(height, width)
-    field = _tissue_field(layout, xs, ys)
-    alpha = np.clip(field * f32(1.0 / _EDGE_RAMP) + f32(0.5), 0.0, 1.0)
-    if not alpha.any():
-        return _background(height, width)
+    alpha = None
+    if centre - reach <= 0:
+        alpha = _tissue_field(layout, xs, ys)
+        alpha *= f32(1.0 / _EDGE_RAMP)
+        alpha += f32(0.5)
+        np.clip(alpha, 0.0, 1.0, out=alpha)
+        if not alpha.any():
+            return _background(height, width)
 
-    # colour drift between two eosin shades, separable sines
-    drift = np.zeros((height, width), f32)
-    for kx, ky, ph in layout.colour_waves:
-        ax, ay = xs * f32(kx), ys * f32(ky) + f32(ph)
-        drift += np.sin(ax) * np.cos(ay) + np.cos(ax) * np.sin(ay)
-    g = drift * f32(1.0 / (2 * len(layout.colour_waves))) + f32(0.5)  # ~[0, 1]
-    col = _EOSIN_LIGHT + g[..., None] * (_EOSIN_DARK - _EOSIN_LIGHT)
+    # colour drift between two eosin shades (separable sines, ~[0, 1])
+    m = len(layout.colour_waves)
+    cw = np.concatenate([layout.colour_waves, np.ones((m, 1))], axis=1)
+    g = _separable_sines(xs, ys, cw, np.full(m, 1.0 / (2 * m)))
+    g += f32(0.5)
+    col = g[..., None] * (_EOSIN_DARK - _EOSIN_LIGHT)
+    col += _EOSIN_LIGHT
 
-    # nuclei: at most one per 16 px cell, position/radius/presence from a hash of the cell
+    # nuclei: at most one per 16 px cell; presence, radius and position from a hash of the cell
     ix = np.arange(x, x + width, dtype=np.int64)
     iy = np.arange(y, y + height, dtype=np.int64)
-    cxi = (ix // _NUCLEUS_CELL).astype(np.uint32)[None, :]
-    cyi = (iy // _NUCLEUS_CELL).astype(np.uint32)[:, None]
-    hc = _coord_hash(cxi, cyi, layout.hash_seed ^ 0xA5A5A5A5)
-    present = (hc & np.uint32(0xFF)) < np.uint32(120)  # ~47 % of cells
+    cx0, cy0 = x // _NUCLEUS_CELL, y // _NUCLEUS_CELL
+    cxs = np.arange(cx0, (x + width - 1) // _NUCLEUS_CELL + 1, dtype=np.int64).astype(np.uint32)
+    cys = np.arange(cy0, (y + height - 1) // _NUCLEUS_CELL + 1, dtype=np.int64).astype(np.uint32)
+    hc = _coord_hash(cxs[None, :], cys[:, None], layout.hash_seed ^ 0xA5A5A5A5)  # per cell
+    present = ((hc & np.uint32(0xFF)) < np.uint32(120)).astype(f32) * f32(_NUCLEUS_OPACITY)  # ~47 % of cells
     radius = f32(2.5) + ((hc >> np.uint32(8)) & np.uint32(0xFF)).astype(f32) * f32(2.0 / 255)
     span = f32(_NUCLEUS_CELL) - 2 * (radius + f32(0.5))
     ox = radius + f32(0.5) + ((hc >> np.uint32(16)) & np.uint32(0xFF)).astype(f32) * f32(1 / 255) * span
     oy = radius + f32(0.5) + ((hc >> np.uint32(24)) & np.uint32(0xFF)).astype(f32) * f32(1 / 255) * span
+    # expand per-cell values to pixels
+    jx = (ix // _NUCLEUS_CELL - cx0)[None, :]
+    jy = (iy // _NUCLEUS_CELL - cy0)[:, None]
     lx = (ix % _NUCLEUS_CELL).astype(f32)[None, :] + f32(0.5)
     ly = (iy % _NUCLEUS_CELL).astype(f32)[:, None] + f32(0.5)
-    d = np.sqrt((lx - ox) ** 2 + (ly - oy) ** 2)
-    nuc = np.clip(radius - d + f32(0.5), 0.0, 1.0) * (present * f32(_NUCLEUS_OPACITY))
+    dx = lx - ox[jy, jx]
+    dy = ly - oy[jy, jx]
+    dx *= dx
+    dy *= dy
+    dx += dy
+    nuc = radius[jy, jx] + f32(0.5)
+    nuc -= np.sqrt(dx, out=dx)
+    np.clip(nuc, 0.0, 1.0, out=nuc)
+    nuc *= present[jy, jx]
     col += nuc[..., None] * (_NUCLEUS - col)
 
     # candidate structures (only those overlapping the window)
@@ -305,14 +359,22 @@ def render_region(layout: SlideLayout, x: int, y: int, width: int, height: int) 
         sub = col[y0 - y:y1 - y, x0 - x:x1 - x]
         sub += a * (target - sub)
 
-    # per-pixel luminance noise (triangular, from a hash of the pixel coordinates)
-    hp = _coord_hash(ix.astype(np.uint32)[None, :], iy.astype(np.uint32)[:, None], layout.hash_seed)
-    noise = ((hp & np.uint32(0xFF)).astype(f32) + ((hp >> np.uint32(8)) & np.uint32(0xFF)).astype(f32)) \
-        * f32(_NOISE_AMPLITUDE / 255.0) - f32(_NOISE_AMPLITUDE)
+    # per-pixel luminance noise (triangular; a periodic 1024 px hashed texture)
+    tex = _noise_texture(layout.hash_seed)
+    px, py = x % _NOISE_PERIOD, y % _NOISE_PERIOD
+    if px + width <= _NOISE_PERIOD and py + height <= _NOISE_PERIOD:
+        noise = tex[py:py + height, px:px + width]
+    else:
+        noise = tex[np.ix_(iy % _NOISE_PERIOD, ix % _NOISE_PERIOD)]
     col += noise[..., None]
 
-    out = f32(_WHITE) + alpha[..., None] * (col - f32(_WHITE))
-    return np.clip(out + f32(0.5), 0, 255).astype(np.uint8)
+    if alpha is not None:  # composite over white
+        col -= f32(_WHITE)
+        col *= alpha[..., None]
+        col += f32(_WHITE)
+    col += f32(0.5)
+    np.clip(col, 0, 255, out=col)
+    return col.astype(np.uint8)
 
 
 # ---------------------------------------------------------------------------------------- writing
