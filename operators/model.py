@@ -49,7 +49,7 @@ class ModelConfig:
         stride: grid stride in level-0 pixels; ``None`` means ``patch_size`` (no overlap).
         scorer_downsample: downsample of the low-res view the scorer sees (the store level is picked with
             ``SlideStore.best_level_for_downsample`` and resampled to this scale).
-        tissue_threshold: a cell is a candidate when at least this fraction of it is tissue.
+        tissue_threshold: a cell is a candidate when at least this fraction of it is tissue (0: every cell).
         k: number of patches per slide.
         selector: ``"perturbed"`` (perturbed top-k, Cordonnier et al.), ``"sinkhorn"`` (SOFT top-k),
             ``"lapsum"``, ``"attention"`` (attention sampling) or ``"hard"`` (hard top-k: no gradient to the
@@ -328,6 +328,9 @@ class FoveateModel(nn.Module):
             idx, w, mass = cap_support(y, cfg.max_support)
             return Selection(cidx[idx], w, None, {"kept_mass": mass})
         idx = topk.hard_topk(sc, k)  # [1, K], sorted by position
+        if cfg.selector in ("sinkhorn", "lapsum") and sc.shape[1] == k:
+            # SOFT and LapSum need k < N; with exactly k candidates all are chosen with mask 1
+            return Selection(cidx[idx].unsqueeze(-1), ones, sc.new_full((1, k), 1.0 / k), {})
         if cfg.selector == "sinkhorn":
             from operators.sinkhorn import sinkhorn_topk
 
@@ -336,8 +339,6 @@ class FoveateModel(nn.Module):
         if cfg.selector == "lapsum":
             from operators.lapsum import lapsum_topk
 
-            if sc.shape[1] == k:  # LapSum needs k < N; all candidates are chosen with mask 1
-                return Selection(cidx[idx].unsqueeze(-1), ones, sc.new_full((1, k), 1.0 / k), {})
             mask = lapsum_topk(sc, k, alpha=cfg.alpha)
             return Selection(cidx[idx].unsqueeze(-1), ones, mask.gather(1, idx) / k, {})
         return Selection(cidx[idx].unsqueeze(-1), ones, None, {})

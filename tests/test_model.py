@@ -143,6 +143,24 @@ def test_select_shapes_and_inference_is_hard_topk(selector):
         model.select(scores, training=True, sigma=-1.0)
 
 
+@pytest.mark.parametrize("selector", SELECTORS)
+def test_select_with_exactly_k_candidates(selector):
+    model = FoveateModel(ModelConfig(**{**SMALL, "selector": selector}))
+    scores = torch.rand(1, 10)
+    scores[0, :6] = float("-inf")
+    for training in (True, False):
+        sel = model.select(scores, training=training, generator=torch.Generator().manual_seed(0))
+        assert sorted(set(sel.primary.flatten().tolist())) == [6, 7, 8, 9]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_forward_slide_on_cuda(stores):
+    model = FoveateModel(ModelConfig(**SMALL)).cuda()
+    out = forward_slide(model, stores[1], training=True, generator=torch.Generator("cuda").manual_seed(0))
+    torch.nn.functional.cross_entropy(out.logits, torch.tensor([1], device="cuda")).backward()
+    assert out.logits.is_cuda and all(torch.isfinite(p.grad).all() for p in model.scorer.parameters())
+
+
 @pytest.mark.parametrize("aggregator", ["mean", "transformer"])
 def test_gradient_reaches_scorer_through_perturbed_soft_patches(stores, aggregator):
     torch.manual_seed(0)
@@ -200,7 +218,7 @@ def test_tiny_overfit_two_slides(stores):
                 opt.zero_grad()
                 loss.backward()
                 opt.step()
-            total += float(loss)
+            total += float(loss.detach())
         return total / 2
 
     with torch.no_grad():

@@ -163,6 +163,8 @@ def test_cell_tissue_fraction_brute_force(store_and_image):
     _, cm = lowres_input(st, cfg)
     assert cm[6, 8] and not cm[0, 0] and not cm[6, 2]
     assert torch.equal(cm, torch.from_numpy(frac >= 0.5))
+    _, all_cells = lowres_input(st, ModelConfig(patch_size=96, stride=80, scorer_downsample=8, tissue_threshold=0.0))
+    assert bool(all_cells.all())
 
 
 def test_prepare_slide_cache(store_and_image):

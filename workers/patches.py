@@ -156,7 +156,8 @@ def lowres_input(store: SlideStore, cfg: ModelConfig) -> tuple[torch.Tensor, tor
 
     Returns:
         ``(lowres[3, h, w] float32 in [0, 1], cell_mask[Gh, Gw] bool)``: the low-res view covering the grid
-        extent (``h = round(extent_h / scorer_downsample)``, white beyond the slide) and the tissue cells.
+        extent (``h = round(extent_h / scorer_downsample)``, white beyond the slide) and the tissue cells
+        (tissue fraction ``>= tissue_threshold``; a threshold of 0 makes every cell a candidate).
         Reads one low-resolution level (not level 0 unless the store has no coarser level).
     """
     if not isinstance(store, SlideStore):
@@ -175,7 +176,7 @@ def lowres_input(store: SlideStore, cfg: ModelConfig) -> tuple[torch.Tensor, tor
         t = F.interpolate(t[None], size=(th, tw), mode="area")[0]
     mask, mask_ds = store.tissue_mask()
     frac = cell_tissue_fraction(mask, mask_ds, grid)
-    cell_mask = torch.from_numpy(frac >= max(cfg.tissue_threshold, 1e-12))
+    cell_mask = torch.from_numpy(frac >= cfg.tissue_threshold)
     return t.contiguous(), cell_mask
 
 
