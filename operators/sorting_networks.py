@@ -184,14 +184,22 @@ def sorting_network(method: str, n: int, k: int) -> tuple[Layer, ...]:
 _INDEX_CACHE: dict[tuple, tuple[tuple, list[tuple[torch.Tensor, torch.Tensor]]]] = {}
 
 
-def _layer_indices(network: tuple[Layer, ...], device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    key = (id(network), str(device))
+def _layer_indices(network: tuple[Layer, ...], n: int, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer: ``partner[n]`` (the other wire of each wire's comparator, itself when idle) and
+    ``sign[n]`` (+1 on min-destination wires, -1 on max-destination wires, 0 when idle)."""
+    key = (id(network), n, str(device))
     hit = _INDEX_CACHE.get(key)
     if hit is None or hit[0] is not network:  # the cache keeps the network alive, so ids are not reused
         idx = []
         for layer in network:
-            t = torch.tensor(layer, dtype=torch.long, device=device)
-            idx.append((t[:, 0].contiguous(), t[:, 1].contiguous()))
+            t = torch.tensor(layer, dtype=torch.long)
+            partner = torch.arange(n)
+            partner[t[:, 0]] = t[:, 1]
+            partner[t[:, 1]] = t[:, 0]
+            sign = torch.zeros(n)
+            sign[t[:, 0]] = 1.0
+            sign[t[:, 1]] = -1.0
+            idx.append((partner.to(device), sign.to(device)))
         if len(_INDEX_CACHE) > 256:
             _INDEX_CACHE.clear()
         hit = _INDEX_CACHE[key] = (network, idx)
@@ -295,14 +303,25 @@ def soft_sort_network(
             raise ValueError(f"track entries must lie in [0, {x.shape[1]}), got range [{int(track.min())}, {int(track.max())}]")
         routes = torch.zeros(x.shape[0], track.shape[1], x.shape[1], dtype=x.dtype, device=x.device)
         routes.scatter_(2, track.unsqueeze(-1), 1.0)
-    for lo, hi in _layer_indices(network, x.device):
-        x_lo, x_hi = x[:, lo], x[:, hi]
-        alpha = relaxed_swap_alpha(x_hi - x_lo, beta, distribution, lam)
-        x = x.index_copy(1, lo, alpha * x_lo + (1 - alpha) * x_hi).index_copy(1, hi, (1 - alpha) * x_lo + alpha * x_hi)
+    for partner, sign in _layer_indices(network, x.shape[1], x.device):
+        x, swap = _relaxed_layer(x, partner, sign, beta, distribution, lam)
         if routes is not None:
-            r_lo, r_hi, a = routes[:, :, lo], routes[:, :, hi], alpha.unsqueeze(1)
-            routes = routes.index_copy(2, lo, a * r_lo + (1 - a) * r_hi).index_copy(2, hi, (1 - a) * r_lo + a * r_hi)
+            routes = routes + swap.unsqueeze(1) * (routes[:, :, partner] - routes)
     return x, routes
+
+
+def _relaxed_layer(
+    x: torch.Tensor, partner: torch.Tensor, sign: torch.Tensor, beta: float, distribution: str, lam: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer on all wires at once: ``x' = x + (1 - alpha) (x[partner] - x)``.
+
+    For a comparator ``(lo, hi)`` both wires see the same ``v = x_hi - x_lo`` (via ``sign``), hence the same
+    ``alpha``, and this is exactly ``x_lo' = alpha x_lo + (1 - alpha) x_hi``, ``x_hi' = (1 - alpha) x_lo +
+    alpha x_hi``; idle wires are their own partner and stay put. Returns ``(x', 1 - alpha)``.
+    """
+    diff = x[:, partner] - x
+    swap = 1 - relaxed_swap_alpha(diff * sign.to(x.dtype), beta, distribution, lam)
+    return x + swap * diff, swap
 
 
 def soft_topk_matrix(
@@ -332,18 +351,15 @@ def soft_topk_matrix(
     k = check_k(k, n, "k")
     network = _check_network(network, n)
     beta, distribution, lam = _check_relax_args(inverse_temperature, distribution, art_lambda)
-    idx = _layer_indices(network, x.device)
-    alphas = []
-    for lo, hi in idx:
-        x_lo, x_hi = x[:, lo], x[:, hi]
-        alpha = relaxed_swap_alpha(x_hi - x_lo, beta, distribution, lam)
-        x = x.index_copy(1, lo, alpha * x_lo + (1 - alpha) * x_hi).index_copy(1, hi, (1 - alpha) * x_lo + alpha * x_hi)
-        alphas.append(alpha)
+    idx = _layer_indices(network, n, x.device)
+    swaps = []
+    for partner, sign in idx:
+        x, swap = _relaxed_layer(x, partner, sign, beta, distribution, lam)
+        swaps.append(swap)
     p = torch.zeros(b, n, k, dtype=x.dtype, device=x.device)
     ranks = torch.arange(k, device=x.device)
     p[:, n - 1 - ranks, ranks] = 1.0
-    for (lo, hi), alpha in zip(reversed(idx), reversed(alphas)):
-        p_lo, p_hi, a = p[:, lo], p[:, hi], alpha.unsqueeze(-1)
-        p = p.index_copy(1, lo, a * p_lo + (1 - a) * p_hi).index_copy(1, hi, (1 - a) * p_lo + a * p_hi)
+    for (partner, _), swap in zip(reversed(idx), reversed(swaps)):
+        p = p + swap.unsqueeze(-1) * (p[:, partner] - p)
     return p
 
