@@ -178,3 +178,17 @@ def test_bad_arguments():
     # with replacement k may exceed N
     idx, _ = attention_sample(a, 9, replace=True)
     assert idx.shape == (2, 9)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_unbiased_and_generator():
+    a = A0.cuda().expand(20_000, -1).clone()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for replace in (True, False):
+        idx, w = attention_sample(a, 3, replace=replace, generator=g)
+        assert idx.device.type == "cuda" and w.device.type == "cuda"
+        est = (w * F0.cuda()[idx]).sum(1).cpu()
+        assert abs(float(_z(est, (A0 * F0).sum()))) < 5
+    with pytest.raises(ValueError, match="generator"):
+        attention_sample(a, 3, replace=True, generator=torch.Generator())

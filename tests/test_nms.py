@@ -150,3 +150,16 @@ def test_bad_arguments():
         mist_loss(hm, torch.zeros(2, 1, 2), sigma=1.0, reduction="avg")
     with pytest.raises(TypeError, match=r"detach_target"):
         mist_loss(hm, torch.zeros(2, 1, 2), sigma=1.0, detach_target=None)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_matches_cpu():
+    g = torch.Generator().manual_seed(0)
+    hm = torch.randint(0, 5, (4, 40, 50), generator=g).to(torch.float32)
+    for radius in (0, 2):
+        c_cpu, s_cpu = nms_topk(hm, 30, radius=radius)
+        c_gpu, s_gpu = nms_topk(hm.cuda(), 30, radius=radius)
+        assert torch.equal(c_gpu.cpu(), c_cpu) and torch.equal(s_gpu.cpu(), s_cpu)
+    loc = torch.rand(4, 3, 2, generator=g) * 40
+    torch.testing.assert_close(mist_loss(hm.cuda(), loc.cuda(), sigma=2.0).cpu(), mist_loss(hm, loc, sigma=2.0))

@@ -201,3 +201,20 @@ def test_bad_arguments():
         TopKCrossEntropyLoss([1.0])(torch.tensor([[math.inf, 0.0]]), torch.tensor([0]))
     with pytest.raises(ValueError, match=r"k must satisfy 1 <= k <= N=4"):
         splitter_selection_network(4, 5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("method", NETWORKS)
+def test_cuda_matches_cpu(method):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(8, 50, generator=g, dtype=torch.float64)
+    y = torch.randint(0, 50, (8,), generator=g)
+    loss = TopKCrossEntropyLoss([0.5, 0.2, 0.3], method, m=12)
+    xc = x.cuda().requires_grad_(True)
+    xs = x.clone().requires_grad_(True)
+    lc, ls = loss(xc, y.cuda()), loss(xs, y)
+    lc.backward()
+    ls.backward()
+    torch.testing.assert_close(lc.cpu(), ls)
+    torch.testing.assert_close(xc.grad.cpu(), xs.grad)
