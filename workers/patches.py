@@ -185,7 +185,8 @@ class PatchReader:
 
     Each call reads the chunks the requested patches touch exactly once: chunks are grouped into horizontal
     runs of adjacent chunks, each run read with one chunk-aligned slice, and patches are cropped from those
-    blocks in memory. Pixels beyond the slide are white (255).
+    blocks in memory. Pixels beyond the slide are white (255). A call holds the touched chunks in memory,
+    so read many cells (e.g. every tissue cell of a large slide) in batches of a few hundred.
 
     Args:
         store: the slide store (its level-0 array ``store.levels[0]`` is looked up at each call).
