@@ -65,7 +65,8 @@ def attention_sample(
     r"""Sample k patches from the attention distribution and return the unbiased-estimator weights.
 
     Katharopoulos & Fleuret 2019 (with replacement: the paper's estimator; without replacement: the
-    paper's sequential estimator, as in the authors' ``ats`` code). For any features ``f[B, N, ...]`` the returned pair gives
+    paper's sequential estimator, as in the authors' ``ats`` code). For any features ``f[B, N, ...]`` the
+    returned pair gives
 
         ``F_hat = sum_j w[:, j] * f[b, idx[:, j]]``   with   ``E[F_hat] = sum_n a_n f_n``  (value),
         ``E[dF_hat/df_n] = a_n``  and  ``E[dF_hat/da_n] = f_n``  (gradients, per row b).
@@ -129,7 +130,8 @@ def attention_sample(
         return idx, _safe_ratio(a_s) / k
 
     with torch.no_grad():
-        u = torch.rand(a.shape, generator=generator, device=a.device, dtype=torch.float64 if a.dtype == torch.float64 else torch.float32)
+        u_dtype = torch.float64 if a.dtype == torch.float64 else torch.float32
+        u = torch.rand(a.shape, generator=generator, device=a.device, dtype=u_dtype)
         tiny = torch.finfo(u.dtype).tiny
         gumbel = -torch.log(-torch.log(u.clamp(min=tiny, max=1.0 - torch.finfo(u.dtype).eps)))
         keys = torch.log(a.detach().to(u.dtype)) + gumbel  # log 0 = -inf: zero-probability patches come last
@@ -176,7 +178,9 @@ class AttentionSampler(nn.Module):
         self.k = check_positive_int(k, "k")
         self.replace = check_bool(replace, "replace")
 
-    def forward(self, attention: torch.Tensor, generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, attention: torch.Tensor, generator: torch.Generator | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         return attention_sample(attention, self.k, replace=self.replace, generator=generator)
 
     def extra_repr(self) -> str:

@@ -142,7 +142,13 @@ def _check_combine(combine: object) -> str:
 
 
 def render_gaussian_heatmap(
-    locations: torch.Tensor, height: int, width: int, *, sigma: float, combine: str = "max", dtype: torch.dtype | None = None
+    locations: torch.Tensor,
+    height: int,
+    width: int,
+    *,
+    sigma: float,
+    combine: str = "max",
+    dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """MIST's keypoint-to-heatmap map ``K(x)``: an isotropic Gaussian bump of peak 1 at each location.
 
@@ -224,7 +230,9 @@ class MISTLoss(nn.Module):
     ``forward(heatmap[B, H, W], locations[B, K, 2]) -> loss``.
     """
 
-    def __init__(self, sigma: float, *, combine: str = "max", detach_target: bool = True, reduction: str = "mean") -> None:
+    def __init__(
+        self, sigma: float, *, combine: str = "max", detach_target: bool = True, reduction: str = "mean"
+    ) -> None:
         super().__init__()
         self.sigma = check_positive(sigma, "sigma")
         self.combine = _check_combine(combine)
@@ -235,7 +243,12 @@ class MISTLoss(nn.Module):
 
     def forward(self, heatmap: torch.Tensor, locations: torch.Tensor) -> torch.Tensor:
         return mist_loss(
-            heatmap, locations, sigma=self.sigma, combine=self.combine, detach_target=self.detach_target, reduction=self.reduction
+            heatmap,
+            locations,
+            sigma=self.sigma,
+            combine=self.combine,
+            detach_target=self.detach_target,
+            reduction=self.reduction,
         )
 
     def extra_repr(self) -> str:

@@ -138,7 +138,8 @@ def splitter_selection_network(n: int, k: int) -> tuple[Layer, ...]:
         out = []
         for i in range(depth):
             s = 2 ** (depth - i - 1)
-            out.append([(lanes[j], lanes[j + s]) for blk in range(0, m, 2 * s) for j in range(blk, min(blk + s, m - s))])
+            pairs = [(lanes[j], lanes[j + s]) for blk in range(0, m, 2 * s) for j in range(blk, min(blk + s, m - s))]
+            out.append(pairs)
         return out
 
     def split_rank(rank: int) -> bool:
@@ -210,7 +211,9 @@ def _layer_indices(network: tuple[Layer, ...], n: int, device: torch.device) -> 
 # relaxed comparator
 
 
-def relaxed_swap_alpha(diff: torch.Tensor, inverse_temperature: float, distribution: str, art_lambda: float = 0.25) -> torch.Tensor:
+def relaxed_swap_alpha(
+    diff: torch.Tensor, inverse_temperature: float, distribution: str, art_lambda: float = 0.25
+) -> torch.Tensor:
     """``alpha = F(beta * diff)`` with ``diff = x_hi - x_lo``: the weight with which each wire keeps its value.
 
     ``F`` is the CDF named by ``distribution`` (Petersen et al. 2021/2022, as in ``diffsort``/``difftopk``):
@@ -300,7 +303,9 @@ def soft_sort_network(
         if track.dim() != 2 or track.shape[0] != x.shape[0] or track.dtype != torch.long:
             raise ValueError(f"track must be a LongTensor [B={x.shape[0]}, r], got {track.dtype} {tuple(track.shape)}")
         if track.numel() and (int(track.min()) < 0 or int(track.max()) >= x.shape[1]):
-            raise ValueError(f"track entries must lie in [0, {x.shape[1]}), got range [{int(track.min())}, {int(track.max())}]")
+            raise ValueError(
+                f"track entries must lie in [0, {x.shape[1]}), got range [{int(track.min())}, {int(track.max())}]"
+            )
         routes = torch.zeros(x.shape[0], track.shape[1], x.shape[1], dtype=x.dtype, device=x.device)
         routes.scatter_(2, track.unsqueeze(-1), 1.0)
     for partner, sign in _layer_indices(network, x.shape[1], x.device):

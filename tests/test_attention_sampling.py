@@ -134,7 +134,8 @@ def test_entropy():
     assert float(attention_entropy(onehot)) == 0.0
     a = torch.tensor([[0.0, 0.3, 0.7]], dtype=torch.float64, requires_grad=True)
     attention_entropy(a).sum().backward()
-    torch.testing.assert_close(a.grad, torch.tensor([[0.0, -(math.log(0.3) + 1), -(math.log(0.7) + 1)]], dtype=torch.float64))
+    want = torch.tensor([[0.0, -(math.log(0.3) + 1), -(math.log(0.7) + 1)]], dtype=torch.float64)
+    torch.testing.assert_close(a.grad, want)
     # through a softmax (the usual parametrisation): finite differences
     logits = torch.randn(3, 6, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(lambda x: attention_entropy(torch.softmax(x, 1)), (logits,))

@@ -69,7 +69,8 @@ def test_soft_topk_matrix_matches_difftopk(method, n):
     theirs_net = _their_dense_network(method, n, k)
     for dist in DISTRIBUTIONS:
         _, theirs = execute_topk(theirs_net, x, k, steepness=3.0, art_lambda=0.4, distribution=dist)
-        ours = soft_topk_matrix(x, sorting_network(method, n, k), k, inverse_temperature=3.0, distribution=dist, art_lambda=0.4)
+        net = sorting_network(method, n, k)
+        ours = soft_topk_matrix(x, net, k, inverse_temperature=3.0, distribution=dist, art_lambda=0.4)
         torch.testing.assert_close(ours.flip(-1), theirs, atol=2e-6, rtol=1e-5, msg=f"{method} {dist}")
 
 
@@ -111,7 +112,9 @@ def test_loss_and_gradient_match_difftopk(ours, theirs, m, mode, dist, capsys):
         ref.top_k_net.sorting_network = _their_dense_network(ours, m or n, len(p_k))
     l_ref = ref(x, y)
     (g_ref,) = torch.autograd.grad(l_ref, x)
-    loss = TopKCrossEntropyLoss(p_k, ours, inverse_temperature=1.7, distribution=dist, art_lambda=0.3, m=m, n=n, top1_mode=mode)
+    loss = TopKCrossEntropyLoss(
+        p_k, ours, inverse_temperature=1.7, distribution=dist, art_lambda=0.3, m=m, n=n, top1_mode=mode
+    )
     l_ours = loss(x, y)
     (g_ours,) = torch.autograd.grad(l_ours, x)
     torch.testing.assert_close(l_ours, l_ref, atol=1e-6, rtol=1e-5)
@@ -126,7 +129,9 @@ def test_gradcheck_float64(method, m):
     y = torch.tensor([0, 4, 8])
 
     def f(z):
-        return topk_cross_entropy(z, y, [0.3, 0.3, 0.4], method=method, inverse_temperature=1.5, distribution="logistic", m=m)
+        return topk_cross_entropy(
+            z, y, [0.3, 0.3, 0.4], method=method, inverse_temperature=1.5, distribution="logistic", m=m
+        )
 
     assert torch.autograd.gradcheck(f, (x,))
 
@@ -145,7 +150,9 @@ def test_pk_one_is_softmax_cross_entropy():
     torch.testing.assert_close(TopKCrossEntropyLoss([1.0], top1_mode="smce", eps=0.0)(x, y), ce)
     # P_K = [0, 1]: with a very steep relaxation, the loss is ~0 when the label is in the top-2, large otherwise
     x2 = torch.tensor([[3.0, 2.0, 1.0, 0.0], [3.0, 2.0, 1.0, 0.0]], dtype=torch.float64)
-    per = topk_cross_entropy(x2, torch.tensor([1, 2]), [0.0, 1.0], inverse_temperature=1e6, distribution="logistic", reduction="none")
+    per = topk_cross_entropy(
+        x2, torch.tensor([1, 2]), [0.0, 1.0], inverse_temperature=1e6, distribution="logistic", reduction="none"
+    )
     assert per[0] < 1e-5 and per[1] > 10
 
 
