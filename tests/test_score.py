@@ -1,0 +1,195 @@
+"""foveate score: real Zarr stores, a real (tiny, untrained) model saved with pipeline.model_io, real Ray.
+
+One row per slide, error rows for an incomplete / corrupt store, resume, actors killed mid-run (os._exit from
+inside, restarted by Ray), and hard top-k coordinates that equal the single-process forward chain.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from pipeline.score import CRASH_ENV, list_stores, read_predictions, score
+from workers.store import COMPLETE_MARKER, SlideStore, write_store_from_array
+
+GOOD = ["s0", "s1", "s2", "s3"]
+BAD = {"incomplete": "incomplete", "corrupt_meta": "scorer:", "corrupt_chunks": "patches:"}
+CLASSES = ["benign", "tumour", "other"]
+
+
+def _slide(seed: int) -> np.ndarray:
+    """A 300x400 slide: white background, a textured pinkish tissue block at a seed-dependent place."""
+    rng = np.random.default_rng(seed)
+    img = np.full((300, 400, 3), 245, np.uint8)
+    y0, x0 = 20 + 10 * seed, 30 + 15 * seed
+    tissue = rng.integers(90, 210, (200, 250, 3), dtype=np.uint8)
+    tissue[..., 1] //= 2
+    img[y0:y0 + 200, x0:x0 + 250] = tissue
+    return img
+
+
+def _model_config():
+    from operators.model import ModelConfig
+    from pipeline.config import from_dict
+
+    return from_dict(ModelConfig, {
+        "patch_size": 32, "k": 4, "scorer_downsample": 4.0, "num_classes": len(CLASSES), "aggregator": "attention_mil",
+        "aggregator_hidden": 16, "scorer": {"channels": 8},
+        "features": {"widths": [8, 16], "blocks": [1, 1], "feature_dim": 16}})
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    from operators.model import FoveateModel
+    from pipeline.model_io import save_checkpoint
+
+    root = tmp_path_factory.mktemp("score")
+    stores = root / "stores"
+    for i, sid in enumerate(GOOD):
+        write_store_from_array(stores / f"{sid}.zarr", _slide(i), tile_size=64, min_size=64)
+    for i, sid in enumerate(BAD):
+        write_store_from_array(stores / f"{sid}.zarr", _slide(i), tile_size=64, min_size=64)
+    (stores / "incomplete.zarr" / COMPLETE_MARKER).unlink()
+    (stores / "corrupt_meta.zarr" / "zarr.json").write_text("{ not json")
+    chunks = [p for p in (stores / "corrupt_chunks.zarr" / "0").rglob("*") if p.is_file() and p.name != "zarr.json"]
+    assert chunks
+    for p in chunks:
+        p.write_bytes(b"\x00garbage" * 7)
+    torch.manual_seed(0)
+    cfg = _model_config()
+    model = FoveateModel(cfg).eval()
+    ckpt = save_checkpoint(root / "model.pt", model, cfg, CLASSES)
+    return {"root": root, "stores": stores, "ckpt": ckpt, "model": model}
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def _reference(model, store_path):
+    from workers.patches import forward_slide
+
+    with torch.no_grad():
+        out = forward_slide(model, SlideStore(store_path), training=False)
+    return out.coords_l0.numpy(), torch.softmax(out.logits[0], -1).numpy(), out.patch_scores.numpy()
+
+
+def _by_id(table):
+    return {r["slide_id"]: r for r in table.to_dict("records")}
+
+
+def test_workers_without_ray_match_forward_chain(data, tmp_path):
+    """The two stages as plain classes give the coordinates/probabilities of workers.patches.forward_slide."""
+    from workers.scoring import ClassifierWorker, ScorerWorker
+
+    sw = ScorerWorker(str(data["ckpt"]), device="cpu")
+    cw = ClassifierWorker(str(data["ckpt"]), heatmap_dir=tmp_path / "hm", model_name="m")
+    items = sw.score_batch([(s, str(data["stores"] / f"{s}.zarr")) for s in ["s0", "s1", "incomplete"]])
+    assert [i["status"] for i in items] == ["ok", "ok", "error"]
+    assert "incomplete" in items[2]["error"]
+    rows = cw.classify_batch(items)  # s0 and s1 go through the network as one batch
+    for row in rows[:2]:
+        coords, probs, pscores = _reference(data["model"], data["stores"] / f"{row['slide_id']}.zarr")
+        np.testing.assert_array_equal([[p["x"], p["y"]] for p in row["patches"]], coords)
+        assert all(p["w"] == p["h"] == 32 for p in row["patches"])
+        np.testing.assert_allclose([p["score"] for p in row["patches"]], pscores, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose([row["probabilities"][c] for c in CLASSES], probs, rtol=1e-4, atol=1e-6)
+        assert row["prediction"] == CLASSES[int(np.argmax(probs))]
+        assert Path(row["heatmap"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert rows[2]["status"] == "error" and rows[2]["patches"] == []
+
+
+def test_arguments(data, tmp_path):
+    with pytest.raises(ValueError, match="--workers.*0"):
+        score(str(data["ckpt"]), data["stores"], tmp_path / "p.parquet", workers=0)
+    with pytest.raises(ValueError, match="--out must be a .parquet"):
+        score(str(data["ckpt"]), data["stores"], tmp_path / "p.csv")
+    with pytest.raises(FileNotFoundError, match="--stores"):
+        score(str(data["ckpt"]), tmp_path / "nope", tmp_path / "p.parquet")
+    with pytest.raises(ValueError, match="has no <slide_id>.zarr"):
+        score(str(data["ckpt"]), tmp_path, tmp_path / "p.parquet")
+    assert [s for s, _ in list_stores(data["stores"])] == sorted(GOOD + list(BAD))
+
+
+def test_score_rows_errors_mlflow_and_resume(data, ray_local, tmp_path):
+    import mlflow
+
+    from pipeline.model_io import log_model
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = mlflow.MlflowClient(uri)
+    exp = client.create_experiment("train", artifact_location=(tmp_path / "art").as_uri())
+    run_id = client.create_run(exp).info.run_id
+    log_model(data["model"], _model_config(), CLASSES, run_id=run_id, tracking_uri=uri)
+
+    out = tmp_path / "out" / "pred.parquet"
+    res = score(f"runs:/{run_id}", data["stores"], out, workers=1, batch_size=2, experiment="scoring",
+                tracking_uri=uri)
+    t = res.table
+    assert sorted(t["slide_id"]) == sorted(GOOD + list(BAD)) and t["slide_id"].is_unique
+    assert (res.total, res.scored, res.failed, res.skipped) == (7, 4, 3, 0)
+    rows = _by_id(t)
+    for sid in GOOD:
+        r = rows[sid]
+        coords, probs, _ = _reference(data["model"], data["stores"] / f"{sid}.zarr")
+        assert r["status"] == "ok" and pd.isna(r["error"])
+        np.testing.assert_array_equal([[p["x"], p["y"]] for p in r["patches"]], coords)
+        np.testing.assert_allclose([r[f"prob_{c}"] for c in CLASSES], probs, rtol=1e-4, atol=1e-6)
+        assert r["probability"] == pytest.approx(probs.max(), rel=1e-4) and r["prediction"] in CLASSES
+        assert Path(r["heatmap"]).parent == out.parent / "pred_heatmaps" and Path(r["heatmap"]).is_file()
+        assert r["seconds"] > 0
+    for sid, needle in BAD.items():
+        assert rows[sid]["status"] == "error" and needle in rows[sid]["error"], rows[sid]["error"]
+        assert pd.isna(rows[sid]["prediction"]) and len(rows[sid]["patches"]) == 0
+
+    # the scoring run in MLflow, with the predictions as an artifact
+    srun = client.get_run(res.run_id)
+    assert srun.data.tags["foveate.stage"] == "score" and srun.info.status == "FINISHED"
+    assert srun.data.metrics["slides_scored"] == 4 and srun.data.metrics["slides_failed"] == 3
+    assert [a.path for a in client.list_artifacts(res.run_id, "predictions")] == ["predictions/pred.parquet"]
+
+    # resume: ok rows are kept as they are, failed slides are retried; fix one and add a new slide
+    before = {r["slide_id"]: r["scored_at"] for r in read_predictions(out) if r["status"] == "ok"}
+    (data["stores"] / "incomplete.zarr" / COMPLETE_MARKER).write_text(json.dumps({"slide_id": "incomplete"}))
+    write_store_from_array(data["stores"] / "s9.zarr", _slide(5), tile_size=64, min_size=64)
+    try:
+        res2 = score(str(data["ckpt"]), data["stores"], out, workers=1, batch_size=2, experiment=None)
+    finally:
+        (data["stores"] / "incomplete.zarr" / COMPLETE_MARKER).unlink()
+        shutil.rmtree(data["stores"] / "s9.zarr")
+    assert (res2.total, res2.skipped, res2.scored, res2.failed) == (8, 4, 2, 2)
+    rows2 = _by_id(res2.table)
+    assert len(res2.table) == 8 and res2.table["slide_id"].is_unique
+    assert {sid: rows2[sid]["scored_at"] for sid in before} == before  # not scored again
+    assert rows2["incomplete"]["status"] == "ok" and rows2["s9"]["status"] == "ok"
+    assert rows2["corrupt_meta"]["status"] == "error"
+
+
+def test_killed_actors_are_restarted_and_no_slide_is_lost_or_doubled(data, ray_local, tmp_path, monkeypatch):
+    """Each stage's actor kills its own process (os._exit) mid-run; Ray restarts it and re-runs the call."""
+    m1, m2 = tmp_path / "scorer.crashed", tmp_path / "classifier.crashed"
+    monkeypatch.setenv(CRASH_ENV, f"scorer:s2:{m1};classifier:s1:{m2}")
+    out = tmp_path / "pred.parquet"
+    res = score(str(data["ckpt"]), data["stores"], out, workers=1, batch_size=2, experiment=None, heatmaps=False)
+    assert m1.is_file() and m2.is_file()  # both processes really died
+    t = res.table
+    assert len(t) == 7 and t["slide_id"].is_unique and sorted(t["slide_id"]) == sorted(GOOD + list(BAD))
+    rows = _by_id(t)
+    for sid in GOOD:  # same results as without the crash (hard top-k is deterministic)
+        coords, probs, _ = _reference(data["model"], data["stores"] / f"{sid}.zarr")
+        assert rows[sid]["status"] == "ok"
+        np.testing.assert_array_equal([[p["x"], p["y"]] for p in rows[sid]["patches"]], coords)
+        np.testing.assert_allclose([rows[sid][f"prob_{c}"] for c in CLASSES], probs, rtol=1e-4, atol=1e-6)
+    assert all(rows[sid]["status"] == "error" for sid in BAD)
+    assert pd.isna(rows["s0"]["heatmap"])
