@@ -69,6 +69,7 @@ def test_config_defaults_and_yaml_roundtrip():
 
 
 def test_score_masks_non_tissue_and_normalises():
+    torch.manual_seed(0)
     model = FoveateModel(ModelConfig(**SMALL))
     lowres = torch.rand(2, 3, 40, 48)
     mask = torch.zeros(2, 5, 6, dtype=torch.bool)
@@ -79,7 +80,7 @@ def test_score_masks_non_tissue_and_normalises():
     assert torch.equal(torch.isfinite(s), mask.flatten(1))
     for b in range(2):
         fin = s[b][torch.isfinite(s[b])]
-        assert float(fin.min()) == 0 and abs(float(fin.max()) - 1) < 1e-4
+        assert float(fin.min()) == 0 and 0.99 < float(fin.max()) <= 1  # max = range / (range + 1e-6)
     sel = model.select(s, training=True, sigma=1.0, generator=torch.Generator().manual_seed(0))
     assert mask.flatten(1).gather(1, sel.indices.flatten(1)).all()  # never a non-tissue cell
     with pytest.raises(ValueError, match="fewer than model.k"):
