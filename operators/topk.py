@@ -16,8 +16,8 @@ The paper's appendix code (``einsum("bnkd,bnd->bkd")`` then ``einsum("bkd,bkd->b
 ``j == d`` terms, which is biased: e.g. its gradient does not sum to zero over patches. Here nothing of size
 ``n x k x N`` is ever built: the forward accumulates counts with ``scatter_add_`` and the backward gathers
 ``G`` at the sampled indices (``c``, shape ``[B, n]``) and contracts ``Z^T c``. The noise is stored when small
-and regenerated in the backward from the saved generator state, in chunks, when large (see
-``_NOISE_CHUNK_ELEMENTS``), so peak memory is O(B*k*N + chunk) rather than O(B*n*N).
+(at most ``_STORE_NOISE_MAX_BYTES``) and otherwise regenerated in the backward from the saved generator
+state, chunk by chunk (``_NOISE_CHUNK_ELEMENTS``), so peak memory is O(B*k*N + chunk) rather than O(B*n*N).
 
 Noise convention: when ``B*n*N <= _NOISE_CHUNK_ELEMENTS`` the noise is exactly
 ``torch.randn((B, n, N), generator=generator, dtype=scores.dtype, device=scores.device)``; above that it is
@@ -34,10 +34,12 @@ from operators._checks import check_bool, check_k, check_nonneg, check_positive_
 
 __all__ = ["hard_topk", "perturbed_topk", "PerturbedTopK"]
 
-#: Largest number of noise elements (B * samples * N) drawn at once. Below it the whole noise is drawn in one
-#: call and stored for the backward; above it the samples are processed in chunks of this size and the noise
-#: is regenerated in the backward from the saved generator state (memory O(chunk) instead of O(B*n*N)).
+#: Largest number of noise elements (B * samples * N) drawn at once: above it the samples are drawn and
+#: processed in chunks of at most this many elements (the noise convention of the module docstring).
 _NOISE_CHUNK_ELEMENTS = 1 << 22
+#: The noise is kept for the backward when it takes at most this many bytes, and regenerated chunk by chunk from
+#: the saved generator state otherwise (regenerating costs a second round of ``randn``, the dominant cost).
+_STORE_NOISE_MAX_BYTES = 256 << 20
 
 
 def hard_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -86,34 +88,35 @@ class _PerturbedTopK(torch.autograd.Function):
         if noise is not None:
             chunks = [(0, num_samples)]
             ctx.mode = "stored"
+            stored = [noise]
         else:
             chunks = _sample_chunks(bsz, num_samples, n)
-            if len(chunks) == 1:
-                ctx.mode = "stored"
-            else:
-                ctx.mode = "regen"
+            nbytes = bsz * num_samples * n * scores.element_size()
+            ctx.mode = "stored" if nbytes <= _STORE_NOISE_MAX_BYTES else "regen"
+            stored = []
+            if ctx.mode == "regen":
                 ctx.gen_state = generator.get_state()
                 ctx.gen_device = generator.device
         idx_all = torch.empty((bsz, num_samples, k), dtype=torch.long, device=scores.device)
+        buf = None
         for lo, hi in chunks:
             if noise is not None:
                 z = noise
             else:
                 z = torch.randn((bsz, hi - lo, n), generator=generator, dtype=scores.dtype, device=scores.device)
                 if ctx.mode == "stored":
-                    noise = z
-            pert = torch.add(s_det.unsqueeze(1), z, alpha=sigma)
-            idx = torch.topk(pert, k, dim=-1, sorted=False).indices.sort(dim=-1).values  # [B, c, k]
-            del pert
+                    stored.append(z)
+            if buf is None or buf.shape != z.shape:
+                buf = torch.empty_like(z)
+            torch.add(s_det.unsqueeze(1), z, alpha=sigma, out=buf)  # perturbed scores
+            idx = torch.topk(buf, k, dim=-1, sorted=False).indices.sort(dim=-1).values  # [B, c, k]
             idx_all[:, lo:hi] = idx
+        del buf
         ctx.chunks = chunks
         idx_t = idx_all.transpose(1, 2)  # [B, k, n]
         out.scatter_add_(2, idx_t, torch.ones((1, 1, 1), dtype=out.dtype, device=out.device).expand(idx_t.shape))
         out.div_(num_samples)
-        if ctx.mode == "stored":
-            ctx.save_for_backward(idx_all, noise)
-        else:
-            ctx.save_for_backward(idx_all)
+        ctx.save_for_backward(idx_all, *stored)
         return out
 
     @staticmethod
@@ -123,11 +126,7 @@ class _PerturbedTopK(torch.autograd.Function):
             return torch.zeros(ctx.shape, dtype=grad_out.dtype, device=grad_out.device), *([None] * 6)
         bsz, n = ctx.shape
         num_samples, sigma = ctx.num_samples, ctx.sigma
-        if ctx.mode == "stored":
-            idx_all, noise = ctx.saved_tensors
-        else:
-            (idx_all,) = ctx.saved_tensors
-            noise = None
+        idx_all, *stored = ctx.saved_tensors
         # c[b, s] = sum_{k,d} G[b,k,d] Y_s[b,k,d] = sum_k G[b, k, idx[b, s, k]]   (a gather, no one-hot)
         c = grad_out.gather(2, idx_all.transpose(1, 2)).sum(dim=1)  # [B, n]
         if ctx.control_variate and num_samples > 1:
@@ -136,9 +135,9 @@ class _PerturbedTopK(torch.autograd.Function):
         grad = torch.zeros((bsz, n), dtype=grad_out.dtype, device=grad_out.device)
         zbar_c = torch.zeros((bsz,), dtype=grad_out.dtype, device=grad_out.device)
         gen = _clone_generator(ctx.gen_state, ctx.gen_device) if ctx.mode == "regen" else None
-        for lo, hi in ctx.chunks:
-            if noise is not None:
-                z = noise
+        for i, (lo, hi) in enumerate(ctx.chunks):
+            if stored:
+                z = stored[i]
             else:
                 z = torch.randn((bsz, hi - lo, n), generator=gen, dtype=grad_out.dtype, device=grad_out.device)
             cc = c[:, lo:hi]
@@ -186,8 +185,9 @@ def perturbed_topk(
         ``Tensor[B, k, N]`` of the scores' dtype: slot ``i`` (patches in increasing index order) is the
         empirical distribution of the ``i``-th selected index; every slot sums to 1 over N.
 
-    Memory: O(B*k*N) for output and gradient plus O(B*n*k) indices plus one noise chunk of at most
-    ``_NOISE_CHUNK_ELEMENTS`` elements; the noise is regenerated in the backward when it is larger.
+    Memory: O(B*k*N) for output and gradient plus O(B*n*k) indices plus the noise while it takes at most
+    ``_STORE_NOISE_MAX_BYTES`` (256 MiB); above that only one chunk of ``_NOISE_CHUNK_ELEMENTS`` elements
+    is alive at a time and the noise is regenerated in the backward from the saved generator state.
     """
     check_scores(scores, "scores")
     bsz, n = scores.shape

@@ -98,11 +98,12 @@ def test_generator_noise_convention_and_reproducibility():
     assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("cv", [False, True])
-def test_chunked_regenerated_noise_equals_dense_reference(monkeypatch, cv):
-    """Above the chunk size the noise is drawn per sample chunk and regenerated in the backward."""
+@pytest.mark.parametrize("cv,store", [(False, False), (True, False), (True, True)])
+def test_chunked_regenerated_noise_equals_dense_reference(monkeypatch, cv, store):
+    """Above the chunk size the noise is drawn per sample chunk; stored, or regenerated in the backward."""
     B, N, k, n, sigma = 2, 11, 3, 37, 0.2
     monkeypatch.setattr(topk_mod, "_NOISE_CHUNK_ELEMENTS", B * N * 5)  # chunks of 5 samples, 8 chunks
+    monkeypatch.setattr(topk_mod, "_STORE_NOISE_MAX_BYTES", 1 << 30 if store else 0)
     scores = torch.randn(B, N, generator=_gen(4), dtype=DT)
     grad_out = torch.randn(B, k, N, generator=_gen(5), dtype=DT)
     gen = _gen(6)
