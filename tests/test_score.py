@@ -122,7 +122,10 @@ def test_arguments(data, tmp_path):
     assert [s for s, _ in list_stores(data["stores"])] == sorted(GOOD + list(BAD))
 
 
-def test_score_rows_errors_mlflow_and_resume(data, ray_local, tmp_path):
+def test_score_with_killed_actors_errors_mlflow_and_resume(data, ray_local, tmp_path, monkeypatch):
+    """Score from an MLflow runs:/ URI while each stage's actor kills its own process (os._exit) mid-run: Ray
+    restarts it and re-runs the call, and the output still has exactly one row per slide, equal to the
+    single-process chain (hard top-k is deterministic). Then resume."""
     import mlflow
 
     from pipeline.model_io import log_model
@@ -134,8 +137,12 @@ def test_score_rows_errors_mlflow_and_resume(data, ray_local, tmp_path):
     log_model(data["model"], _model_config(), CLASSES, run_id=run_id, tracking_uri=uri)
 
     out = tmp_path / "out" / "pred.parquet"
+    m1, m2 = tmp_path / "scorer.crashed", tmp_path / "classifier.crashed"
+    monkeypatch.setenv(CRASH_ENV, f"scorer:s2:{m1};classifier:s1:{m2}")
     res = score(f"runs:/{run_id}", data["stores"], out, workers=1, batch_size=2, experiment="scoring",
                 tracking_uri=uri)
+    monkeypatch.delenv(CRASH_ENV)
+    assert m1.is_file() and m2.is_file()  # both actor processes really died mid-run
     t = res.table
     assert sorted(t["slide_id"]) == sorted(GOOD + list(BAD)) and t["slide_id"].is_unique
     assert (res.total, res.scored, res.failed, res.skipped) == (7, 4, 3, 0)
@@ -164,7 +171,8 @@ def test_score_rows_errors_mlflow_and_resume(data, ray_local, tmp_path):
     (data["stores"] / "incomplete.zarr" / COMPLETE_MARKER).write_text(json.dumps({"slide_id": "incomplete"}))
     write_store_from_array(data["stores"] / "s9.zarr", _slide(5), tile_size=64, min_size=64)
     try:
-        res2 = score(str(data["ckpt"]), data["stores"], out, workers=1, batch_size=2, experiment=None)
+        res2 = score(str(data["ckpt"]), data["stores"], out, workers=1, batch_size=2, experiment=None,
+                     heatmaps=False)
     finally:
         (data["stores"] / "incomplete.zarr" / COMPLETE_MARKER).unlink()
         shutil.rmtree(data["stores"] / "s9.zarr")
@@ -174,22 +182,4 @@ def test_score_rows_errors_mlflow_and_resume(data, ray_local, tmp_path):
     assert {sid: rows2[sid]["scored_at"] for sid in before} == before  # not scored again
     assert rows2["incomplete"]["status"] == "ok" and rows2["s9"]["status"] == "ok"
     assert rows2["corrupt_meta"]["status"] == "error"
-
-
-def test_killed_actors_are_restarted_and_no_slide_is_lost_or_doubled(data, ray_local, tmp_path, monkeypatch):
-    """Each stage's actor kills its own process (os._exit) mid-run; Ray restarts it and re-runs the call."""
-    m1, m2 = tmp_path / "scorer.crashed", tmp_path / "classifier.crashed"
-    monkeypatch.setenv(CRASH_ENV, f"scorer:s2:{m1};classifier:s1:{m2}")
-    out = tmp_path / "pred.parquet"
-    res = score(str(data["ckpt"]), data["stores"], out, workers=1, batch_size=2, experiment=None, heatmaps=False)
-    assert m1.is_file() and m2.is_file()  # both processes really died
-    t = res.table
-    assert len(t) == 7 and t["slide_id"].is_unique and sorted(t["slide_id"]) == sorted(GOOD + list(BAD))
-    rows = _by_id(t)
-    for sid in GOOD:  # same results as without the crash (hard top-k is deterministic)
-        coords, probs, _ = _reference(data["model"], data["stores"] / f"{sid}.zarr")
-        assert rows[sid]["status"] == "ok"
-        np.testing.assert_array_equal([[p["x"], p["y"]] for p in rows[sid]["patches"]], coords)
-        np.testing.assert_allclose([rows[sid][f"prob_{c}"] for c in CLASSES], probs, rtol=1e-4, atol=1e-6)
-    assert all(rows[sid]["status"] == "error" for sid in BAD)
-    assert pd.isna(rows["s0"]["heatmap"])
+    assert pd.isna(rows2["s9"]["heatmap"]) and Path(rows2["s0"]["heatmap"]).is_file()
