@@ -481,7 +481,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             metrics["epoch_seconds"] = time.perf_counter() - epoch_t0
             metrics["epoch_patches_per_second"] = ep_patches / max(ep_step_time, 1e-9)
             metrics["epoch_seconds_per_step"] = ep_step_time / max(steps_per_epoch, 1)
-            metrics["peak_memory_mb"] = _peak_memory_mb(device)
+            metrics["epoch_peak_memory_mb"] = _peak_memory_mb(device)
             metrics["train_seconds"] = train_seconds
             log_metrics(client, run_id, metrics, step=epoch + 1)
             log.info("epoch %d: %s", epoch + 1, ", ".join(f"{k}={v:.4g}" for k, v in metrics.items()))

@@ -1,0 +1,221 @@
+"""foveate train: real Ray Train (in-process), real MLflow (sqlite), real stores.
+
+One tiny training crashes after its first epoch checkpoint and is resumed to the end (same MLflow run,
+epoch/step counters and optimizer state continuing); the logged model must give the trained model's
+predictions. A second run uses two workers through the CLI.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from pipeline.config import ConfigError, load_config, to_dict
+from pipeline.train import (
+    TrainConfig,
+    classification_metrics,
+    lr_factor,
+    roc_auc,
+    sigma_at,
+    train,
+)
+from workers.store import write_store_from_array
+
+CLASSES = ["neg", "pos", "other"]
+
+TINY = """
+data: {{stores: {stores}, labels: {labels}, val_fraction: 0.34, seed: 0}}
+model:
+  patch_size: 32
+  k: 4
+  scorer_downsample: 4
+  num_samples: 8
+  max_support: 2
+  scorer: {{channels: 4, num_layers: 2}}
+  features: {{widths: [4, 8], blocks: [1, 1], feature_dim: 8}}
+  aggregator: transformer
+  aggregator_hidden: 8
+  transformer_layers: 1
+  transformer_heads: 2
+optim: {{epochs: 2, lr: 0.01, accumulate: 2, warmup: 1}}
+schedule: {{sigma_start: 0.1, sigma_end: 0.0}}
+tracking: {{experiment: test-train, artifact_slides: 1}}
+workdir: {workdir}
+"""
+
+
+@pytest.fixture(scope="module")
+def slides(tmp_path_factory) -> tuple[Path, Path]:
+    """Six 256x256 stores, three classes; the class is a 16x16 checkerboard's contrast (none / strong / weak)."""
+    root = tmp_path_factory.mktemp("stores")
+    rows = []
+    for i in range(6):
+        rng = np.random.default_rng(i)
+        img = np.full((256, 256, 3), 240, np.uint8)
+        img[32:224, 32:224] = (200, 120, 180)
+        img[32:224, 32:224] += rng.integers(0, 20, (192, 192, 1), dtype=np.uint8)
+        label = i % 3
+        if label:
+            y = 64 + 16 * (i % 4)
+            blk = (np.indices((16, 16)).sum(0) % 2 * (80 if label == 1 else 40)).astype(np.uint8)
+            img[y:y + 16, 96:112] = blk[..., None]
+        write_store_from_array(root / f"s{i:02d}.zarr", img, tile_size=64, min_size=64)
+        rows.append({"slide_id": f"s{i:02d}", "label": CLASSES[label]})
+    labels = root / "labels.csv"
+    pd.DataFrame(rows).to_csv(labels, index=False)
+    return root, labels
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    import ray
+
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def _config_file(tmp_path: Path, slides, name: str = "tiny.yaml") -> Path:
+    stores, labels = slides
+    path = tmp_path / name
+    path.write_text(TINY.format(stores=stores, labels=labels, workdir=tmp_path / "work"))
+    return path
+
+
+# ------------------------------------------------------------------------------------------ pure parts
+def test_schedules():
+    assert sigma_at(0, 10, 0.5, 0.0) == 0.5
+    assert sigma_at(9, 10, 0.5, 0.0) == 0.0
+    assert sigma_at(3, 7, 0.6, 0.0) == pytest.approx(0.3)
+    assert sigma_at(0, 1, 0.2, 0.0) == 0.2
+    assert lr_factor(0, 10, 2) == 0.5 and lr_factor(1, 10, 2) == 1.0
+    assert lr_factor(2, 10, 2) == pytest.approx(1.0)
+    assert lr_factor(6, 10, 2) == pytest.approx(0.5)
+    assert lr_factor(10, 10, 2, min_ratio=0.1) == pytest.approx(0.1)
+
+
+def test_auc_matches_pair_counting():
+    rng = np.random.default_rng(0)
+    y = rng.integers(0, 2, 200).astype(bool)
+    s = np.round(rng.normal(size=200) + y, 1)  # rounding makes ties
+    pairs = [(1.0 if a > b else 0.5 if a == b else 0.0) for a in s[y] for b in s[~y]]
+    assert roc_auc(y, s) == pytest.approx(np.mean(pairs), abs=1e-12)
+    assert math.isnan(roc_auc(np.ones(3, bool), np.arange(3.0)))
+    probs = np.array([[0.7, 0.2, 0.1], [0.1, 0.8, 0.1], [0.2, 0.3, 0.5], [0.6, 0.3, 0.1]])
+    m = classification_metrics([0, 1, 2, 2], probs, prefix="val_")
+    assert m["val_accuracy"] == 0.75
+    per_class = [roc_auc(np.array([0, 1, 2, 2]) == c, probs[:, c]) for c in range(3)]
+    assert m["val_auc"] == pytest.approx(np.mean(per_class))
+
+
+def test_config_errors_are_clear(tmp_path, slides, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("optim: {epochs: 2, learning_rate: 0.1}\n")
+    with pytest.raises(ConfigError, match=r"unknown config key\(s\) \['optim.learning_rate'\].*allowed: .*'lr'"):
+        load_config(TrainConfig, bad)
+    with pytest.raises(ConfigError, match="optim.epochs: got 0"):
+        load_config(TrainConfig, None, ["optim.epochs=0"])
+    from pipeline.cli import main
+
+    assert main(["train", "--config", str(bad)]) == 2
+    assert main(["train", "--config", str(_config_file(tmp_path, slides)), "--set", "model.bogus=1"]) == 2
+    with pytest.raises(FileNotFoundError, match="no run to resume"):
+        train(load_config(TrainConfig, _config_file(tmp_path, slides)), resume=True)
+
+
+# ------------------------------------------------------------------------------------------ real training
+def test_train_crash_resume_and_logged_model(tmp_path, slides, ray_local):
+    import mlflow
+
+    from pipeline.model_io import load_model
+    from pipeline.tracking import flatten_params
+    from workers.patches import forward_slide
+    from workers.store import SlideStore
+
+    cfg = load_config(TrainConfig, _config_file(tmp_path, slides), ["tracking.run_name=crashy", "fail_after_epoch=1"])
+    with pytest.raises(Exception, match="simulated crash"):
+        train(cfg)
+    run_dir = tmp_path / "work" / "train" / "crashy"
+    state = json.loads((run_dir / "train_state.json").read_text())
+    run_id = state["run_id"]
+    uri = os.environ["MLFLOW_TRACKING_URI"]
+    client = mlflow.MlflowClient(uri)
+    assert client.get_run(run_id).info.status == "FAILED"
+    steps_per_epoch = 2  # 3 training slides (one per class), accumulate 2 -> 2 optimizer steps
+    assert [m.step for m in client.get_metric_history(run_id, "loss")] == [1, 2]
+
+    result = train(cfg, resume=True)  # the crash flag only fires after epoch 1, which is done
+    assert result.run_id == run_id
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED"
+    assert run.data.tags["foveate.resumed"] == "1"
+    # params: the full resolved config, flattened
+    expected = flatten_params(to_dict(result.config))
+    assert run.data.params == expected
+    assert run.data.params["model.num_classes"] == "3" and run.data.params["data.classes"] == json.dumps(["neg", "other", "pos"])
+    # metrics: per step continuing across the crash, per epoch for both epochs
+    loss_steps = [m.step for m in client.get_metric_history(run_id, "loss")]
+    assert loss_steps == list(range(1, 2 * steps_per_epoch + 1))
+    sigmas = [m.value for m in sorted(client.get_metric_history(run_id, "sigma"), key=lambda m: m.step)]
+    assert sigmas == pytest.approx([0.1, 0.1 * 2 / 3, 0.1 / 3, 0.0])
+    for name in ("val_accuracy", "val_auc", "epoch_train_loss", "epoch_train_auc", "epoch_patches_per_second",
+                 "epoch_peak_memory_mb", "train_seconds"):
+        assert [m.step for m in client.get_metric_history(run_id, name)] == [1, 2], name
+    for name in ("seconds_per_step", "patches_per_second", "accuracy", "lr", "peak_memory_mb"):
+        assert name in run.data.metrics
+    # the last checkpoint continues the first: epoch 2, step 4, Adam's step count 4
+    ckpts = sorted(p for p in (run_dir / "ray").glob("checkpoint_*") if p.is_dir())
+    last = torch.load(ckpts[-1] / "train_state.pt", weights_only=True)
+    assert last["epoch"] == 2 and last["global_step"] == 2 * steps_per_epoch
+    adam_steps = {float(s["step"]) for s in last["optimizer"]["state"].values()}
+    assert adam_steps == {float(2 * steps_per_epoch)}
+    assert last["scheduler"]["last_epoch"] == 2 * steps_per_epoch
+    # artifacts: config, heatmap + gallery of a validation slide, plain checkpoint
+    arts = {a.path for a in client.list_artifacts(run_id)}
+    assert {"config.yaml", "split.json", "heatmaps", "patches", "checkpoint"} <= arts
+    assert [a.path for a in client.list_artifacts(run_id, "heatmaps")][0].endswith("_heatmap.png")
+    assert [a.path for a in client.list_artifacts(run_id, "patches")][0].endswith("_patches.png")
+    # the logged model predicts exactly what the trained model does
+    split = json.loads(Path(mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path="split.json",
+                                                                   dst_path=str(tmp_path), tracking_uri=uri)).read_text())
+    assert len(split["val"]) == 3
+    store = SlideStore(Path(slides[0]) / f"{split['val'][0]}.zarr")
+    with torch.no_grad():
+        expected_logits = forward_slide(result.model, store, training=False).logits
+        for u in (result.model_uri, f"runs:/{run_id}", f"runs:/{run_id}/model"):
+            model, mcfg, classes = load_model(u, tracking_uri=uri)
+            assert classes == ["neg", "other", "pos"] and mcfg.num_classes == 3
+            assert torch.equal(forward_slide(model, store, training=False).logits, expected_logits), u
+    # the final weights are the last checkpoint's
+    final = torch.load(ckpts[-1] / "model.pt", weights_only=True)
+    for k, v in result.model.state_dict().items():
+        assert torch.equal(v, final["state_dict"][k]), k
+    assert "val_accuracy" in result.metrics and result.metrics["epoch"] == 2
+
+
+def test_two_workers_through_the_cli(tmp_path, slides, ray_local, capsys):
+    import mlflow
+
+    from pipeline.cli import main
+
+    cfg = _config_file(tmp_path, slides)
+    rc = main(["train", "--config", str(cfg), "--workers", "2", "--set", "optim.epochs=1",
+               "--set", "tracking.run_name=two", "--set", "optim.accumulate=1"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    state = json.loads((tmp_path / "work" / "train" / "two" / "train_state.json").read_text())
+    assert f"run id: {state['run_id']}" in out and "MLflow tracking URI: sqlite:///" in out
+    client = mlflow.MlflowClient(os.environ["MLFLOW_TRACKING_URI"])
+    run = client.get_run(state["run_id"])
+    assert run.info.status == "FINISHED" and run.data.params["workers"] == "2"
+    # 3 training slides over 2 workers: 2 slides each (one repeated by padding), 1 per step -> 2 steps
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == [1, 2]
+    assert run.data.metrics["epoch"] == 1
