@@ -37,7 +37,7 @@ _METRICS: dict[str, tuple[str, ...]] = {
     "auc": ("val_auc", "test_auc", "auc", "epoch_train_auc"),
     "train_seconds": ("train_seconds", "train_time_s", "train_time"),
     "patches_per_second": ("epoch_patches_per_second", "patches_per_second"),
-    "peak_memory_mb": ("peak_memory_mb", "peak_memory"),
+    "peak_memory_mb": ("epoch_peak_memory_mb", "peak_memory_mb", "peak_memory"),
 }
 COLUMNS = ("run_id", "run_name", "status", "operator", "k", "aggregator", "accuracy", "auc", "train_seconds",
            "patches_per_second", "peak_memory_mb", "accuracy_metric", "start_time")

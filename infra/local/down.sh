@@ -8,7 +8,8 @@ set -euo pipefail
 
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 RUN_DIR=${FOVEATE_RUN_DIR:-$ROOT/runs/local}
-TIMEOUT=${FOVEATE_DOWN_TIMEOUT:-30}
+TIMEOUT=${FOVEATE_DOWN_TIMEOUT:-10}  # grace period before SIGKILL (`ray stop` uses 16 s; gcs_server and the
+# autoscaler monitor of a lone head do not exit on SIGTERM by themselves)
 say() { echo "down.sh: $*" >&2; }
 
 if [ ! -d "$RUN_DIR" ]; then say "nothing to stop ($RUN_DIR does not exist)"; exit 0; fi
@@ -39,20 +40,31 @@ stop_pid() {  # name pid: SIGTERM, wait, then SIGKILL
   done
 }
 
-stop_group() {  # name pidfile: the process was started with setsid, so its PID is its process group
-  local name=$1 pidfile=$2 pid
+# live (non-zombie) processes of session $1
+session_pids() { ps -o pid=,stat= -s "$1" 2>/dev/null | awk '$2 !~ /^Z/ {print $1}' || true; }
+
+stop_group() {  # name pidfile: started with setsid, so its PID is the session (and process group) of all it spawned
+  local name=$1 pidfile=$2 pid t0=$SECONDS
   [ -f "$pidfile" ] || { say "$name: no pid file"; return 0; }
   pid=$(cat "$pidfile")
-  if kill -0 "$pid" 2>/dev/null; then
-    stop_pid "$name" "$pid"
-    kill -TERM -- "-$pid" 2>/dev/null || true  # anything left in its session (e.g. gunicorn/uvicorn workers)
-  else
+  if [ -z "$(session_pids "$pid")" ]; then
     say "$name (pid $pid) not running"
+  else
+    say "stopping $name (session $pid: $(session_pids "$pid" | wc -l) processes)"
+    kill -TERM -- "-$pid" 2>/dev/null || true   # the whole process group at once, like `ray stop` per process
+    while [ -n "$(session_pids "$pid")" ]; do
+      if (( SECONDS - t0 > TIMEOUT )); then
+        say "$name: processes still running after ${TIMEOUT}s; sending SIGKILL"
+        for p in $(session_pids "$pid"); do kill -KILL "$p" 2>/dev/null || true; done
+        break
+      fi
+      sleep 0.5
+    done
   fi
   rm -f "$pidfile"
 }
 
-stop_group "Ray head" "$RUN_DIR/ray.pid"
+stop_group "Ray head" "$RUN_DIR/ray.pid"   # SIGTERM to every Ray process, like `ray stop` (which would stop them all)
 if [ -f "$RUN_DIR/ray_temp_dir" ]; then
   RAY_TMP=$(cat "$RUN_DIR/ray_temp_dir")
   for pid in $(pids_mentioning "$RAY_TMP/"); do

@@ -11,6 +11,8 @@
 #   FOVEATE_RAY_PORT        GCS port of the head                                (default 6379)
 #   FOVEATE_DASHBOARD_PORT  dashboard / job submission port                     (default 8265)
 #   FOVEATE_MLFLOW_PORT     MLflow server port                                  (default 5000)
+#   FOVEATE_RAY_CLIENT_PORT Ray client server port                              (default 10001)
+#   FOVEATE_AGENT_PORT      dashboard agent HTTP port                           (default 52365)
 #   FOVEATE_RAY_NUM_CPUS    CPUs the head advertises                            (default: all)
 #   FOVEATE_RAY_TEMP_DIR    Ray's temp dir (keep it short: unix socket paths)   (default /tmp/foveate-ray-<hash of run dir>)
 #   FOVEATE_UP_TIMEOUT      seconds to wait for each service                    (default 120)
@@ -35,7 +37,9 @@ LOGS=$RUN_DIR/logs
 TOKEN_FILE=$RUN_DIR/ray_auth_token
 mkdir -p "$LOGS" "$RUN_DIR/mlflow/artifacts"
 say() { echo "up.sh: $*" >&2; }
-alive() { [ -f "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }
+# Each service is started with setsid: the PID in its pid file is the session id of every process it spawns.
+# A session is running while it has a process that is not a zombie.
+alive() { [ -f "$1" ] && ps -o stat= -s "$(cat "$1")" 2>/dev/null | grep -qv '^Z'; }
 
 # ---------------------------------------------------------------- Ray token authentication
 # Ray 2.60 reads the token from RAY_AUTH_TOKEN, else the file RAY_AUTH_TOKEN_PATH, else ~/.ray/auth_token,
@@ -53,7 +57,7 @@ DASHBOARD_URL=http://127.0.0.1:$DASHBOARD_PORT
 
 # ---------------------------------------------------------------- MLflow tracking server
 if alive "$RUN_DIR/mlflow.pid"; then
-  say "MLflow server already running (pid $(cat "$RUN_DIR/mlflow.pid"))"
+  say "MLflow server already running (session $(cat "$RUN_DIR/mlflow.pid"))"
 else
   say "starting MLflow server on $MLFLOW_URI (log $LOGS/mlflow.log)"
   nohup setsid "$BIN/mlflow" server --host 127.0.0.1 --port "$MLFLOW_PORT" --workers 1 \
@@ -64,22 +68,25 @@ else
 fi
 
 # ---------------------------------------------------------------- Ray head
-# `ray start --block` stays in the foreground of its own session and stops the head's processes when it
-# is terminated, so down.sh only needs this one PID. The temp dir is our own: ray.init() elsewhere on the
-# machine does not find this cluster through /tmp/ray/ray_current_cluster.
+# `ray start` (in its own session) starts the head's daemons and exits; they stay in that session, which is
+# what down.sh stops. The temp dir is our own: ray.init() elsewhere on the machine does not find this cluster
+# through /tmp/ray/ray_current_cluster, and down.sh can find strays by it.
 if alive "$RUN_DIR/ray.pid"; then
-  say "Ray head already running (pid $(cat "$RUN_DIR/ray.pid"))"
+  say "Ray head already running (session $(cat "$RUN_DIR/ray.pid"))"
 else
   say "starting Ray head on 127.0.0.1:$RAY_PORT, dashboard $DASHBOARD_URL (log $LOGS/ray-head.log)"
   echo "$RAY_TMP" >"$RUN_DIR/ray_temp_dir"
   # Jobs inherit the head's environment: `python` in an entrypoint is this interpreter (PATH), and
   # MLFLOW_TRACKING_URI points them at the server above.
-  PATH=$BIN:$PATH MLFLOW_TRACKING_URI=$MLFLOW_URI nohup setsid "$BIN/ray" start --head --block --disable-usage-stats \
+  PATH=$BIN:$PATH MLFLOW_TRACKING_URI=$MLFLOW_URI setsid "$BIN/ray" start --head --disable-usage-stats \
     --node-ip-address 127.0.0.1 --port "$RAY_PORT" \
     --dashboard-host 127.0.0.1 --dashboard-port "$DASHBOARD_PORT" \
     --temp-dir "$RAY_TMP" ${FOVEATE_RAY_NUM_CPUS:+--num-cpus "$FOVEATE_RAY_NUM_CPUS"} \
+    ${FOVEATE_RAY_CLIENT_PORT:+--ray-client-server-port "$FOVEATE_RAY_CLIENT_PORT"} \
+    ${FOVEATE_AGENT_PORT:+--dashboard-agent-listen-port "$FOVEATE_AGENT_PORT"} \
     >"$LOGS/ray-head.log" 2>&1 </dev/null &
-  echo $! >"$RUN_DIR/ray.pid"
+  RAY_START_PID=$!
+  echo $RAY_START_PID >"$RUN_DIR/ray.pid"
 fi
 
 # ---------------------------------------------------------------- wait until both answer
@@ -98,6 +105,9 @@ wait_for() {  # name pidfile log url [curl args...]
   say "$name ready ($url, $((SECONDS - t0))s)"
 }
 wait_for "MLflow server" "$RUN_DIR/mlflow.pid" "$LOGS/mlflow.log" "$MLFLOW_URI/health"
+if [ -n "${RAY_START_PID:-}" ] && ! wait "$RAY_START_PID"; then
+  say "ray start failed; last lines of $LOGS/ray-head.log:"; tail -n 30 "$LOGS/ray-head.log" >&2; exit 1
+fi
 wait_for "Ray job API" "$RUN_DIR/ray.pid" "$LOGS/ray-head.log" "$DASHBOARD_URL/api/jobs/" \
   -H "Authorization: Bearer $(cat "$TOKEN_FILE")"
 
