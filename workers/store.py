@@ -7,7 +7,11 @@ Layout of ``STORE_DIR/<slide_id>.zarr``::
     0/, 1/, ...               uint8 arrays (c=3, y, x), chunks (3, tile, tile); level l is level 0
                               downsampled by ``downsamples[l]`` (powers of two, or the source's own
                               pyramid factors for the JPEG passthrough)
-    labels/tissue/0           uint8 (1, y, x) tissue mask (1 = tissue), an NGFF label image
+    labels/tissue/0, 1, ...   uint8 (1, y, x) tissue mask (1 = tissue), an NGFF label image with one level per
+                              image level (as ome-zarr-models requires); the mask is computed at the image's
+                              smallest level (``StoreMeta.tissue_downsample``) and the other label levels are
+                              its nearest-neighbour resamplings. ``SlideStore.tissue_mask`` reads that level.
+                              (Older stores have a single label level ``0``; readers handle both.)
     foveate_complete.json     completion marker, written last; a store without it is incomplete
 
 Coordinates: everything public is in level-0 pixels, ``(x, y)`` and ``(width, height)`` as
@@ -36,6 +40,7 @@ __all__ = [
     "register_codecs",
     "downsample2x",
     "write_store_from_array",
+    "write_tissue_labels",
 ]
 
 COMPLETE_MARKER = "foveate_complete.json"
@@ -215,8 +220,10 @@ class SlideStore:
 
     # ------------------------------------------------------------------ tissue
     def tissue_mask(self) -> tuple[np.ndarray, float]:
-        """(mask (h, w) bool, downsample of the mask relative to level 0)."""
-        lab = self.group[f"labels/{TISSUE_LABEL}/0"]
+        """(mask (h, w) bool, downsample of the mask relative to level 0), at the resolution it was computed."""
+        tg = self.group[f"labels/{TISSUE_LABEL}"]
+        paths = [d["path"] for d in dict(tg.attrs).get("ome", {}).get("multiscales", [{}])[0].get("datasets", [])] or ["0"]
+        lab = tg[paths[-1]]
         mask = np.asarray(lab[...])
         if mask.ndim == 3:
             mask = mask[0]
@@ -267,17 +274,7 @@ def write_store_from_array(path: str | Path, rgb: np.ndarray, *, slide_id: str |
         a[...] = level
     mask = tissue_mask(np.moveaxis(level, 0, -1))
     tissue_ds = float(downsamples[-1])
-    labels = group.create_group("labels")
-    labels.attrs["ome"] = {"version": "0.5", "labels": [TISSUE_LABEL]}
-    tg = labels.create_group(TISSUE_LABEL)
-    lab = tg.create_array("0", shape=(1, *mask.shape), chunks=(1, *[min(s, 1024) for s in mask.shape]), dtype="uint8",
-                          compressors=compressors, fill_value=0, dimension_names=("c", "y", "x"))
-    lab[...] = mask[None].astype(np.uint8)
-    tg.attrs["ome"] = {
-        "version": "0.5",
-        "image-label": {"version": "0.5", "colors": [{"label-value": 1, "rgba": [0, 160, 0, 128]}], "source": {"image": "../../"}},
-        "multiscales": ngff_multiscales(TISSUE_LABEL, [tissue_ds], mpp),
-    }
+    write_tissue_labels(group, mask, [(w_, h_) for _, (w_, h_) in shapes], downsamples, mpp)
     meta = StoreMeta(slide_id=slide_id, source=source, vendor="array", level0_size=(w, h), tile_size=tile_size,
                      downsamples=downsamples, mpp=mpp, source_mpp=mpp, codec="zstd", foveate_version=__version__,
                      tissue_downsample=tissue_ds, tissue_fraction=float(mask.mean()), extra=dict(extra or {}))
@@ -285,3 +282,67 @@ def write_store_from_array(path: str | Path, rgb: np.ndarray, *, slide_id: str |
                         "foveate": meta.to_json()})
     (path / COMPLETE_MARKER).write_text(json.dumps({"slide_id": slide_id, "levels": len(downsamples)}))
     return SlideStore(path)
+
+
+def write_tissue_labels(group: Any, mask: np.ndarray, level_shapes: list[tuple[int, int]],
+                        downsamples: list[float] | tuple[float, ...], mpp: tuple[float, float] | None,
+                        *, chunk: int = 1024) -> None:
+    """Write ``labels/tissue`` as an NGFF label image with one level per image level.
+
+    Args:
+        group: the store's zarr group (writable).
+        mask: (h, w) bool mask computed at the image's *last* level (``level_shapes[-1]``).
+        level_shapes: (width, height) of every image level; downsamples: their factors.
+        mpp: level-0 microns per pixel (for the NGFF scales) or None.
+
+    Label level ``j`` is the nearest-neighbour resampling of ``mask`` to level ``j``'s shape. Chunks that
+    are all background are not written; all-tissue chunks share one encoded byte string, so even a
+    full-resolution label level costs little.
+    """
+    import imagecodecs
+
+    mask = np.asarray(mask, dtype=np.uint8)
+    mh, mw = mask.shape
+    if (mw, mh) != tuple(level_shapes[-1]):
+        raise ValueError(f"mask shape {(mh, mw)} must be the last level's (height, width) {tuple(level_shapes[-1])[::-1]}")
+    if "labels" in group:
+        del group["labels"]
+    labels = group.create_group("labels")
+    labels.attrs["ome"] = {"version": "0.5", "labels": [TISSUE_LABEL]}
+    tg = labels.create_group(TISSUE_LABEL)
+    dm = float(downsamples[-1])
+    ones_cache: dict[tuple[int, int], bytes] = {}
+    for j, ((w, h), dj) in enumerate(zip(level_shapes, downsamples)):
+        ch = min(chunk, h), min(chunk, w)
+        arr = tg.create_array(str(j), shape=(1, h, w), chunks=(1, *ch), dtype="uint8", fill_value=0,
+                              compressors=[zarr.codecs.ZstdCodec(level=3)], dimension_names=("c", "y", "x"))
+        if j == len(level_shapes) - 1:
+            arr[...] = mask[None]
+            continue
+        iy = np.minimum(((np.arange(h) + 0.5) * (float(dj) / dm)).astype(np.int64), mh - 1)
+        ix = np.minimum(((np.arange(w) + 0.5) * (float(dj) / dm)).astype(np.int64), mw - 1)
+        root = Path(str(group.store.root)) / group.path / "labels" / TISSUE_LABEL / str(j) / "c" / "0"
+        for cy, y0 in enumerate(range(0, h, ch[0])):
+            ys = iy[y0 : y0 + ch[0]]
+            for cx, x0 in enumerate(range(0, w, ch[1])):
+                xs = ix[x0 : x0 + ch[1]]
+                sub = mask[ys[0] : ys[-1] + 1, xs[0] : xs[-1] + 1]
+                if not sub.any():
+                    continue
+                full = np.zeros(ch, np.uint8)
+                if sub.all():
+                    full[: len(ys), : len(xs)] = 1
+                    key = (len(ys), len(xs))
+                    if key not in ones_cache:
+                        ones_cache[key] = bytes(imagecodecs.zstd_encode(full, level=3))
+                    data = ones_cache[key]
+                else:
+                    full[: len(ys), : len(xs)] = mask[np.ix_(ys, xs)]
+                    data = bytes(imagecodecs.zstd_encode(full, level=3))
+                (root / str(cy)).mkdir(parents=True, exist_ok=True)
+                (root / str(cy) / str(cx)).write_bytes(data)
+    tg.attrs["ome"] = {
+        "version": "0.5",
+        "image-label": {"version": "0.5", "colors": [{"label-value": 1, "rgba": [0, 160, 0, 128]}], "source": {"image": "../../"}},
+        "multiscales": ngff_multiscales(TISSUE_LABEL, list(downsamples), mpp),
+    }

@@ -1,0 +1,379 @@
+"""``foveate ingest INPUT... --out STORE_DIR``: slide archives -> OME-Zarr stores, on Ray.
+
+A pool of tiler actors (:class:`workers.tiler.Tiler` under ``ray.remote``) does all the work; this
+module only schedules it. Each slide goes through ``plan`` (open the slide, create or reopen its store)
+-> its regions, stage by stage -> ``finalize`` (tissue mask, metadata, completion marker). Tasks of all
+slides share one queue, so slides of an archive and regions of one large slide both spread over all
+actors; an actor prefers regions of the slide it already has open. Each actor has at most
+``2`` tasks queued, so memory stays bounded (a region is one ``2048 x 2048`` block by default).
+
+A worker that dies (killed, OOM) is replaced and its task retried (``max_task_retries``); a task that
+raises fails its slide only. Completed stores are skipped unless ``--overwrite``; interrupted ones resume
+at region granularity.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+from pipeline.progress import Progress
+from workers.ingest_inputs import SlideInput, discover_inputs
+from workers.ingest_manifest import merge_manifest
+from workers.tiler import CODECS, IngestOptions, Tiler
+
+__all__ = ["add_arguments", "run", "ingest", "IngestResult"]
+
+log = logging.getLogger(__name__)
+
+_REPO_ROOT = str(Path(__file__).resolve().parents[1])
+
+
+def add_arguments(p) -> None:
+    p.add_argument("inputs", nargs="+", metavar="INPUT",
+                   help="slide files, directories (searched recursively) or CSV manifests with a 'path' column")
+    p.add_argument("--out", required=True, metavar="STORE_DIR", help="folder for <slide_id>.zarr stores and the manifest")
+    p.add_argument("--workers", type=int, default=None, help="tiler actors (default: CPUs of the Ray cluster)")
+    p.add_argument("--address", default=None,
+                   help="Ray cluster to join ('auto' or host:port); default: start an in-process local Ray")
+    p.add_argument("--tile-size", type=int, default=256, help="chunk / tile side in pixels (default 256)")
+    p.add_argument("--codec", choices=CODECS, default="zstd",
+                   help="zstd: lossless (default); jpeg: one RGB JPEG per chunk, copying aligned source JPEG tiles as-is")
+    p.add_argument("--jpeg-quality", type=int, default=90, help="quality of JPEGs foveate encodes (default 90)")
+    p.add_argument("--zstd-level", type=int, default=1, help="zstd level (default 1)")
+    p.add_argument("--mpp", type=float, default=None,
+                   help="resample level 0 to this many microns per pixel (slides without mpp metadata then fail)")
+    p.add_argument("--min-size", type=int, default=1024, help="stop the pyramid at a level whose longer side is <= this")
+    p.add_argument("--region-tiles", type=int, default=8, help="regions are blocks of N x N chunks (power of two, default 8)")
+    p.add_argument("--no-passthrough", action="store_true", help="with --codec jpeg: always decode and re-encode")
+    p.add_argument("--no-direct", action="store_true", help="always read through OpenSlide read_region")
+    p.add_argument("--overwrite", action="store_true", help="redo slides whose store is already complete")
+
+
+def run(args) -> int:
+    opts = IngestOptions(tile_size=args.tile_size, codec=args.codec, jpeg_quality=args.jpeg_quality,
+                         zstd_level=args.zstd_level, mpp=args.mpp, min_size=args.min_size,
+                         region_tiles=args.region_tiles, passthrough=not args.no_passthrough, direct=not args.no_direct)
+    res = ingest(args.inputs, args.out, options=opts, workers=args.workers, address=args.address, overwrite=args.overwrite)
+    print(res.summary())
+    return 1 if res.failed else 0
+
+
+@dataclass
+class IngestResult:
+    rows: list[dict[str, Any]]
+    seconds: float
+    manifest_path: Path
+    pixels: int = 0  # level-0 pixels of the slides completed in this run
+
+    @property
+    def failed(self) -> list[dict[str, Any]]:
+        return [r for r in self.rows if r["status"] == "failed"]
+
+    def count(self, status: str) -> int:
+        return sum(r["status"] == status for r in self.rows)
+
+    def summary(self) -> str:
+        lines = [f"ingest: {self.count('ok')} ok, {self.count('skipped')} skipped, {self.count('failed')} failed "
+                 f"of {len(self.rows)} in {self.seconds:.1f}s; manifest {self.manifest_path}"]
+        lines += [f"  FAILED {r['slide_id']}: {r['error']}" for r in self.failed]
+        return "\n".join(lines)
+
+
+@dataclass
+class _Task:
+    slide: str  # slide_id
+    kind: str  # plan | region | finalize
+    payload: Any = None
+    attempts: int = 0
+
+
+@dataclass
+class _SlideState:
+    inp: SlideInput
+    t0: float = field(default_factory=time.perf_counter)
+    store_path: str | None = None
+    stages: list[list[Any]] = field(default_factory=list)
+    stage: int = 0
+    outstanding: int = 0
+    regions: int = 0
+    resumed: int = 0
+    mpp_missing: bool = False
+    done: bool = False
+
+
+def _one_line(exc: BaseException) -> str:
+    """The root cause of a (Ray-wrapped) exception as one line."""
+    import ray
+
+    cause = exc
+    if isinstance(exc, ray.exceptions.RayTaskError):
+        cause = exc.cause if getattr(exc, "cause", None) is not None else exc
+    msg = " ".join(str(cause).split())
+    if isinstance(cause, ray.exceptions.RayTaskError):
+        msg = msg.split(" ray::")[0]
+    name = type(cause).__name__
+    if name.startswith("RayTaskError(") and name.endswith(")"):
+        name = name[len("RayTaskError("):-1]
+    return msg if name == "SlideOpenError" else f"{name}: {msg}"
+
+
+def _init_ray(workers: int | None, address: str | None) -> tuple[bool, int]:
+    """Start (or join) Ray; returns (we_started_it, number of actors to use)."""
+    import ray
+
+    started = False
+    if not ray.is_initialized():
+        if address:
+            ray.init(address=address, runtime_env={"env_vars": {"PYTHONPATH": _REPO_ROOT}}, log_to_driver=True)
+        else:
+            n = workers or os.cpu_count() or 1
+            ray.init(num_cpus=n, include_dashboard=False, object_store_memory=128 * 1024**2,
+                     runtime_env={"env_vars": {"PYTHONPATH": _REPO_ROOT, "OMP_NUM_THREADS": "1"}},
+                     log_to_driver=True, configure_logging=False)
+        started = True
+    cpus = int(ray.cluster_resources().get("CPU", 1))
+    return started, max(1, min(workers or cpus, cpus))
+
+
+def ingest(inputs: Sequence[str | Path], out: str | Path, *, options: IngestOptions | None = None,
+           workers: int | None = None, address: str | None = None, overwrite: bool = False,
+           max_task_retries: int = 2, fault_kill_at: int | None = None, progress: bool | None = None) -> IngestResult:
+    """Ingest slides into ``out``; see the module doc and ``foveate ingest --help``.
+
+    Args:
+        inputs: files, directories, CSV manifests.
+        out: store folder (created).
+        options: :class:`workers.tiler.IngestOptions`.
+        workers: number of tiler actors (default: the cluster's CPUs).
+        address: Ray address to join; ``None`` starts a local Ray (or uses the one already initialised).
+        overwrite: redo complete stores.
+        max_task_retries: how often a task whose worker died is retried on a fresh actor.
+        fault_kill_at: test hook, see :class:`workers.tiler.Tiler`.
+        progress: show progress bars (default: when stderr is a terminal).
+
+    Returns:
+        :class:`IngestResult` (rows as written to the manifest).
+    """
+    import ray
+
+    options = options or IngestOptions()
+    if workers is not None and (not isinstance(workers, int) or workers < 1):
+        raise ValueError(f"workers must be a positive int, got {workers!r}")
+    if not inputs:
+        raise ValueError("inputs must name at least one file, directory or CSV manifest, got none")
+    t_start = time.perf_counter()
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    slides = discover_inputs(inputs)
+    log.info("ingest: %d slide(s) from %d input(s) -> %s", len(slides), len(inputs), out)
+    rows: dict[str, dict[str, Any]] = {}
+    states: dict[str, _SlideState] = {}
+    queue: deque[_Task] = deque()
+    for inp in slides:
+        spath = out / f"{inp.slide_id}.zarr"
+        if not overwrite and _complete(spath):
+            rows[inp.slide_id] = _skipped_row(inp, spath)
+            continue
+        states[inp.slide_id] = _SlideState(inp)
+        queue.append(_Task(inp.slide_id, "plan", inp))
+    pixels = 0
+    if states:
+        started, n_actors = _init_ray(workers, address)
+        try:
+            pixels = _schedule(states, queue, rows, out, options, n_actors, overwrite, max_task_retries,
+                               fault_kill_at, progress)
+        finally:
+            if started:
+                ray.shutdown()
+    ordered = [rows[s.slide_id] for s in slides if s.slide_id in rows]
+    for r in ordered:
+        r.setdefault("error", None)
+    merge_manifest(out, ordered)
+    return IngestResult(ordered, time.perf_counter() - t_start, out / "manifest.parquet", pixels)
+
+
+def _complete(spath: Path) -> bool:
+    from workers.store import is_complete
+
+    return is_complete(spath)
+
+
+def _base_row(inp: SlideInput) -> dict[str, Any]:
+    return {"slide_id": inp.slide_id, "source": inp.source, **inp.carried}
+
+
+def _skipped_row(inp: SlideInput, spath: Path) -> dict[str, Any]:
+    from workers.store import SlideStore
+
+    row = {**_base_row(inp), "status": "skipped", "error": None, "store": str(spath), "seconds": 0.0}
+    try:
+        s = SlideStore(spath)
+        m = s.meta
+        row.update(width=m.level0_size[0], height=m.level0_size[1], mpp=m.mpp[0] if m.mpp else None,
+                   mpp_missing=m.mpp is None, tissue_fraction=m.tissue_fraction, vendor=m.vendor, codec=m.codec,
+                   levels=len(m.downsamples))
+    except Exception as exc:  # noqa: BLE001 - a skipped row without details is still a row
+        log.warning("%s: complete store but unreadable metadata: %s", spath, exc)
+    return row
+
+
+def _schedule(states: dict[str, _SlideState], queue: deque, rows: dict, out: Path, options: IngestOptions,
+              n_actors: int, overwrite: bool, max_task_retries: int, fault_kill_at: int | None,
+              progress: bool | None) -> int:
+    import ray
+
+    actor_cls = ray.remote(num_cpus=1, max_restarts=0)(Tiler)
+
+    def spawn():
+        return actor_cls.remote(str(out), options, fault_kill_at=fault_kill_at)
+
+    actors = [spawn() for _ in range(n_actors)]
+    last_slide: list[str | None] = [None] * n_actors
+    busy = [0] * n_actors
+    depth = 2
+    inflight: dict[Any, tuple[int, _Task]] = {}
+    pixels = 0
+    slide_bar = Progress(len(states), "slides", unit="slide", enable=progress)
+    tile_bar = Progress(None, "tiles", unit="tile", enable=progress)
+    total_tiles = 0
+
+    def pick(i: int) -> _Task | None:
+        if not queue:
+            return None
+        for j, t in enumerate(queue):  # prefer the slide this actor has open
+            if t.slide == last_slide[i] and t.kind == "region":
+                del queue[j]
+                return t
+            if j > 64:
+                break
+        return queue.popleft()
+
+    def submit(i: int, t: _Task) -> None:
+        st = states[t.slide]
+        if t.kind == "plan":
+            st.t0 = time.perf_counter()
+            ref = actors[i].plan.remote(t.payload, overwrite=overwrite)
+        elif t.kind == "region":
+            ref = actors[i].write_region.remote(st.store_path, t.payload)
+        else:
+            ref = actors[i].finalize.remote(st.store_path)
+        inflight[ref] = (i, t)
+        busy[i] += 1
+        last_slide[i] = t.slide
+
+    def fail(slide: str, error: str, *, remove_store: bool) -> None:
+        st = states[slide]
+        if st.done:
+            return
+        st.done = True
+        rows[slide] = {**_base_row(st.inp), "status": "failed", "error": error, "seconds": time.perf_counter() - st.t0,
+                       "regions": st.regions, "regions_resumed": st.resumed,
+                       "store": None}
+        log.warning("slide %s failed: %s", slide, error)
+        for t in [t for t in queue if t.slide == slide]:
+            queue.remove(t)
+        if remove_store and st.store_path and Path(st.store_path).exists():
+            shutil.rmtree(st.store_path, ignore_errors=True)
+        slide_bar.update(1)
+
+    def enqueue_stage(slide: str) -> None:
+        st = states[slide]
+        while st.stage < len(st.stages) and not st.stages[st.stage]:
+            st.stage += 1
+        if st.stage >= len(st.stages):
+            queue.appendleft(_Task(slide, "finalize"))
+            return
+        regs = st.stages[st.stage]
+        st.outstanding = len(regs)
+        queue.extend(_Task(slide, "region", r) for r in regs)
+
+    try:
+        while queue or inflight:
+            for i in range(n_actors):
+                while busy[i] < depth:
+                    t = pick(i)
+                    if t is None:
+                        break
+                    submit(i, t)
+            if not inflight:
+                continue
+            ready, _ = ray.wait(list(inflight), num_returns=1)
+            ref = ready[0]
+            i, t = inflight.pop(ref)
+            busy[i] -= 1
+            st = states[t.slide]
+            try:
+                result = ray.get(ref)
+            except ray.exceptions.ActorDiedError as exc:
+                log.warning("tiler actor %d died (%s); replacing it", i, type(exc).__name__)
+                actors[i] = spawn()
+                # tasks queued on the dead actor fail too; each is retried on its own
+                t.attempts += 1
+                if st.done:
+                    continue
+                if t.attempts > max_task_retries:
+                    fail(t.slide, f"worker died {t.attempts} times on {t.kind} "
+                         f"{getattr(t.payload, 'key', '')}".rstrip() + " (store kept; re-run to resume)", remove_store=False)
+                else:
+                    queue.appendleft(t)
+                continue
+            except ray.exceptions.RayTaskError as exc:
+                if not st.done:
+                    from workers.ingest_source import SlideOpenError
+
+                    bad_input = isinstance(getattr(exc, "cause", None), SlideOpenError)
+                    fail(t.slide, _one_line(exc), remove_store=bad_input)
+                continue
+            if st.done:
+                continue
+            if t.kind == "plan":
+                plan = result
+                st.store_path = plan.store_path
+                st.stages = plan.todo
+                st.regions = sum(len(s) for s in plan.stages)
+                st.resumed = plan.resumed_regions
+                st.mpp_missing = plan.info["mpp"] is None
+                if st.mpp_missing:
+                    log.warning("slide %s has no mpp metadata (flagged in the manifest)", t.slide)
+                n_tiles = sum(_tiles(plan.tile, r) for s in plan.stages for r in s)
+                total_tiles += n_tiles
+                tile_bar.set_total(total_tiles)
+                tile_bar.update(n_tiles - sum(_tiles(plan.tile, r) for s in plan.todo for r in s))
+                enqueue_stage(t.slide)
+            elif t.kind == "region":
+                tile_bar.update(result["tiles"])
+                st.outstanding -= 1
+                if st.outstanding == 0:
+                    st.stage += 1
+                    enqueue_stage(t.slide)
+            else:
+                st.done = True
+                rows[t.slide] = {**_base_row(st.inp), "status": "ok", "error": None,
+                                 "seconds": time.perf_counter() - st.t0, "mpp_missing": st.mpp_missing,
+                                 "regions": st.regions, "regions_resumed": st.resumed, "store": st.store_path, **result}
+                pixels += int(result["width"]) * int(result["height"])
+                slide_bar.update(1)
+    finally:
+        for a in actors:
+            ray.kill(a)
+        tile_bar.close()
+        slide_bar.close()
+    return pixels
+
+
+def _tiles(t: int, r) -> int:
+    return -(-r.w // t) * -(-r.h // t)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    from pipeline.cli import main
+
+    sys.exit(main(["ingest", *sys.argv[1:]]))

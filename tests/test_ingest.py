@@ -1,0 +1,288 @@
+"""foveate ingest without Ray: the Tiler, the source readers, the JPEG codec and passthrough, the store format.
+
+Real OpenSlide on OpenSlide's own fixtures and on synthetic SVS / TIFF slides written by workers.synth.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import zarr
+
+from workers.codecs import JpegRGBCodec, decode_jpeg_chunk, encode_jpeg_chunk, merge_jpeg_tables
+from workers.ingest_inputs import discover_inputs, make_slide_id
+from workers.ingest_source import SlideOpenError, SlideSource, composite_on_white
+from workers.store import SlideStore, downsample2x, is_complete
+from workers.tiler import PROGRESS_DIR, IngestOptions, Tiler
+
+
+def openslide_reference(path, level=0, box=None):
+    """OpenSlide read_region of a whole level (or box x, y, w, h in level-0 px), composited on white with PIL."""
+    import openslide
+    from PIL import Image
+
+    with openslide.OpenSlide(str(path)) as s:
+        if box is None:
+            x, y, (w, h) = 0, 0, s.level_dimensions[level]
+        else:
+            x, y, w, h = box
+        img = s.read_region((x, y), level, (w, h))
+    white = Image.new("RGBA", img.size, (255, 255, 255, 255))
+    return np.asarray(Image.alpha_composite(white, img).convert("RGB"))
+
+
+def reference_pyramid(level0_hwc, n):
+    out, lv = [level0_hwc], np.moveaxis(level0_hwc, -1, 0)
+    for _ in range(n - 1):
+        lv = downsample2x(lv)
+        out.append(np.moveaxis(lv, 0, -1))
+    return out
+
+
+@pytest.fixture(scope="module")
+def synth_slides(tmp_path_factory):
+    from workers.synth import write_synthetic_slide
+
+    d = tmp_path_factory.mktemp("synth")
+    svs = d / "syn_a.svs"
+    tif = d / "syn_b.tiff"
+    write_synthetic_slide(svs, width=2048, height=2048, label=1, seed=3, fmt="svs", tile_size=256)
+    write_synthetic_slide(tif, width=2000, height=2100, label=0, seed=4, fmt="tiff", tile_size=256)
+    return {"svs": svs, "tiff": tif}
+
+
+def _ingest_one(tmp_path, path, **kw):
+    (inp,) = discover_inputs([path])
+    tiler = Tiler(tmp_path / "stores", IngestOptions(**kw))
+    row = tiler.ingest_slide(inp)
+    tiler.close()
+    return SlideStore(tmp_path / "stores" / f"{inp.slide_id}.zarr"), row
+
+
+# ---------------------------------------------------------------------------------------------- pixels
+@pytest.mark.parametrize("name,direct", [("boxes.tiff", True), ("small.svs", True), ("boxes_0.dcm", False)])
+def test_fixture_level0_equals_openslide_and_levels_equal_reference(tmp_path, openslide_fixtures, name, direct):
+    store, row = _ingest_one(tmp_path, openslide_fixtures / name, tile_size=64, min_size=32)
+    assert store.meta.extra["direct_decode"] is direct
+    ref0 = openslide_reference(openslide_fixtures / name)
+    np.testing.assert_array_equal(store.read_level(0), ref0)
+    for lvl, ref in enumerate(reference_pyramid(ref0, store.level_count)):
+        np.testing.assert_array_equal(store.read_level(lvl), ref, err_msg=f"level {lvl}")
+    assert store.downsamples == tuple(float(2**i) for i in range(store.level_count))
+    assert max(store.level_dimensions[-1]) <= 32
+    assert row["width"], row["height"] == store.dimensions
+    m = store.meta
+    assert m.fingerprint.startswith("quickhash-1:") and m.vendor in ("generic-tiff", "aperio", "dicom")
+    assert m.mpp is not None and m.foveate_version and m.codec == "zstd"
+    assert m.extra["tile_grid"][0] == [-(-store.dimensions[0] // 64), -(-store.dimensions[1] // 64)]
+
+
+@pytest.mark.parametrize("fmt", ["svs", "tiff"])
+def test_synthetic_slide_level0_equals_openslide(tmp_path, synth_slides, fmt):
+    path = synth_slides[fmt]
+    store, _ = _ingest_one(tmp_path, path, tile_size=256, min_size=512, region_tiles=2)
+    assert store.meta.extra["direct_decode"] is True
+    ref0 = openslide_reference(path)
+    np.testing.assert_array_equal(store.read_level(0), ref0)
+    refs = reference_pyramid(ref0, store.level_count)
+    # svs 2048 -> 512: 3 levels, tiff 2100 -> 263: 4; regions of 2x2 tiles: stage 0 writes levels 0-1 from the
+    # source, stage 1 (and 2) the rest from the store
+    assert store.level_count == (3 if fmt == "svs" else 4)
+    for lvl in range(1, store.level_count):
+        np.testing.assert_array_equal(store.read_level(lvl), refs[lvl], err_msg=f"level {lvl}")
+    # read_region in level-0 coordinates, white outside
+    W, H = store.dimensions
+    out = store.read_region((W - 100, H - 50), 0, (200, 100))
+    np.testing.assert_array_equal(out[:50, :100], ref0[H - 50:, W - 100:])
+    assert (out[50:] == 255).all() and (out[:, 100:] == 255).all()
+
+
+def test_direct_reader_equals_openslide_on_unaligned_boxes(synth_slides):
+    src = SlideSource.open(synth_slides["svs"])
+    assert src.info.direct
+    for box in [(0, 0, 300, 200), (255, 511, 258, 3), (1900, 1000, 148, 1048)]:
+        np.testing.assert_array_equal(np.moveaxis(src.read_l0(*box), 0, -1), openslide_reference(synth_slides["svs"], box=box))
+    src.close()
+
+
+def test_composite_on_white_matches_pil():
+    from PIL import Image
+
+    rng = np.random.default_rng(1)
+    rgba = rng.integers(0, 256, (20, 30, 4), dtype=np.uint8)
+    img = Image.fromarray(rgba, "RGBA")
+    ref = np.asarray(Image.alpha_composite(Image.new("RGBA", img.size, (255,) * 4), img).convert("RGB"))
+    np.testing.assert_array_equal(composite_on_white(rgba), ref)
+    rgba[..., 3] = 0
+    assert (composite_on_white(rgba) == 255).all()
+
+
+def test_mpp_resampling_halves_the_slide_consistently_across_regions(tmp_path, synth_slides):
+    path = synth_slides["svs"]  # 0.25 mpp
+    store, row = _ingest_one(tmp_path, path, tile_size=256, min_size=256, region_tiles=1, mpp=0.5)
+    assert store.dimensions == (1024, 1024) and store.meta.mpp == (0.5, 0.5) and store.meta.source_mpp == (0.25, 0.25)
+    ref = reference_pyramid(openslide_reference(path), 2)[1].astype(int)
+    got = store.read_level(0).astype(int)
+    assert np.abs(got - ref).mean() < 3.0  # Lanczos vs box filter
+    # regions of 256 px were resampled independently: no seams at region borders
+    seam = np.abs(np.diff(got, axis=1))[:, 255::256].mean()
+    inner = np.abs(np.diff(got, axis=1))[:, 100::256].mean()
+    assert seam < 2 * inner + 1
+
+
+def test_mpp_requested_without_mpp_metadata_fails(tmp_path):
+    import tifffile
+
+    p = tmp_path / "nompp.tiff"
+    tifffile.imwrite(p, np.full((512, 512, 3), 200, np.uint8), tile=(256, 256), photometric="rgb", metadata=None)
+    inp = discover_inputs([p])[0]
+    with pytest.raises(SlideOpenError, match="no mpp metadata"):
+        Tiler(tmp_path / "s", IngestOptions(mpp=0.5)).plan(inp)
+    store, _ = _ingest_one(tmp_path, p)
+    assert store.meta.mpp is None
+
+
+# ---------------------------------------------------------------------------------------------- JPEG
+def test_jpeg_codec_round_trip_is_one_rgb_jpeg_per_chunk(tmp_path):
+    yy, xx = np.mgrid[0:300, 0:500]
+    img = np.stack([(xx * 255 // 499), np.full_like(xx, 120), (yy * 255 // 299)]).astype(np.uint8)
+    g = zarr.open_group(str(tmp_path / "j.zarr"), mode="w", zarr_format=3)
+    a = g.create_array("0", shape=img.shape, chunks=(3, 256, 256), dtype="uint8", fill_value=255,
+                       serializer=JpegRGBCodec(quality=95), compressors=None)
+    a[...] = img
+    back = zarr.open_array(str(tmp_path / "j.zarr" / "0"), mode="r")[...]
+    assert back.shape == img.shape and np.abs(back.astype(int) - img).mean() < 1.5
+    raw = (tmp_path / "j.zarr" / "0" / "c" / "0" / "0" / "0").read_bytes()
+    import imagecodecs
+
+    hwc = imagecodecs.jpeg8_decode(raw)
+    assert hwc.shape == (256, 256, 3)  # one colour JPEG, not three grey ones
+    meta = json.loads((tmp_path / "j.zarr" / "0" / "zarr.json").read_text())
+    assert meta["codecs"] == [{"name": "foveate.jpeg", "configuration": {"quality": 95, "colorspace": "ycbcr"}}]
+    c = encode_jpeg_chunk(img[:, :256, :256].copy(), 100)
+    assert np.abs(decode_jpeg_chunk(c).astype(int) - img[:, :256, :256]).max() <= 8
+    with pytest.raises(ValueError, match="quality"):
+        JpegRGBCodec(quality=0)
+    with pytest.raises(ValueError, match="chunk must be"):
+        encode_jpeg_chunk(np.zeros((256, 256, 3), np.uint8))
+
+
+def test_jpeg_passthrough_copies_source_tiles_bit_exactly(tmp_path, synth_slides):
+    import tifffile
+
+    path = synth_slides["svs"]
+    store, row = _ingest_one(tmp_path, path, tile_size=256, min_size=512, codec="jpeg")
+    assert row["codec"] == "jpeg-passthrough"
+    m = store.meta
+    # the source has levels 2048 and 1024 (YCbCr JPEG): both copied; 512 computed from the store and encoded
+    assert m.extra["level_codecs"] == ["passthrough:ycbcr", "passthrough:ycbcr", "jpeg"]
+    assert m.extra["source_levels"] == [0, 1, None] and store.downsamples == (1.0, 2.0, 4.0)
+    with tifffile.TiffFile(path) as tf:
+        page = tf.pages[0]
+        for ty, tx in [(0, 0), (3, 5), (7, 7)]:
+            i = ty * 8 + tx
+            tf.filehandle.seek(page.dataoffsets[i])
+            tile = tf.filehandle.read(page.databytecounts[i])
+            chunk = (store.path / "0" / "c" / "0" / str(ty) / str(tx)).read_bytes()
+            assert chunk == merge_jpeg_tables(page.jpegtables, tile)  # copied, not re-encoded
+            assert chunk.endswith(tile[2:])
+        ref_tf = page.asarray()
+    ref_os = openslide_reference(path)
+    np.testing.assert_array_equal(store.read_level(0), ref_os)  # what OpenSlide decodes
+    np.testing.assert_array_equal(store.read_level(0), ref_tf)  # and what tifffile decodes
+    np.testing.assert_array_equal(store.read_level(1), openslide_reference(path, level=1))  # source pyramid level
+    ref2 = np.moveaxis(downsample2x(np.moveaxis(store.read_level(1), -1, 0)), 0, -1).astype(int)
+    assert np.abs(store.read_level(2).astype(int) - ref2).mean() < 2
+
+
+def test_jpeg_passthrough_of_rgb_jpeg_svs_fixture(tmp_path, openslide_fixtures):
+    # small.svs stores un-transformed RGB in its JPEG tiles (photometric RGB): decoded without colour conversion
+    store, row = _ingest_one(tmp_path, openslide_fixtures / "small.svs", tile_size=64, codec="jpeg")
+    assert row["codec"] == "jpeg-passthrough" and store.meta.extra["level_codecs"] == ["passthrough:rgb"]
+    np.testing.assert_array_equal(store.read_level(0), openslide_reference(openslide_fixtures / "small.svs"))
+
+
+def test_jpeg_codec_without_passthrough_for_deflate_source(tmp_path, openslide_fixtures):
+    store, row = _ingest_one(tmp_path, openslide_fixtures / "boxes.tiff", tile_size=64, min_size=64, codec="jpeg")
+    assert row["codec"] == "jpeg" and store.meta.extra["level_codecs"][0] == "jpeg"
+    ref = openslide_reference(openslide_fixtures / "boxes.tiff").astype(int)
+    assert np.abs(store.read_level(0).astype(int) - ref).mean() < 6
+
+
+# ---------------------------------------------------------------------------------------------- format
+def test_store_opens_with_ome_zarr_and_validates_with_ome_zarr_models(tmp_path, synth_slides):
+    from ome_zarr.io import parse_url
+    from ome_zarr.reader import Reader
+    from ome_zarr_models.v05.image import Image as NgffImage
+    from ome_zarr_models.v05.image_label import ImageLabel
+
+    for codec in ("zstd", "jpeg"):
+        store, _ = _ingest_one(tmp_path / codec, synth_slides["tiff"], tile_size=256, min_size=512, codec=codec)
+        nodes = list(Reader(parse_url(str(store.path)))())
+        assert nodes and len(nodes[0].data) == store.level_count
+        assert tuple(nodes[0].data[0].shape) == (3, store.dimensions[1], store.dimensions[0])
+        np.testing.assert_array_equal(np.asarray(nodes[0].data[1][:, :64, :64]), np.moveaxis(store.read_level(1)[:64, :64], -1, 0))
+        g = zarr.open_group(str(store.path), mode="r")
+        NgffImage.from_zarr(g)
+        ImageLabel.from_zarr(g["labels/tissue"])
+        mask, ds = store.tissue_mask()
+        assert mask.any() and not mask.all() and ds == store.downsamples[-1]
+        lab0 = np.asarray(g["labels/tissue/0"][0])  # full-resolution label level: nearest-neighbour of the mask
+        assert lab0.shape == (store.dimensions[1], store.dimensions[0])
+        r = int(ds)
+        sampled = lab0[r // 2 :: r, r // 2 :: r]
+        np.testing.assert_array_equal(sampled, mask[: sampled.shape[0], : sampled.shape[1]])
+
+
+# ---------------------------------------------------------------------------------------------- inputs, resume
+def test_discover_inputs_dicom_grouping_csv_and_slide_ids(tmp_path, openslide_fixtures):
+    found = discover_inputs([openslide_fixtures])
+    dcm = [i for i in found if i.path.endswith(".dcm")]
+    assert len(dcm) == 1 and len(dcm[0].files) == 2  # boxes_0.dcm + boxes_1.dcm: one slide
+    assert not any(i.path.endswith(".png") for i in found)
+    assert discover_inputs([openslide_fixtures]) == found  # deterministic
+    assert len({i.slide_id for i in found}) == len(found)
+    assert make_slide_id("a b/c", "/x") == make_slide_id("a b/c", "/x") != make_slide_id("a b/c", "/y")
+    assert make_slide_id("a b/c", "/x").startswith("a_b_c-")
+    csv = tmp_path / "m.csv"
+    csv.write_text(f"path,label\n{openslide_fixtures / 'small.svs'},1\nmissing.svs,0\n")
+    rows = discover_inputs([csv])
+    assert [r.carried["label"] for r in rows] == ["1", "0"]
+    assert rows[1].path == str(tmp_path / "missing.svs")
+
+
+def test_interrupted_slide_resumes_with_identical_arrays(tmp_path, synth_slides):
+    inp = discover_inputs([synth_slides["svs"]])[0]
+    opts = IngestOptions(tile_size=256, min_size=256, region_tiles=2)
+    ref_tiler = Tiler(tmp_path / "ref", opts)
+    ref_tiler.ingest_slide(inp)
+    t = Tiler(tmp_path / "run", opts)
+    plan = t.plan(inp)
+    for r in plan.todo[0][:5]:  # a partial run: 5 of 16 stage-0 regions
+        t.write_region(plan.store_path, r)
+    assert not is_complete(plan.store_path)
+    with pytest.raises(RuntimeError, match="regions not written"):
+        t.finalize(plan.store_path)
+    t2 = Tiler(tmp_path / "run", opts)
+    plan2 = t2.plan(inp)
+    assert plan2.resumed_regions == 5 and len(plan2.todo[0]) == 11
+    for st in plan2.todo:
+        for r in st:
+            t2.write_region(plan2.store_path, r)
+    t2.finalize(plan2.store_path)
+    a, b = SlideStore(ref_tiler.store_path(inp.slide_id)), SlideStore(plan2.store_path)
+    assert not (Path(plan2.store_path) / PROGRESS_DIR).exists()
+    for lvl in range(a.level_count):
+        np.testing.assert_array_equal(a.read_level(lvl), b.read_level(lvl))
+
+
+def test_ingest_options_validate_arguments():
+    with pytest.raises(ValueError, match="codec must be one of"):
+        IngestOptions(codec="png")
+    with pytest.raises(ValueError, match="region_tiles must be a power of two"):
+        IngestOptions(region_tiles=3)
+    with pytest.raises(ValueError, match="tile_size"):
+        IngestOptions(tile_size=100)

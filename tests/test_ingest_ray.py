@@ -1,0 +1,124 @@
+"""foveate ingest on real Ray: the CLI, bad inputs, the manifest, re-runs, and resume after a killed actor."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pipeline.cli import main as cli_main
+from workers.ingest_inputs import discover_inputs
+from workers.ingest_manifest import read_manifest
+from workers.store import SlideStore, is_complete
+from workers.tiler import PROGRESS_DIR, IngestOptions, Tiler
+
+pytestmark = pytest.mark.cluster
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    import ray
+
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    repo = str(Path(__file__).resolve().parents[1])
+    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=80 * 1024**2, configure_logging=False,
+             runtime_env={"env_vars": {"PYTHONPATH": repo, "OMP_NUM_THREADS": "1"}})
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def synth_svs(tmp_path_factory):
+    from workers.synth import write_synthetic_slide
+
+    p = tmp_path_factory.mktemp("synth") / "big.svs"
+    write_synthetic_slide(p, width=2048, height=2048, label=1, seed=5, fmt="svs", tile_size=256)
+    return p
+
+
+def test_cli_bad_inputs_fail_their_own_rows_and_the_rest_complete(ray_local, tmp_path, openslide_fixtures, capsys):
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "zero.svs").write_bytes(b"")
+    (bad / "truncated.svs").write_bytes((openslide_fixtures / "small.svs").read_bytes()[:1000])
+    (bad / "notes.tiff").write_text("not an image\n")
+    csv = tmp_path / "slides.csv"
+    csv.write_text("path,label\n"
+                   f"{openslide_fixtures / 'boxes.tiff'},1\n"
+                   f"{openslide_fixtures / 'small.svs'},0\n"
+                   f"{openslide_fixtures / 'boxes_0.dcm'},1\n"
+                   f"{openslide_fixtures / 'unopenable.tiff'},0\n"
+                   f"{openslide_fixtures / 'unreadable.svs'},1\n"
+                   f"{tmp_path / 'missing.svs'},0\n")
+    out = tmp_path / "stores"
+    rc = cli_main(["ingest", str(csv), str(bad), "--out", str(out), "--workers", "2", "--tile-size", "64", "--min-size", "64"])
+    assert rc == 1
+    printed = capsys.readouterr().out
+    assert "3 ok, 0 skipped, 6 failed" in printed
+    m = read_manifest(out).set_index("source")
+    assert len(m) == 9
+    fx = str(openslide_fixtures)
+    assert set(m.loc[m.status == "ok"].index) == {f"{fx}/boxes.tiff", f"{fx}/small.svs", fx}
+    reasons = {Path(s).name: e for s, e in m.loc[m.status == "failed", "error"].items()}
+    assert reasons["zero.svs"].startswith("empty file (0 bytes)")
+    assert "not a slide OpenSlide can open" in reasons["truncated.svs"]
+    assert "not a slide OpenSlide can open" in reasons["notes.tiff"]
+    assert "Unsupported TIFF compression" in reasons["unopenable.tiff"]
+    assert "cannot read pixels" in reasons["unreadable.svs"] and "Bogus marker" in reasons["unreadable.svs"]
+    assert reasons["missing.svs"].startswith("no such file")
+    assert all("\n" not in e for e in reasons.values())
+    assert m.loc[f"{fx}/boxes.tiff", "label"] == "1" and m.loc[fx, "label"] == "1"  # carried through
+    assert m.loc[f"{fx}/boxes.tiff", "width"] == 300 and m.loc[f"{fx}/boxes.tiff", "height"] == 250
+    assert m.loc[f"{fx}/small.svs", "mpp"] == pytest.approx(0.499)
+    assert (out / "manifest.csv").is_file()
+    # no directory that looks like a complete store for a failed slide; each ok store is complete
+    for sid, status in zip(m.slide_id, m.status):
+        d = out / f"{sid}.zarr"
+        assert is_complete(d) == (status == "ok")
+        if status == "failed":
+            assert not d.exists()
+    # a re-run skips complete stores and keeps earlier rows (merge)
+    rc = cli_main(["ingest", f"{fx}/boxes.tiff", "--out", str(out), "--workers", "1", "--tile-size", "64", "--min-size", "64"])
+    assert rc == 0
+    m2 = read_manifest(out).set_index("source")
+    assert len(m2) == 9 and m2.loc[f"{fx}/boxes.tiff", "status"] == "skipped"
+    assert m2.loc[f"{fx}/boxes.tiff", "width"] == 300
+    assert m2.loc[f"{fx}/small.svs", "status"] == "ok"
+
+
+def test_killed_actor_mid_slide_then_rerun_resumes_with_identical_arrays(ray_local, tmp_path, synth_svs):
+    from pipeline.ingest import ingest
+
+    opts = IngestOptions(tile_size=256, min_size=256, region_tiles=2)
+    out = tmp_path / "stores"
+    # run 1: every actor that writes stage-0 region 6 dies (os._exit) after writing part of it; the task is
+    # retried once on a fresh actor, dies again, and the slide fails with its store kept for resuming
+    res = ingest([synth_svs], out, options=opts, workers=2, max_task_retries=1, fault_kill_at=6, progress=False)
+    (row,) = res.rows
+    assert row["status"] == "failed" and "worker died 2 times" in row["error"]
+    (inp,) = discover_inputs([synth_svs])
+    store = out / f"{inp.slide_id}.zarr"
+    assert store.is_dir() and not is_complete(store)
+    done = {p.stem for p in (store / PROGRESS_DIR).glob("*.done")}
+    assert "s0_r6" not in done and len(done) >= 10  # the other regions were written
+    # region 6 (blocks of 512 px, 4 per row: x 1024-1535, y 512-1023) was partly written before the kill
+    assert any((store / "0" / "c" / "0" / str(cy) / str(cx)).exists() for cy in (2, 3) for cx in (4, 5))
+    # run 2 resumes at region granularity
+    res2 = ingest([synth_svs], out, options=opts, workers=2, progress=False)
+    (row2,) = res2.rows
+    assert row2["status"] == "ok" and row2["regions_resumed"] == len(done)
+    assert is_complete(store) and not (store / PROGRESS_DIR).exists()
+    # identical to an uninterrupted run
+    ref = Tiler(tmp_path / "ref", opts)
+    ref.ingest_slide(inp)
+    a, b = SlideStore(store), SlideStore(ref.store_path(inp.slide_id))
+    assert a.level_count == b.level_count == 4
+    for lvl in range(a.level_count):
+        np.testing.assert_array_equal(a.read_level(lvl), b.read_level(lvl))
+    # --overwrite redoes it
+    res3 = ingest([synth_svs], out, options=opts, workers=1, overwrite=True, progress=False)
+    assert res3.rows[0]["status"] == "ok" and res3.rows[0]["regions_resumed"] == 0
+    shutil.rmtree(tmp_path / "ref")

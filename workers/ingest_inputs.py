@@ -1,0 +1,152 @@
+"""Ingest inputs: turn files, directories and CSV manifests into one :class:`SlideInput` per slide.
+
+slide_id rule (deterministic, filesystem-safe, unique): ``<stem>-<h8>`` where ``stem`` is the file name
+without its extension (for a DICOM slide: the folder name), reduced to ``[A-Za-z0-9._-]`` and at most 48
+characters, and ``h8`` the first 8 hex digits of the SHA-1 of the absolute source path (for DICOM: the
+folder path plus the series UID). The same source always gets the same id, two sources never share one.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import logging
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+__all__ = ["SLIDE_EXTENSIONS", "SlideInput", "discover_inputs", "make_slide_id"]
+
+log = logging.getLogger(__name__)
+
+SLIDE_EXTENSIONS = (".svs", ".tif", ".tiff", ".ndpi", ".vms", ".vmu", ".scn", ".mrxs", ".bif", ".svslide", ".dcm", ".qptiff")
+
+
+@dataclass(frozen=True)
+class SlideInput:
+    """One slide to ingest.
+
+    Attributes:
+        slide_id: store name (``<slide_id>.zarr``), see the module doc.
+        path: the file to open (for DICOM: one file of the series; OpenSlide finds the others).
+        source: what the manifest reports as source (the file, or the DICOM folder).
+        carried: extra CSV-manifest columns (e.g. ``label``) carried into the store manifest.
+        files: every file of the slide (several for DICOM).
+    """
+
+    slide_id: str
+    path: str
+    source: str
+    carried: dict[str, Any] = field(default_factory=dict)
+    files: tuple[str, ...] = ()
+
+
+def make_slide_id(stem: str, key: str) -> str:
+    """``<safe stem>-<sha1(key)[:8]>``."""
+    safe = re.sub(r"[^A-Za-z0-9._-]+", "_", stem).strip("._-")[:48] or "slide"
+    return f"{safe}-{hashlib.sha1(key.encode()).hexdigest()[:8]}"
+
+
+def _file_input(path: Path, carried: dict[str, Any] | None = None) -> SlideInput:
+    ap = str(path.absolute())
+    stem = path.name
+    for ext in SLIDE_EXTENSIONS:
+        if stem.lower().endswith(ext):
+            stem = stem[: -len(ext)]
+            break
+    return SlideInput(make_slide_id(stem, ap), ap, ap, dict(carried or {}), (ap,))
+
+
+def _dicom_series_key(path: Path) -> str:
+    """Series UID of a DICOM file via OpenSlide ('' where OpenSlide cannot open it)."""
+    try:
+        import openslide
+
+        with openslide.OpenSlide(str(path)) as s:
+            return s.properties.get("dicom.SeriesInstanceUID") or s.properties.get("openslide.quickhash-1", "")
+    except Exception:  # noqa: BLE001 - an unopenable file becomes its own (failing) slide
+        return ""
+
+
+def _dicom_inputs(files: list[Path], carried: dict[str, Any] | None = None) -> list[SlideInput]:
+    """Group the .dcm files of one folder by series: one whole-slide image (all its levels) per series."""
+    groups: dict[str, list[Path]] = {}
+    for f in sorted(files):
+        key = _dicom_series_key(f) or f"file:{f.name}"
+        groups.setdefault(key, []).append(f)
+    out = []
+    for key, fs in groups.items():
+        folder = fs[0].parent.absolute()
+        if key.startswith("file:"):
+            out.append(_file_input(fs[0], carried))
+            continue
+        sid = make_slide_id(folder.name, f"{folder}#{key}")
+        out.append(SlideInput(sid, str(fs[0].absolute()), str(folder), dict(carried or {}),
+                              tuple(str(f.absolute()) for f in fs)))
+    return out
+
+
+def _walk(directory: Path) -> list[SlideInput]:
+    by_folder_dcm: dict[Path, list[Path]] = {}
+    out: list[SlideInput] = []
+    for f in sorted(directory.rglob("*")):
+        if not f.is_file() or not f.name.lower().endswith(SLIDE_EXTENSIONS):
+            continue
+        if f.suffix.lower() == ".dcm":
+            by_folder_dcm.setdefault(f.parent, []).append(f)
+        elif f.suffix.lower() == ".mrxs" or f.parent.suffix.lower() != ".mrxs":
+            out.append(_file_input(f))
+    for _folder, files in sorted(by_folder_dcm.items()):
+        out.extend(_dicom_inputs(files))
+    return out
+
+
+def _read_csv_manifest(path: Path) -> list[SlideInput]:
+    with open(path, newline="") as fh:
+        rows = list(csv.DictReader(fh))
+    if not rows or "path" not in rows[0]:
+        raise ValueError(f"CSV manifest {path} needs a 'path' column; got columns {list(rows[0]) if rows else []}")
+    out = []
+    for row in rows:
+        p = Path(row["path"])
+        if not p.is_absolute():
+            p = path.parent / p
+        carried = {k: v for k, v in row.items() if k != "path" and k is not None}
+        if p.is_dir():
+            out.extend(SlideInput(i.slide_id, i.path, i.source, carried, i.files) for i in _walk(p))
+        elif p.suffix.lower() == ".dcm" and p.is_file():
+            out.extend(_dicom_inputs([p], carried))
+        else:
+            out.append(_file_input(p, carried))
+    return out
+
+
+def discover_inputs(inputs: Iterable[str | Path]) -> list[SlideInput]:
+    """Expand INPUT arguments (files, directories searched recursively, CSV manifests with a ``path`` column).
+
+    Missing paths are kept (as inputs that will fail with a clear reason), so every argument gets a
+    manifest row. Duplicates (same slide_id) are dropped, first one wins. Explicit DICOM files of one
+    series given separately are merged into one slide.
+    """
+    out: list[SlideInput] = []
+    dcm_explicit: dict[Path, list[Path]] = {}
+    for raw in inputs:
+        p = Path(raw)
+        if p.is_dir():
+            out.extend(_walk(p))
+        elif p.is_file() and p.suffix.lower() == ".csv":
+            out.extend(_read_csv_manifest(p))
+        elif p.is_file() and p.suffix.lower() == ".dcm":
+            dcm_explicit.setdefault(p.parent, []).append(p)
+        else:
+            out.append(_file_input(p))
+    for _folder, files in dcm_explicit.items():
+        out.extend(_dicom_inputs(files))
+    seen: set[str] = set()
+    uniq = []
+    for i in out:
+        if i.slide_id not in seen:
+            seen.add(i.slide_id)
+            uniq.append(i)
+    return uniq

@@ -1,0 +1,58 @@
+"""The ingest manifest: ``STORE_DIR/manifest.parquet`` (and ``manifest.csv`` for humans).
+
+One row per input slide; a re-run updates the rows of the slides it saw and keeps the others.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Iterable
+
+__all__ = ["MANIFEST_COLUMNS", "merge_manifest", "read_manifest"]
+
+MANIFEST_COLUMNS = ["slide_id", "source", "status", "error", "width", "height", "mpp", "mpp_missing",
+                    "tissue_fraction", "seconds", "vendor", "codec", "levels", "regions", "regions_resumed", "store"]
+
+
+def read_manifest(store_dir: str | Path):
+    """The manifest as a pandas DataFrame (empty with the standard columns when there is none)."""
+    import pandas as pd
+
+    p = Path(store_dir) / "manifest.parquet"
+    if p.is_file():
+        return pd.read_parquet(p)
+    return pd.DataFrame(columns=MANIFEST_COLUMNS)
+
+
+def merge_manifest(store_dir: str | Path, rows: Iterable[dict[str, Any]]):
+    """Merge ``rows`` (keyed by slide_id) into the manifest and write Parquet + CSV atomically."""
+    import pandas as pd
+
+    store_dir = Path(store_dir)
+    old = read_manifest(store_dir)
+    new = pd.DataFrame(list(rows))
+    if new.empty:
+        return old
+    if not old.empty:
+        old = old[~old["slide_id"].isin(set(new["slide_id"]))]
+        df = pd.concat([old, new], ignore_index=True)
+    else:
+        df = new
+    cols = [c for c in MANIFEST_COLUMNS if c in df.columns] + [c for c in df.columns if c not in MANIFEST_COLUMNS]
+    df = df[cols].sort_values("slide_id", kind="stable").reset_index(drop=True)
+    for c in ("width", "height", "levels", "regions", "regions_resumed"):
+        if c in df.columns:
+            df[c] = pd.to_numeric(df[c], errors="coerce").astype("Int64")
+    if "mpp_missing" in df.columns:
+        df["mpp_missing"] = df["mpp_missing"].astype("boolean")
+    for c in df.columns:  # carried CSV columns can mix types across runs; keep Parquet happy
+        if df[c].dtype == object:
+            df[c] = df[c].map(lambda v: None if v is None or (isinstance(v, float) and v != v) else str(v))
+    store_dir.mkdir(parents=True, exist_ok=True)
+    for name, write in (("manifest.parquet", lambda p: df.to_parquet(p, index=False)),
+                        ("manifest.csv", lambda p: df.to_csv(p, index=False))):
+        tmp = store_dir / f".{name}.tmp{os.getpid()}"
+        write(tmp)
+        os.replace(tmp, store_dir / name)
+    return df
