@@ -602,7 +602,7 @@ def synth_archive(out_dir: str | os.PathLike, *, count: int, size: Any = 4096, f
                   on_total: Callable[[int], None] | None = None):
     """Write ``count`` synthetic slides into ``out_dir`` plus ``labels.csv`` (columns ``path,label``).
 
-    ``path`` holds absolute paths. Exactly ``round(count * positive_fraction)`` slides are positive,
+    ``path`` holds absolute paths. Exactly ``floor(count * positive_fraction + 0.5)`` slides are positive,
     in an order shuffled by ``seed``. ``fmt="mixed"`` alternates SVS (even index) and TIFF (odd).
     Slide ``i`` is ``synth_{i:05d}.svs|.tiff`` with seed drawn from ``(seed, i)``; files are overwritten.
     Same arguments -> same bytes.
@@ -641,7 +641,7 @@ def synth_archive(out_dir: str | os.PathLike, *, count: int, size: Any = 4096, f
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(np.random.SeedSequence([seed, 0xA4C1]))
-    n_pos = int(round(count * float(positive_fraction)))
+    n_pos = int(math.floor(count * float(positive_fraction) + 0.5))  # round half up (not to even)
     labels = np.zeros(count, np.int64)
     labels[:n_pos] = 1
     rng.shuffle(labels)
