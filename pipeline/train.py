@@ -369,7 +369,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     total_steps = steps_per_epoch * cfg.optim.epochs
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_factor(s, total_steps, cfg.optim.warmup, cfg.optim.min_lr_ratio))
-    generator = torch.Generator(device="cpu")
+    generator = torch.Generator(device=device)  # selection noise is drawn on the model's device
     generator.manual_seed(cfg.seed * 1000 + rank)
 
     start_epoch, global_step, train_seconds = 0, 0, 0.0
