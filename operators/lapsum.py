@@ -92,27 +92,28 @@ class _LapSumTopK(torch.autograd.Function):
         x = torch.sub(scores.detach(), b.to(scores.dtype).unsqueeze(1)).div_(a)
         f = x.abs().neg_().exp_().mul_(0.5)  # Laplace density at x; also the small tail of the CDF
         p = torch.where(x < 0, f, 1.0 - f)
-        ctx.save_for_backward(x, f, a)
+        fa = f.div_(a)  # dp_i/ds_i at fixed b; the only vector the backward needs besides the upstream grad
+        ctx.save_for_backward(x, fa, a)
         return p
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_p):
-        x, f, a = ctx.saved_tensors
+        x, fa, a = ctx.saved_tensors
         g = grad_p
-        sf = f.sum(dim=1, keepdim=True)
-        bad = sf < _TINY.get(f.dtype, 1e-30)
+        sfa = fa.sum(dim=1, keepdim=True)
+        bad = (sfa * a) < _TINY.get(fa.dtype, 1e-30)
         if bool(bad.any()):  # every density underflowed: weights softmax(-|x|) for the implicit term
-            w = torch.where(bad, torch.softmax(-x.abs(), dim=1), f / sf)
-            gbar = (g * w).sum(dim=1, keepdim=True)
+            w = torch.where(bad, torch.softmax(-x.abs(), dim=1), fa / sfa)
+            gbar = torch.einsum("bn,bn->b", g, w).unsqueeze(1)
         else:
-            w = None
-            gbar = (g * f).sum(dim=1, keepdim=True) / sf
-        grad_s = torch.sub(g, gbar).mul_(f).div_(a) if ctx.needs_input_grad[0] else None
+            w = None  # w = fa / sum(fa) (= f / sum f), not materialised
+            gbar = torch.einsum("bn,bn->b", g, fa).unsqueeze(1) / sfa
+        grad_s = torch.sub(g, gbar).mul_(fa) if ctx.needs_input_grad[0] else None
         grad_a = None
         if ctx.needs_input_grad[1]:
-            xbar = (x * (f / sf if w is None else w)).sum(dim=1, keepdim=True)
-            grad_a = (g * f * (xbar - x)).sum(dim=1, keepdim=True) / a
+            xbar = torch.einsum("bn,bn->b", x, fa / sfa if w is None else w).unsqueeze(1)
+            grad_a = (g * fa * (xbar - x)).sum(dim=1, keepdim=True)
         return grad_s, grad_a, None
 
 

@@ -76,6 +76,7 @@ class _PerturbedTopK(torch.autograd.Function):
         bsz, n = scores.shape
         out = torch.zeros((bsz, k, n), dtype=scores.dtype, device=scores.device)
         ctx.sigma, ctx.num_samples, ctx.control_variate = sigma, num_samples, control_variate
+        ctx.noise_dtype = scores.dtype
         ctx.shape = (bsz, n)
         if sigma == 0.0:
             # every sample equals the hard top-k: exact one-hot, zero gradient
@@ -139,7 +140,8 @@ class _PerturbedTopK(torch.autograd.Function):
             if stored:
                 z = stored[i]
             else:
-                z = torch.randn((bsz, hi - lo, n), generator=gen, dtype=grad_out.dtype, device=grad_out.device)
+                z = torch.randn((bsz, hi - lo, n), generator=gen, dtype=ctx.noise_dtype, device=grad_out.device)
+                z = z.to(grad_out.dtype)
             cc = c[:, lo:hi]
             grad.add_(torch.bmm(cc.unsqueeze(1), z).squeeze(1))  # Z^T c
             if ctx.control_variate:
@@ -175,8 +177,8 @@ def perturbed_topk(
             default generator (so ``torch.manual_seed`` makes runs reproducible).
         control_variate: if True, the backward uses two zero-mean corrections that keep the estimator
             unbiased and reduce its variance: a leave-one-out baseline over samples
-            (``c_s - mean_{t != s} c_t``; the gradient is then exactly zero for upstream gradients constant
-            along N) and noise centred over patches (``Z - mean_j Z``; the gradient then sums to exactly zero
+            (``c_s - mean_{t != s} c_t``, when ``num_samples >= 2``; the gradient is then exactly zero for
+            upstream gradients constant along N) and noise centred over patches (``Z - mean_j Z``; the gradient then sums to exactly zero
             over patches). False gives the plain estimator of the formula above.
         noise: optional ``[B, num_samples, N]`` standard-normal noise to use instead of drawing it (stored for
             the backward); for tests and common-random-number comparisons.
