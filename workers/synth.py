@@ -528,7 +528,7 @@ def write_synthetic_slide(path: str | os.PathLike, *, width: int, height: int, l
                     kw["description"] = (
                         f"Aperio Image Library v12.0.15 \r\n{head}|AppMag = {_fmt_num(mag)}"
                         f"|MPP = {_fmt_num(mpp)}|Filename = {path.stem}|Title = foveate synthetic slide"
-                        f"|foveate.label = {layout.label}|foveate.seed = {layout.seed}")
+                        f"|foveate.seed = {layout.seed}")  # no label: the pixels alone must decide it
                 else:
                     res = 1e4 / (mpp * 2**lvl)
                     kw["resolution"] = (res, res)
