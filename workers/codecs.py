@@ -35,7 +35,7 @@ from zarr.core.array_spec import ArraySpec
 from zarr.core.buffer import Buffer, NDBuffer
 from zarr.registry import register_codec
 
-__all__ = ["CODEC_NAME", "JpegRGBCodec", "encode_jpeg_chunk", "decode_jpeg_chunk", "merge_jpeg_tables"]
+__all__ = ["CODEC_NAME", "JpegRGBCodec", "encode_jpeg_chunk", "encode_jpeg_hwc", "decode_jpeg_chunk", "merge_jpeg_tables"]
 
 CODEC_NAME = "foveate.jpeg"
 _COLORSPACES = ("ycbcr", "rgb")
@@ -47,6 +47,12 @@ def encode_jpeg_chunk(chunk_chw: np.ndarray, quality: int = 90) -> bytes:
         raise ValueError(f"chunk must be (3, h, w) uint8, got {chunk_chw.shape} {chunk_chw.dtype}")
     hwc = np.ascontiguousarray(np.moveaxis(chunk_chw, 0, -1))
     return bytes(imagecodecs.jpeg8_encode(hwc, level=int(quality)))
+
+
+def encode_jpeg_hwc(hwc: np.ndarray, quality: int = 90) -> bytes:
+    """Encode an (h, w, 3) uint8 image as one YCbCr JPEG (the bytes :class:`JpegRGBCodec` stores for its
+    channel-first transpose)."""
+    return bytes(imagecodecs.jpeg8_encode(np.ascontiguousarray(hwc), level=int(quality)))
 
 
 def decode_jpeg_chunk(data: bytes, colorspace: str = "ycbcr") -> np.ndarray:

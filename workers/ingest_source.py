@@ -8,7 +8,7 @@ faster. OpenSlide and imagecodecs both use libjpeg-turbo with the same settings,
 gives *identical* pixels; :meth:`SlideSource.open` checks that on a sample tile and falls back to
 OpenSlide for the slide if not (and for every other format: DICOM, MRXS, NDPI, ...).
 
-All pixels are RGB composited on white (transparent / out-of-slide is white), channel-first (3, h, w).
+All pixels are RGB composited on white (transparent / out-of-slide is white), channel-last (h, w, 3) uint8.
 """
 
 from __future__ import annotations
@@ -152,20 +152,20 @@ class SlideSource:
 
     # ------------------------------------------------------------------ reading
     def read_l0(self, x: int, y: int, w: int, h: int) -> np.ndarray:
-        """Level-0 box (x, y, w, h), inside the slide, as (3, h, w) uint8 RGB over white."""
+        """Level-0 box (x, y, w, h), inside the slide, as (h, w, 3) uint8 RGB over white."""
         if 0 in self._pages:
             return self._read_direct(0, x, y, w, h)
         return self.read_openslide(x, y, w, h)
 
     def read_openslide(self, x: int, y: int, w: int, h: int, level: int = 0) -> np.ndarray:
-        """OpenSlide ``read_region`` composited on white, (3, h, w) uint8 (``x, y`` in level-0 pixels)."""
+        """OpenSlide ``read_region`` composited on white, (h, w, 3) uint8 (``x, y`` in level-0 pixels)."""
         import openslide
 
         try:
             rgba = np.asarray(self._osr.read_region((int(x), int(y)), level, (int(w), int(h))))
         except openslide.OpenSlideError as exc:
             raise SlideOpenError(f"OpenSlide cannot read pixels of {self.path}: {_one_line(exc)}") from exc
-        return np.ascontiguousarray(np.moveaxis(composite_on_white(rgba), -1, 0))
+        return composite_on_white(rgba)
 
     def _page_tile(self, level: int, index: int) -> np.ndarray | None:
         """Decoded tile ``index`` of a direct level as (th, tw, 3) (None for a missing tile)."""
@@ -196,7 +196,7 @@ class SlideSource:
                 x0, y0 = max(x, tx * tw), max(y, ty * th)
                 x1, y1 = min(x + w, (tx + 1) * tw), min(y + h, (ty + 1) * th)
                 out[y0 - y : y1 - y, x0 - x : x1 - x] = tile[y0 - ty * th : y1 - ty * th, x0 - tx * tw : x1 - tx * tw]
-        return np.ascontiguousarray(np.moveaxis(out, -1, 0))
+        return out
 
     def raw_jpeg_tile(self, level: int, tx: int, ty: int) -> tuple[bytes, bytes | None] | None:
         """Compressed JPEG tile (data, JPEGTables) at tile column/row (tx, ty) of an OpenSlide level, or

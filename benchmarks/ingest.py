@@ -1,0 +1,196 @@
+"""Ingest throughput on a synthetic slide: foveate ingest vs the decode floor and a naive loop.
+
+Measures, in megapixels of level 0 per second (MP/s):
+
+- ``decode_floor``: decode every level-0 JPEG tile of the source once (tifffile index + imagecodecs), no writing;
+- ``naive``: one process, ``OpenSlide.read_region`` of 2048-px blocks -> ``zarr`` array (zstd), level 0 only
+  (on the first ``--naive-fraction`` of the slide's rows, to keep the run short);
+- ``ingest_zstd_wN``: ``foveate ingest`` (lossless zstd, full pyramid + tissue mask) with N tiler actors;
+- ``ingest_jpeg_passthrough``: ``foveate ingest --codec jpeg`` (source JPEG tiles copied), 1 actor.
+
+Ray is started once before the timed runs (start-up is not counted; actor start-up is). Store sizes are
+reported against the source file size. The synthetic slide (``workers.synth``, SVS, 256-px JPEG tiles,
+quality 90) is cached in ``--work-dir``.
+
+    python benchmarks/ingest.py                      # 32768 x 32768 (1.07 gigapixel), workers 1 and 2
+    python benchmarks/ingest.py --size 8192          # quick run (67 MP)
+    python benchmarks/ingest.py --workers 1,2,4 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+
+def du(path: Path) -> int:
+    if path.is_file():
+        return path.stat().st_size
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def make_slide(work: Path, size: int) -> Path:
+    from workers.synth import write_synthetic_slide
+
+    path = work / f"bench_{size}.svs"
+    if not path.is_file():
+        print(f"writing synthetic slide {path} ({size}x{size}) ...", flush=True)
+        t = time.perf_counter()
+        write_synthetic_slide(path, width=size, height=size, label=1, seed=7, fmt="svs", tile_size=256, quality=90)
+        print(f"  {time.perf_counter() - t:.1f}s", flush=True)
+    return path
+
+
+def decode_floor(path: Path) -> dict:
+    import imagecodecs
+    import tifffile
+
+    with tifffile.TiffFile(path) as tf:
+        page = tf.pages[0]
+        fh = tf.filehandle
+        cs = "RGB" if page.photometric == 2 else None
+        t = time.perf_counter()
+        for off, cnt in zip(page.dataoffsets, page.databytecounts):
+            if cnt:
+                fh.seek(off)
+                imagecodecs.jpeg8_decode(fh.read(cnt), tables=page.jpegtables, colorspace=cs)
+        dt = time.perf_counter() - t
+        mp = page.imagewidth * page.imagelength / 1e6
+    return {"seconds": dt, "mp": mp, "mp_per_s": mp / dt}
+
+
+def naive(path: Path, out: Path, fraction: float) -> dict:
+    import numpy as np
+    import openslide
+    import zarr
+    from PIL import Image
+
+    shutil.rmtree(out, ignore_errors=True)
+    s = openslide.OpenSlide(str(path))
+    W, H = s.dimensions
+    rows = max(256, int(H * fraction) // 256 * 256)
+    rows = min(rows, H)
+    arr = zarr.create_array(str(out), shape=(3, rows, W), chunks=(3, 256, 256), dtype="uint8", fill_value=255,
+                            compressors=[zarr.codecs.ZstdCodec(level=1)])
+    B = 2048
+    t = time.perf_counter()
+    for y in range(0, rows, B):
+        for x in range(0, W, B):
+            w, h = min(B, W - x), min(B, rows - y)
+            img = s.read_region((x, y), 0, (w, h))
+            rgb = Image.alpha_composite(Image.new("RGBA", img.size, (255,) * 4), img).convert("RGB")
+            arr[:, y : y + h, x : x + w] = np.moveaxis(np.asarray(rgb), -1, 0)
+    dt = time.perf_counter() - t
+    mp = W * rows / 1e6
+    return {"seconds": dt, "mp": mp, "mp_per_s": mp / dt, "rows": rows}
+
+
+def run_ingest(path: Path, out: Path, workers: int, codec: str) -> dict:
+    from pipeline.ingest import ingest
+    from workers.tiler import IngestOptions
+
+    shutil.rmtree(out, ignore_errors=True)
+    t = time.perf_counter()
+    res = ingest([path], out, options=IngestOptions(codec=codec), workers=workers, overwrite=True, progress=False)
+    dt = time.perf_counter() - t
+    (row,) = res.rows
+    if row["status"] != "ok":
+        raise RuntimeError(f"ingest failed: {row['error']}")
+    mp = row["width"] * row["height"] / 1e6
+    store = Path(row["store"])
+    return {"seconds": dt, "mp": mp, "mp_per_s": mp / dt, "workers": workers, "codec": row["codec"],
+            "store_bytes": du(store), "levels": row["levels"]}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--size", type=int, default=32768, help="slide side in pixels (default 32768 = 1.07 GP; >= 2000)")
+    p.add_argument("--workers", default="1,2", help="comma-separated actor counts for the zstd runs (default 1,2)")
+    p.add_argument("--work-dir", default=str(REPO / "benchmarks" / "_work" / "ingest"),
+                   help="cache for the synthetic slide and scratch stores (default benchmarks/_work/ingest)")
+    p.add_argument("--naive-fraction", type=float, default=0.25, help="fraction of the slide's rows the naive loop does")
+    p.add_argument("--skip-naive", action="store_true")
+    p.add_argument("--json", default=None, help="write results here (default WORK_DIR/ingest_<size>.json)")
+    p.add_argument("--keep-stores", action="store_true", help="keep the scratch stores")
+    args = p.parse_args(argv)
+    workers = [int(w) for w in args.workers.split(",") if w]
+    if not workers or min(workers) < 1:
+        raise ValueError(f"--workers must list positive ints, got {args.workers!r}")
+    if not (0 < args.naive_fraction <= 1):
+        raise ValueError(f"--naive-fraction must be in (0, 1], got {args.naive_fraction!r}")
+    work = Path(args.work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    slide = make_slide(work, args.size)
+    src_bytes = du(slide)
+    import ray
+
+    results: dict = {"size": args.size, "source": str(slide), "source_bytes": src_bytes,
+                     "machine": f"{platform.machine()} {os.cpu_count()} CPUs ({platform.processor() or 'cpu'}), shared",
+                     "command": "python benchmarks/ingest.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+                     "runs": {}}
+    print("decode floor ...", flush=True)
+    results["runs"]["decode_floor"] = decode_floor(slide)
+    if not args.skip_naive:
+        print("naive OpenSlide read_region -> zarr ...", flush=True)
+        results["runs"]["naive"] = naive(slide, work / "naive.zarr", args.naive_fraction)
+        shutil.rmtree(work / "naive.zarr", ignore_errors=True)
+    ray.init(num_cpus=max(workers), include_dashboard=False, object_store_memory=128 * 1024**2, configure_logging=False,
+             runtime_env={"env_vars": {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}})
+    try:
+        for w in workers:
+            print(f"foveate ingest zstd, {w} worker(s) ...", flush=True)
+            results["runs"][f"ingest_zstd_w{w}"] = run_ingest(slide, work / f"stores_zstd_w{w}", w, "zstd")
+        print("foveate ingest jpeg passthrough, 1 worker ...", flush=True)
+        results["runs"]["ingest_jpeg_passthrough"] = run_ingest(slide, work / "stores_jpeg", 1, "jpeg")
+    finally:
+        ray.shutdown()
+    if not args.keep_stores:
+        for d in work.glob("stores_*"):
+            shutil.rmtree(d, ignore_errors=True)
+
+    runs = results["runs"]
+    floor = runs["decode_floor"]["mp_per_s"]
+    goals = {}
+    if "ingest_zstd_w1" in runs:
+        goals["lossless_per_worker_vs_floor"] = runs["ingest_zstd_w1"]["mp_per_s"] / floor
+    goals["passthrough_vs_floor"] = runs["ingest_jpeg_passthrough"]["mp_per_s"] / floor
+    if "ingest_zstd_w1" in runs and "ingest_zstd_w2" in runs:
+        goals["speedup_2_vs_1"] = runs["ingest_zstd_w2"]["mp_per_s"] / runs["ingest_zstd_w1"]["mp_per_s"]
+    results["ratios"] = goals
+    results["goals_met"] = {
+        "lossless >= 0.5 x floor per worker": goals.get("lossless_per_worker_vs_floor", 0) >= 0.5,
+        "passthrough > floor": goals["passthrough_vs_floor"] > 1.0,
+        "2 workers >= 1.7 x 1 worker": goals.get("speedup_2_vs_1", 0) >= 1.7,
+    }
+
+    print(f"\nslide {args.size}x{args.size} ({args.size**2 / 1e9:.2f} GP), source {src_bytes / 1e6:.1f} MB; {results['machine']}")
+    print(f"| run | MP/s | seconds | MP | store MB | store / source |")
+    print(f"|---|---:|---:|---:|---:|---:|")
+    for name, r in runs.items():
+        sb = r.get("store_bytes")
+        size = f"{sb / 1e6:.1f} | {sb / src_bytes:.2f}" if sb else "- | -"
+        print(f"| {name} | {r['mp_per_s']:.1f} | {r['seconds']:.1f} | {r['mp']:.0f} | {size} |")
+    for k, v in goals.items():
+        print(f"{k}: {v:.2f}")
+    for k, v in results["goals_met"].items():
+        print(f"goal {k}: {'met' if v else 'NOT met'}")
+    out = Path(args.json) if args.json else work / f"ingest_{args.size}.json"
+    out.write_text(json.dumps(results, indent=1))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
