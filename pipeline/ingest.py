@@ -239,7 +239,7 @@ def _schedule(states: dict[str, _SlideState], queue: deque, rows: dict, out: Pat
     last_slide: list[str | None] = [None] * n_actors
     busy = [0] * n_actors
     depth = 2
-    inflight: dict[Any, tuple[int, _Task]] = {}
+    inflight: dict[Any, tuple[int, _Task, Any]] = {}
     pixels = 0
     slide_bar = Progress(len(states), "slides", unit="slide", enable=progress)
     tile_bar = Progress(None, "tiles", unit="tile", enable=progress)
@@ -265,7 +265,7 @@ def _schedule(states: dict[str, _SlideState], queue: deque, rows: dict, out: Pat
             ref = actors[i].write_region.remote(st.store_path, t.payload)
         else:
             ref = actors[i].finalize.remote(st.store_path)
-        inflight[ref] = (i, t)
+        inflight[ref] = (i, t, actors[i])
         busy[i] += 1
         last_slide[i] = t.slide
 
@@ -307,14 +307,17 @@ def _schedule(states: dict[str, _SlideState], queue: deque, rows: dict, out: Pat
                 continue
             ready, _ = ray.wait(list(inflight), num_returns=1)
             ref = ready[0]
-            i, t = inflight.pop(ref)
-            busy[i] -= 1
+            i, t, handle = inflight.pop(ref)
+            if handle is actors[i]:  # (not a task of an actor that was already replaced)
+                busy[i] -= 1
             st = states[t.slide]
             try:
                 result = ray.get(ref)
-            except ray.exceptions.ActorDiedError as exc:
-                log.warning("tiler actor %d died (%s); replacing it", i, type(exc).__name__)
-                actors[i] = spawn()
+            except ray.exceptions.RayActorError as exc:
+                if handle is actors[i]:
+                    log.warning("tiler actor %d died (%s); replacing it", i, type(exc).__name__)
+                    actors[i] = spawn()
+                    busy[i] = 0
                 # tasks queued on the dead actor fail too; each is retried on its own
                 t.attempts += 1
                 if st.done:

@@ -4,7 +4,9 @@ Layout of ``STORE_DIR/<slide_id>.zarr``::
 
     zarr.json                 group; attributes {"ome": {"version": "0.5", "multiscales": [...]},
                                                  "foveate": {...metadata, see StoreMeta...}}
-    0/, 1/, ...               uint8 arrays (c=3, y, x), chunks (3, tile, tile); level l is level 0
+    0/, 1/, ...               uint8 arrays (c=3, y, x), chunks (3, tile, tile) (ingest's zstd levels store
+                              each chunk interleaved through zarr's standard ``transpose`` codec, order
+                              (1, 2, 0), then zstd; JPEG levels use ``foveate.jpeg``); level l is level 0
                               downsampled by ``downsamples[l]`` (powers of two, or the source's own
                               pyramid factors for the JPEG passthrough)
     labels/tissue/0, 1, ...   uint8 (1, y, x) tissue mask (1 = tissue), an NGFF label image with one level per

@@ -352,7 +352,10 @@ class Tiler:
         from workers.codecs import JpegRGBCodec
 
         if codec == "zstd":
-            return {"compressors": [zarr.codecs.ZstdCodec(level=self.options.zstd_level)]}
+            # chunks stored interleaved (y, x, c) through zarr's standard transpose codec: the writer encodes
+            # rows of the decoded (h, w, 3) block as they are, any zarr v3 reader sees (c, y, x)
+            return {"filters": [zarr.codecs.TransposeCodec(order=(1, 2, 0))],
+                    "compressors": [zarr.codecs.ZstdCodec(level=self.options.zstd_level)]}
         if codec == "jpeg":
             return {"serializer": JpegRGBCodec(quality=self.options.jpeg_quality), "compressors": None}
         if codec.startswith("passthrough:"):
@@ -433,8 +436,8 @@ class Tiler:
     def _write_block(self, plan: SlidePlan, level: int, x: int, y: int, block: np.ndarray) -> None:
         """Encode and write the chunks of ``block`` (h, w, 3) at (x, y) of ``level`` (chunk-aligned).
 
-        Chunks are encoded exactly as zarr would (channel-first, full-size edge chunks padded with the fill
-        value 255; all-white chunks are not written, like zarr's ``write_empty_chunks=False``)."""
+        Chunks are encoded exactly as zarr would (zstd levels: ``transpose(1, 2, 0)`` then zstd, i.e. the
+        interleaved chunk; full-size edge chunks padded with the fill value 255; all-white chunks are not written, like zarr's ``write_empty_chunks=False``)."""
         import imagecodecs
 
         from workers.codecs import encode_jpeg_hwc
@@ -463,7 +466,7 @@ class Tiler:
                     full[: chunk.shape[0], : chunk.shape[1]] = chunk
                     chunk = full
                 if codec == "zstd":
-                    data = imagecodecs.zstd_encode(np.ascontiguousarray(chunk.transpose(2, 0, 1)), level=zlevel)
+                    data = imagecodecs.zstd_encode(np.ascontiguousarray(chunk), level=zlevel)  # transpose codec: (y, x, c)
                 else:
                     data = encode_jpeg_hwc(chunk, quality)
                 if p.parent not in made:
