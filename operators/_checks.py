@@ -59,14 +59,18 @@ def check_scores(
         want = {2: "[B, N]", 3: "[B, H, W]"}.get(ndim, f"rank {ndim}")
         raise ValueError(f"{name} must have shape {want} (rank {ndim}), got shape {tuple(scores.shape)}")
     if floating and not scores.is_floating_point():
-        raise ValueError(f"{name} must be a floating-point tensor (float16/bfloat16/float32/float64), got dtype {scores.dtype}")
+        raise ValueError(
+            f"{name} must be a floating-point tensor (float16/bfloat16/float32/float64), got dtype {scores.dtype}"
+        )
     if scores.shape[0] < 1 or any(s < min_last for s in scores.shape[1:]):
         raise ValueError(
             f"{name} must have B >= 1 and every other dimension >= {min_last}, got shape {tuple(scores.shape)}"
         )
     if check_finite and scores.numel() and not bool(torch.isfinite(scores).all()):
         n_bad = int((~torch.isfinite(scores)).sum())
-        raise ValueError(f"{name} must be finite, got {n_bad} non-finite entries (NaN or inf) in shape {tuple(scores.shape)}")
+        raise ValueError(
+            f"{name} must be finite, got {n_bad} non-finite entries (NaN or inf) in shape {tuple(scores.shape)}"
+        )
     return scores
 
 

@@ -135,9 +135,12 @@ def lapsum_topk(scores: torch.Tensor, k: float, *, alpha: float | torch.Tensor) 
     k = check_k_float(k, n)
     if isinstance(alpha, torch.Tensor):
         if alpha.numel() not in (1, bsz) or alpha.dim() > 2 or (alpha.dim() == 2 and alpha.shape[1] != 1):
-            raise ValueError(f"alpha must be a float or a tensor of shape (), [B] or [B, 1] with B={bsz}, got shape {tuple(alpha.shape)}")
+            raise ValueError(
+                f"alpha must be a float or a tensor of shape (), [B] or [B, 1] with B={bsz}, got shape {tuple(alpha.shape)}"
+            )
         if not alpha.is_floating_point() or not bool(torch.isfinite(alpha).all()) or not bool((alpha > 0).all()):
-            raise ValueError(f"alpha must be > 0 and finite (floating point), got {alpha.detach().cpu().flatten()[:8].tolist()}")
+            got = alpha.detach().cpu().flatten()[:8].tolist()
+            raise ValueError(f"alpha must be > 0 and finite (floating point), got {got}")
         alpha_rows = alpha.to(device=scores.device).reshape(-1, 1).expand(bsz, 1)
         out = _LapSumTopK.apply(scores, alpha_rows, k)
         return out

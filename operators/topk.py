@@ -178,8 +178,8 @@ def perturbed_topk(
         control_variate: if True, the backward uses two zero-mean corrections that keep the estimator
             unbiased and reduce its variance: a leave-one-out baseline over samples
             (``c_s - mean_{t != s} c_t``, when ``num_samples >= 2``; the gradient is then exactly zero for
-            upstream gradients constant along N) and noise centred over patches (``Z - mean_j Z``; the gradient then sums to exactly zero
-            over patches). False gives the plain estimator of the formula above.
+            upstream gradients constant along N) and noise centred over patches (``Z - mean_j Z``; the
+            gradient then sums to exactly zero over patches). False gives the plain estimator of the formula above.
         noise: optional ``[B, num_samples, N]`` standard-normal noise to use instead of drawing it (stored for
             the backward); for tests and common-random-number comparisons.
 

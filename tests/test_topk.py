@@ -38,7 +38,8 @@ def dense_diagonal_vjp(scores, k, sigma, noise, grad_out):
 
 def _run(scores, k, sigma, noise=None, grad_out=None, **kw):
     s = scores.clone().requires_grad_(True)
-    out = perturbed_topk(s, k, sigma=sigma, noise=noise, num_samples=noise.shape[1] if noise is not None else kw.pop("num_samples", 500), **kw)
+    num_samples = noise.shape[1] if noise is not None else kw.pop("num_samples", 500)
+    out = perturbed_topk(s, k, sigma=sigma, noise=noise, num_samples=num_samples, **kw)
     if grad_out is None:
         return out, None
     (g,) = torch.autograd.grad(out, s, grad_out)
