@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import time
 from collections import deque
@@ -255,7 +256,7 @@ class _Pool:
 
 
 def _run_pipeline(todo: list[tuple[str, str]], ckpt_ref: Any, *, model_name: str, heatmap_dir: Path | None,
-                  writer: PredictionWriter, workers: int, scorer_workers: int | None, batch_size: int,
+                  writer: PredictionWriter, workers: int | None, scorer_workers: int | None, batch_size: int,
                   max_in_flight: int, max_restarts: int, max_task_retries: int, progress) -> tuple[str, int, int, int]:
     """Drive the two actor pools over ``todo``; returns (scorer device, ok rows, error rows, retried calls)."""
     import ray
@@ -267,6 +268,8 @@ def _run_pipeline(todo: list[tuple[str, str]], ckpt_ref: Any, *, model_name: str
     gpus = int(resources.get("GPU", 0))
     n_scorers = scorer_workers or max(1, gpus)
     total_cpus = float(resources.get("CPU", 1))
+    if workers is None:  # the CPUs the scorers leave, at least one, at most one per slide batch
+        workers = max(1, min(int(total_cpus) - (0 if gpus else n_scorers), math.ceil(len(todo) / batch_size)))
     cpu_actors = workers + (0 if gpus else n_scorers)
     cpus_each = min(1.0, total_cpus / max(cpu_actors, 1))  # never ask for more CPUs than the cluster has
     threads = max(1, int(cpus_each))
@@ -377,7 +380,8 @@ def _check_int(name: str, value: Any, minimum: int) -> None:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
 
 
-def score(model: str, stores: str | Path, out: str | Path, *, workers: int = 1, scorer_workers: int | None = None,
+def score(model: str, stores: str | Path, out: str | Path, *, workers: int | None = None,
+          scorer_workers: int | None = None,
           address: str | None = None, batch_size: int = 4, max_in_flight: int = 2, heatmaps: bool = True,
           experiment: str | None = "foveate-score", tracking_uri: str | None = None, max_restarts: int = 3,
           max_task_retries: int = 3, flush_every_s: float = 2.0, num_cpus: int | None = None) -> ScoreResult:
@@ -388,7 +392,8 @@ def score(model: str, stores: str | Path, out: str | Path, *, workers: int = 1, 
             (``.pt``, loaded with ``torch.load(weights_only=True)``) / MLflow model directory.
         stores: folder of ``<slide_id>.zarr`` stores (``foveate ingest``'s STORE_DIR).
         out: predictions Parquet file (resumed if it exists).
-        workers: classifier (patch reading + features + aggregation) actors, CPU.
+        workers: classifier (patch reading + features + aggregation) actors, CPU (default: the cluster's CPUs
+            not taken by CPU scorers, at least 1).
         scorer_workers: scorer actors (default: one per GPU, or 1 without GPUs).
         address: Ray address (default: ``RAY_ADDRESS`` / the job's cluster, else an in-process Ray).
         batch_size: slides per actor call.
@@ -404,7 +409,8 @@ def score(model: str, stores: str | Path, out: str | Path, *, workers: int = 1, 
 
     if not isinstance(model, (str, Path)) or not str(model):
         raise ValueError(f"--model must be an MLflow model URI or a checkpoint path, got {model!r}")
-    _check_int("--workers", workers, 1)
+    if workers is not None:
+        _check_int("--workers", workers, 1)
     if scorer_workers is not None:
         _check_int("--scorer-workers", scorer_workers, 1)
     _check_int("--batch-size", batch_size, 1)
@@ -441,7 +447,8 @@ def score(model: str, stores: str | Path, out: str | Path, *, workers: int = 1, 
                                    tags={"foveate.stage": "score", "foveate.model": str(model)}).info.run_id
         from mlflow.entities import Param
 
-        params = {"model": str(model), "stores": str(Path(stores).resolve()), "out": str(out), "workers": workers,
+        params = {"model": str(model), "stores": str(Path(stores).resolve()), "out": str(out),
+                  "workers": workers or "auto",
                   "scorer_workers": scorer_workers or "auto", "batch_size": batch_size, "slides_total": len(all_stores),
                   "slides_todo": len(todo)}
         client.log_batch(run_id, params=[Param(k, str(v)) for k, v in params.items()])
@@ -497,8 +504,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "local checkpoint (.pt) / MLflow model directory")
     parser.add_argument("--stores", required=True, help="folder of <slide_id>.zarr stores (foveate ingest's STORE_DIR)")
     parser.add_argument("--out", required=True, help="predictions file (.parquet); an existing one is resumed")
-    parser.add_argument("--workers", type=int, default=1, help="CPU actors reading patches + features + aggregation "
-                                                               "(default 1)")
+    parser.add_argument("--workers", type=int, default=None,
+                        help="CPU actors reading patches + features + aggregation (default: the cluster's CPUs not "
+                             "used by CPU scorers, at least 1)")
     parser.add_argument("--scorer-workers", type=int, default=None,
                         help="scorer actors (default: one per GPU of the cluster, else 1 on CPU)")
     parser.add_argument("--address", default=None, help="Ray address (default: RAY_ADDRESS / the job's cluster, else "
