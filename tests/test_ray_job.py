@@ -52,6 +52,22 @@ def _run(cmd: list[str], env: dict[str, str], timeout: float, what: str) -> str:
     return out
 
 
+def _live_pids_mentioning(text: str) -> list[int]:
+    """PIDs of non-zombie processes whose command line contains ``text``."""
+    out = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if text in cmd and state != "Z":
+            out.append(int(proc.name))
+    return out
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     for tool in ("curl", "setsid", "ps"):
@@ -84,10 +100,7 @@ def cluster(tmp_path_factory):
         print(down.stderr)
         tmp = (run_dir / "ray_temp_dir").read_text().strip() if (run_dir / "ray_temp_dir").exists() else None
         if tmp:  # nothing of this head may be left running
-            left = subprocess.run(["pgrep", "-f", tmp], capture_output=True, text=True).stdout.split()
-            alive = [p for p in left if Path(f"/proc/{p}/stat").exists()
-                     and Path(f"/proc/{p}/stat").read_text().split()[2] != "Z"]
-            assert not alive, f"processes of the head still running after down.sh: {alive}"
+            assert not _live_pids_mentioning(tmp), "processes of the head still running after down.sh"
 
 
 def test_token_auth_is_on(cluster):

@@ -89,18 +89,29 @@ def _by_id(table):
     return {r["slide_id"]: r for r in table.to_dict("records")}
 
 
-def test_workers_without_ray_match_forward_chain(data, tmp_path):
-    """The two stages as plain classes give the coordinates/probabilities of workers.patches.forward_slide."""
+@pytest.mark.parametrize("selector,aggregator", [("perturbed", "attention_mil"), ("attention", "transformer"),
+                                                 ("sinkhorn", "mean"), ("lapsum", "max")])
+def test_workers_without_ray_match_forward_chain(data, tmp_path, selector, aggregator):
+    """The two stages as plain classes give the coordinates/probabilities of workers.patches.forward_slide
+    (hard top-k at inference; the slot weights of attention/SOFT/LapSum travel from scorer to classifier)."""
+    import dataclasses
+
+    from operators.model import FoveateModel
+    from pipeline.model_io import checkpoint_dict
     from workers.scoring import ClassifierWorker, ScorerWorker
 
-    sw = ScorerWorker(str(data["ckpt"]), device="cpu")
-    cw = ClassifierWorker(str(data["ckpt"]), heatmap_dir=tmp_path / "hm", model_name="m")
+    cfg = dataclasses.replace(_model_config(), selector=selector, aggregator=aggregator)
+    torch.manual_seed(1)
+    model = FoveateModel(cfg).eval()
+    ckpt = checkpoint_dict(model, cfg, CLASSES)
+    sw = ScorerWorker(ckpt, device="cpu")
+    cw = ClassifierWorker(ckpt, heatmap_dir=tmp_path / "hm", model_name="m")
     items = sw.score_batch([(s, str(data["stores"] / f"{s}.zarr")) for s in ["s0", "s1", "incomplete"]])
     assert [i["status"] for i in items] == ["ok", "ok", "error"]
     assert "incomplete" in items[2]["error"]
     rows = cw.classify_batch(items)  # s0 and s1 go through the network as one batch
     for row in rows[:2]:
-        coords, probs, pscores = _reference(data["model"], data["stores"] / f"{row['slide_id']}.zarr")
+        coords, probs, pscores = _reference(model, data["stores"] / f"{row['slide_id']}.zarr")
         np.testing.assert_array_equal([[p["x"], p["y"]] for p in row["patches"]], coords)
         assert all(p["w"] == p["h"] == 32 for p in row["patches"])
         np.testing.assert_allclose([p["score"] for p in row["patches"]], pscores, rtol=1e-5, atol=1e-6)
