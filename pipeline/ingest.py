@@ -72,6 +72,7 @@ class IngestResult:
     seconds: float
     manifest_path: Path
     pixels: int = 0  # level-0 pixels of the slides completed in this run
+    cpu_seconds: float = 0.0  # CPU time the tiler actors spent in region and finalize tasks (not plan)
 
     @property
     def failed(self) -> list[dict[str, Any]]:
@@ -184,20 +185,21 @@ def ingest(inputs: Sequence[str | Path], out: str | Path, *, options: IngestOpti
             continue
         states[inp.slide_id] = _SlideState(inp)
         queue.append(_Task(inp.slide_id, "plan", inp))
-    pixels = 0
+    pixels, cpu = 0, 0.0
     if states:
         started, n_actors = _init_ray(workers, address)
         try:
-            pixels = _schedule(states, queue, rows, out, options, n_actors, overwrite, max_task_retries,
-                               fault_kill_at, progress)
+            pixels, cpu = _schedule(states, queue, rows, out, options, n_actors, overwrite, max_task_retries,
+                                    fault_kill_at, progress)
         finally:
             if started:
                 ray.shutdown()
     ordered = [rows[s.slide_id] for s in slides if s.slide_id in rows]
     for r in ordered:
         r.setdefault("error", None)
+        r.pop("cpu_seconds", None)
     merge_manifest(out, ordered)
-    return IngestResult(ordered, time.perf_counter() - t_start, out / "manifest.parquet", pixels)
+    return IngestResult(ordered, time.perf_counter() - t_start, out / "manifest.parquet", pixels, cpu)
 
 
 def _complete(spath: Path) -> bool:
@@ -227,7 +229,7 @@ def _skipped_row(inp: SlideInput, spath: Path) -> dict[str, Any]:
 
 def _schedule(states: dict[str, _SlideState], queue: deque, rows: dict, out: Path, options: IngestOptions,
               n_actors: int, overwrite: bool, max_task_retries: int, fault_kill_at: int | None,
-              progress: bool | None) -> int:
+              progress: bool | None) -> tuple[int, float]:
     import ray
 
     actor_cls = ray.remote(num_cpus=1, max_restarts=0)(Tiler)
@@ -241,6 +243,7 @@ def _schedule(states: dict[str, _SlideState], queue: deque, rows: dict, out: Pat
     depth = 2
     inflight: dict[Any, tuple[int, _Task, Any]] = {}
     pixels = 0
+    cpu = 0.0
     slide_bar = Progress(len(states), "slides", unit="slide", enable=progress)
     tile_bar = Progress(None, "tiles", unit="tile", enable=progress)
     total_tiles = 0
@@ -353,6 +356,7 @@ def _schedule(states: dict[str, _SlideState], queue: deque, rows: dict, out: Pat
                 enqueue_stage(t.slide)
             elif t.kind == "region":
                 tile_bar.update(result["tiles"])
+                cpu += result.get("cpu_seconds", 0.0)
                 st.outstanding -= 1
                 if st.outstanding == 0:
                     st.stage += 1
@@ -363,13 +367,14 @@ def _schedule(states: dict[str, _SlideState], queue: deque, rows: dict, out: Pat
                                  "seconds": time.perf_counter() - st.t0, "mpp_missing": st.mpp_missing,
                                  "regions": st.regions, "regions_resumed": st.resumed, "store": st.store_path, **result}
                 pixels += int(result["width"]) * int(result["height"])
+                cpu += result.get("cpu_seconds", 0.0)
                 slide_bar.update(1)
     finally:
         for a in actors:
             ray.kill(a)
         tile_bar.close()
         slide_bar.close()
-    return pixels
+    return pixels, cpu
 
 
 def _tiles(t: int, r) -> int:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -323,26 +324,31 @@ def write_tissue_labels(group: Any, mask: np.ndarray, level_shapes: list[tuple[i
             continue
         iy = np.minimum(((np.arange(h) + 0.5) * (float(dj) / dm)).astype(np.int64), mh - 1)
         ix = np.minimum(((np.arange(w) + 0.5) * (float(dj) / dm)).astype(np.int64), mw - 1)
-        root = Path(str(group.store.root)) / group.path / "labels" / TISSUE_LABEL / str(j) / "c" / "0"
+        root = os.path.join(str(group.store.root), group.path, "labels", TISSUE_LABEL, str(j), "c", "0")
         for cy, y0 in enumerate(range(0, h, ch[0])):
             ys = iy[y0 : y0 + ch[0]]
+            row_dir = None
             for cx, x0 in enumerate(range(0, w, ch[1])):
                 xs = ix[x0 : x0 + ch[1]]
                 sub = mask[ys[0] : ys[-1] + 1, xs[0] : xs[-1] + 1]
                 if not sub.any():
                     continue
-                full = np.zeros(ch, np.uint8)
                 if sub.all():
-                    full[: len(ys), : len(xs)] = 1
                     key = (len(ys), len(xs))
                     if key not in ones_cache:
+                        full = np.zeros(ch, np.uint8)
+                        full[: len(ys), : len(xs)] = 1
                         ones_cache[key] = bytes(imagecodecs.zstd_encode(full, level=3))
                     data = ones_cache[key]
                 else:
+                    full = np.zeros(ch, np.uint8)
                     full[: len(ys), : len(xs)] = mask[np.ix_(ys, xs)]
                     data = bytes(imagecodecs.zstd_encode(full, level=3))
-                (root / str(cy)).mkdir(parents=True, exist_ok=True)
-                (root / str(cy) / str(cx)).write_bytes(data)
+                if row_dir is None:
+                    row_dir = os.path.join(root, str(cy))
+                    os.makedirs(row_dir, exist_ok=True)
+                with open(os.path.join(row_dir, str(cx)), "wb") as fh:
+                    fh.write(data)
     tg.attrs["ome"] = {
         "version": "0.5",
         "image-label": {"version": "0.5", "colors": [{"label-value": 1, "rgba": [0, 160, 0, 128]}], "source": {"image": "../../"}},

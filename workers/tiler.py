@@ -366,12 +366,12 @@ class Tiler:
     # ------------------------------------------------------------------ regions
     def write_region(self, store_path: str, region: Region) -> dict[str, Any]:
         """Write one region (idempotent; skipped when its done marker exists). Returns counters."""
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         plan = self._plan(str(store_path))
         path = Path(plan.store_path)
         marker = path / PROGRESS_DIR / f"{region.key}.done"
         if marker.exists():
-            return {"tiles": self._region_tiles(plan, region), "skipped": True, "seconds": 0.0}
+            return {"tiles": self._region_tiles(plan, region), "skipped": True, "seconds": 0.0, "cpu_seconds": 0.0}
         if region.kind == "copy":
             n = self._copy_region(plan, region)
         else:
@@ -393,7 +393,8 @@ class Tiler:
                     log.error("test hook: killing worker %d while writing %s", os.getpid(), region.key)
                     os._exit(1)
         marker.write_text("")
-        return {"tiles": self._region_tiles(plan, region), "skipped": False, "seconds": time.perf_counter() - t0}
+        return {"tiles": self._region_tiles(plan, region), "skipped": False, "seconds": time.perf_counter() - t0,
+                "cpu_seconds": time.process_time() - c0}
 
     def _region_tiles(self, plan: SlidePlan, region: Region) -> int:
         t = plan.tile
@@ -430,8 +431,15 @@ class Tiler:
         arr = zarr.open_array(str(Path(plan.store_path) / str(region.src_level)), mode="r")
         return np.ascontiguousarray(np.moveaxis(arr[:, region.y : region.y + region.h, region.x : region.x + region.w], 0, -1))
 
-    def _chunk_path(self, plan: SlidePlan, level: int, cy: int, cx: int) -> Path:
-        return Path(plan.store_path) / str(level) / "c" / "0" / str(cy) / str(cx)
+    @staticmethod
+    def _put_chunk(row_dirs: dict[int, str], level_root: str, cy: int, cx: int, data: bytes) -> None:
+        """Write one encoded chunk file ``<level>/c/0/<cy>/<cx>`` (plain strings: pathlib is too slow here)."""
+        d = row_dirs.get(cy)
+        if d is None:
+            d = row_dirs[cy] = f"{level_root}/{cy}"
+            os.makedirs(d, exist_ok=True)
+        with open(f"{d}/{cx}", "wb") as fh:
+            fh.write(data)
 
     def _write_block(self, plan: SlidePlan, level: int, x: int, y: int, block: np.ndarray) -> None:
         """Encode and write the chunks of ``block`` (h, w, 3) at (x, y) of ``level`` (chunk-aligned).
@@ -452,14 +460,16 @@ class Tiler:
             raise ValueError(f"block {bw}x{bh} at ({x}, {y}) exceeds level {level} of size {W}x{H}")
         zlevel = self.options.zstd_level
         quality = self.options.jpeg_quality
-        made: set[Path] = set()
+        level_root = f"{plan.store_path}/{level}/c/0"
+        row_dirs: dict[int, str] = {}
         for oy in range(0, bh, t):
             for ox in range(0, bw, t):
                 chunk = block[oy : oy + t, ox : ox + t]
-                p = self._chunk_path(plan, level, (y + oy) // t, (x + ox) // t)
+                cy, cx = (y + oy) // t, (x + ox) // t
                 if chunk[0, 0, 0] == 255 and chunk.min() == 255:  # short-circuits for most tissue chunks
-                    if p.exists():
-                        p.unlink()
+                    p = f"{level_root}/{cy}/{cx}"
+                    if os.path.exists(p):  # (a re-run of a region never leaves a stale chunk)
+                        os.unlink(p)
                     continue
                 if chunk.shape[0] != t or chunk.shape[1] != t:
                     full = np.full((t, t, 3), 255, np.uint8)
@@ -469,11 +479,7 @@ class Tiler:
                     data = imagecodecs.zstd_encode(np.ascontiguousarray(chunk), level=zlevel)  # transpose codec: (y, x, c)
                 else:
                     data = encode_jpeg_hwc(chunk, quality)
-                if p.parent not in made:
-                    p.parent.mkdir(parents=True, exist_ok=True)
-                    made.add(p.parent)
-                with open(p, "wb") as fh:
-                    fh.write(data)
+                self._put_chunk(row_dirs, level_root, cy, cx, data)
 
     def _copy_region(self, plan: SlidePlan, region: Region) -> int:
         """JPEG passthrough: copy the source's compressed tiles into the store's chunks, no decode."""
@@ -483,19 +489,14 @@ class Tiler:
         t = plan.tile
         lvl = region.out_levels[0]
         n = 0
-        made: set[Path] = set()
+        level_root = f"{plan.store_path}/{lvl}/c/0"
+        row_dirs: dict[int, str] = {}
         for ty in range(region.y // t, -(-(region.y + region.h) // t)):
             for tx in range(region.x // t, -(-(region.x + region.w) // t)):
                 raw = src.raw_jpeg_tile(region.src_level, tx, ty)
                 if raw is None:
                     continue
-                data = merge_jpeg_tables(raw[1], raw[0])
-                p = self._chunk_path(plan, lvl, ty, tx)
-                if p.parent not in made:
-                    p.parent.mkdir(parents=True, exist_ok=True)
-                    made.add(p.parent)
-                with open(p, "wb") as fh:
-                    fh.write(data)
+                self._put_chunk(row_dirs, level_root, ty, tx, merge_jpeg_tables(raw[1], raw[0]))
                 n += 1
         return n
 
@@ -507,6 +508,7 @@ class Tiler:
         from pipeline import __version__
         from workers.tissue import tissue_mask
 
+        c0 = time.process_time()
         plan = self._plan(str(store_path))
         path = Path(plan.store_path)
         prog = path / PROGRESS_DIR
@@ -540,7 +542,8 @@ class Tiler:
         self._plans.pop(str(store_path), None)
         return {"width": plan.level_shapes[0][0], "height": plan.level_shapes[0][1],
                 "mpp": plan.mpp[0] if plan.mpp else None, "tissue_fraction": float(mask.mean()),
-                "vendor": info["vendor"], "codec": meta.codec, "levels": len(plan.downsamples)}
+                "vendor": info["vendor"], "codec": meta.codec, "levels": len(plan.downsamples),
+                "cpu_seconds": time.process_time() - c0}
 
     # ------------------------------------------------------------------ convenience
     def ingest_slide(self, slide: SlideInput, *, overwrite: bool = False) -> dict[str, Any]:
