@@ -133,7 +133,8 @@ def _init_ray(workers: int | None, address: str | None) -> tuple[bool, int]:
     started = False
     if not ray.is_initialized():
         if address:
-            ray.init(address=address, runtime_env={"env_vars": {"PYTHONPATH": _REPO_ROOT}}, log_to_driver=True)
+            # no runtime_env here: inside `ray job submit` the job's own (working_dir) must stay in force
+            ray.init(address=address, log_to_driver=True)
         else:
             n = workers or os.cpu_count() or 1
             ray.init(num_cpus=n, include_dashboard=False, object_store_memory=128 * 1024**2,

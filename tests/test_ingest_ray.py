@@ -45,6 +45,10 @@ def test_cli_bad_inputs_fail_their_own_rows_and_the_rest_complete(ray_local, tmp
     (bad / "zero.svs").write_bytes(b"")
     (bad / "truncated.svs").write_bytes((openslide_fixtures / "small.svs").read_bytes()[:1000])
     (bad / "notes.tiff").write_text("not an image\n")
+    import tifffile
+
+    tifffile.imwrite(bad / "nompp.tiff", np.full((300, 400, 3), 180, np.uint8), tile=(64, 64), photometric="rgb",
+                     metadata=None)
     csv = tmp_path / "slides.csv"
     csv.write_text("path,label\n"
                    f"{openslide_fixtures / 'boxes.tiff'},1\n"
@@ -57,11 +61,14 @@ def test_cli_bad_inputs_fail_their_own_rows_and_the_rest_complete(ray_local, tmp
     rc = cli_main(["ingest", str(csv), str(bad), "--out", str(out), "--workers", "2", "--tile-size", "64", "--min-size", "64"])
     assert rc == 1
     printed = capsys.readouterr().out
-    assert "3 ok, 0 skipped, 6 failed" in printed
+    assert "4 ok, 0 skipped, 6 failed" in printed
     m = read_manifest(out).set_index("source")
-    assert len(m) == 9
+    assert len(m) == 10
     fx = str(openslide_fixtures)
-    assert set(m.loc[m.status == "ok"].index) == {f"{fx}/boxes.tiff", f"{fx}/small.svs", fx}
+    nompp = str(bad / "nompp.tiff")
+    assert set(m.loc[m.status == "ok"].index) == {f"{fx}/boxes.tiff", f"{fx}/small.svs", fx, nompp}
+    assert bool(m.loc[nompp, "mpp_missing"]) and m.loc[nompp, "mpp"] != m.loc[nompp, "mpp"]  # flagged, NaN
+    assert not bool(m.loc[f"{fx}/small.svs", "mpp_missing"])
     reasons = {Path(s).name: e for s, e in m.loc[m.status == "failed", "error"].items()}
     assert reasons["zero.svs"].startswith("empty file (0 bytes)")
     assert "not a slide OpenSlide can open" in reasons["truncated.svs"]
@@ -84,7 +91,7 @@ def test_cli_bad_inputs_fail_their_own_rows_and_the_rest_complete(ray_local, tmp
     rc = cli_main(["ingest", f"{fx}/boxes.tiff", "--out", str(out), "--workers", "1", "--tile-size", "64", "--min-size", "64"])
     assert rc == 0
     m2 = read_manifest(out).set_index("source")
-    assert len(m2) == 9 and m2.loc[f"{fx}/boxes.tiff", "status"] == "skipped"
+    assert len(m2) == 10 and m2.loc[f"{fx}/boxes.tiff", "status"] == "skipped"
     assert m2.loc[f"{fx}/boxes.tiff", "width"] == 300
     assert m2.loc[f"{fx}/small.svs", "status"] == "ok"
 
