@@ -187,19 +187,21 @@ def ingest(inputs: Sequence[str | Path], out: str | Path, *, options: IngestOpti
         states[inp.slide_id] = _SlideState(inp)
         queue.append(_Task(inp.slide_id, "plan", inp))
     pixels, cpu = 0, 0.0
-    if states:
-        started, n_actors = _init_ray(workers, address)
-        try:
-            pixels, cpu = _schedule(states, queue, rows, out, options, n_actors, overwrite, max_task_retries,
-                                    fault_kill_at, progress)
-        finally:
-            if started:
-                ray.shutdown()
-    ordered = [rows[s.slide_id] for s in slides if s.slide_id in rows]
-    for r in ordered:
-        r.setdefault("error", None)
-        r.pop("cpu_seconds", None)
-    merge_manifest(out, ordered)
+    try:
+        if states:
+            started, n_actors = _init_ray(workers, address)
+            try:
+                pixels, cpu = _schedule(states, queue, rows, out, options, n_actors, overwrite, max_task_retries,
+                                        fault_kill_at, progress)
+            finally:
+                if started:
+                    ray.shutdown()
+    finally:  # even when interrupted: the rows of the slides that finished are not lost
+        ordered = [rows[s.slide_id] for s in slides if s.slide_id in rows]
+        for r in ordered:
+            r.setdefault("error", None)
+            r.pop("cpu_seconds", None)
+        merge_manifest(out, ordered)
     return IngestResult(ordered, time.perf_counter() - t_start, out / "manifest.parquet", pixels, cpu)
 
 
