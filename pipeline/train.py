@@ -59,6 +59,8 @@ __all__ = [
     "classification_metrics",
     "train",
     "train_loop_per_worker",
+    "plot_heatmap",
+    "plot_gallery",
     "add_arguments",
     "run",
 ]
@@ -376,7 +378,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     ckpt = ray.train.get_checkpoint()
     if ckpt is not None:
         with ckpt.as_directory() as d:
-            state = torch.load(Path(d) / WORKER_STATE, map_location=device, weights_only=True)
+            state = torch.load(Path(d) / WORKER_STATE, map_location="cpu", weights_only=True)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
@@ -430,14 +432,15 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             scheduler.step()
             global_step += 1
             dt = time.perf_counter() - t0
-            stats = torch.tensor([loss_sum, len(batch), correct, patches, dt], dtype=torch.float64)
+            stats = torch.tensor([loss_sum, len(batch), correct, patches, dt], dtype=torch.float64,
+                                 device=device if distributed else "cpu")  # nccl reduces CUDA tensors only
             if distributed:
                 summed = stats.clone()
                 dist.all_reduce(summed)
                 longest = stats[4:5].clone()
                 dist.all_reduce(longest, op=dist.ReduceOp.MAX)
                 stats = torch.cat([summed[:4], longest])
-            s_loss, s_n, s_correct, s_patches, s_dt = stats.tolist()
+            s_loss, s_n, s_correct, s_patches, s_dt = stats.cpu().tolist()
             ep_loss += s_loss
             ep_n += int(s_n)
             ep_patches += int(s_patches)
@@ -639,8 +642,7 @@ def train(config: TrainConfig, *, resume: bool = False, address: str | None = No
     started = _init_ray(address, config)
     try:
         result = _fit(config, run_dir, train_recs, val_recs, table.class_names, uri, run_id)
-        ckpt = torch.load(Path(result.checkpoint.path) / "model.pt", map_location="cpu", weights_only=True) \
-            if result.checkpoint is not None and Path(result.checkpoint.path).is_dir() else _load_ckpt(result)
+        ckpt = _load_ckpt(result)
         model, model_cfg, class_names = model_from_checkpoint(ckpt)
         model_uri = log_model(model, model_cfg, class_names, run_id=run_id, tracking_uri=uri,
                               train_config=resolved, metadata={"run_id": run_id})
@@ -653,8 +655,8 @@ def train(config: TrainConfig, *, resume: bool = False, address: str | None = No
             client.set_terminated(run_id, status="FAILED")
         except Exception:  # pragma: no cover - tracking store gone
             pass
-        log.error("training failed; continue it with `foveate train --config ... --resume%s` (run dir %s)",
-                  "" if config.tracking.run_name is None else "", run_dir)
+        log.error("training failed; continue it with `foveate train --config ... --set tracking.run_name=%s --resume` "
+                  "(run dir %s)", config.tracking.run_name, run_dir)
         raise
     finally:
         if started:
@@ -695,7 +697,7 @@ def _fit(cfg: TrainConfig, run_dir: Path, train_recs, val_recs, class_names, uri
         train_loop_config=loop_config,
         torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
         scaling_config=ScalingConfig(num_workers=cfg.workers, use_gpu=bool(use_gpu),
-                                     resources_per_worker={"CPU": cfg.cpus_per_worker, **({"GPU": 1} if use_gpu else {})}),
+                                     resources_per_worker={"CPU": cfg.cpus_per_worker}),
         run_config=RunConfig(name="ray", storage_path=str(run_dir),
                              failure_config=FailureConfig(max_failures=cfg.max_failures),
                              checkpoint_config=CheckpointConfig(num_to_keep=2)),
