@@ -162,7 +162,7 @@ class TransformerAggregator(nn.Module):
 
 
 def build_aggregator(name: str, dim: int, num_classes: int, *, hidden: int = 128, gated: bool = True,
-                     layers: int = 2, heads: int = 4, dropout: float = 0.0) -> nn.Module:
+                     layers: int = 2, heads: int = 4, num_frequencies: int = 8, dropout: float = 0.0) -> nn.Module:
     """The aggregator called ``name`` (one of :data:`AGGREGATORS`)."""
     if name == "mean":
         return MeanAggregator(dim, num_classes, dropout=dropout)
@@ -171,5 +171,6 @@ def build_aggregator(name: str, dim: int, num_classes: int, *, hidden: int = 128
     if name == "attention_mil":
         return AttentionMILAggregator(dim, num_classes, hidden=hidden, gated=gated, dropout=dropout)
     if name == "transformer":
-        return TransformerAggregator(dim, num_classes, hidden=hidden, layers=layers, heads=heads, dropout=dropout)
+        return TransformerAggregator(dim, num_classes, hidden=hidden, layers=layers, heads=heads,
+                                     num_frequencies=num_frequencies, dropout=dropout)
     raise ValueError(f"aggregator must be one of {list(AGGREGATORS)}, got {name!r}")

@@ -30,7 +30,7 @@ from torch import nn
 
 from operators.aggregators import AGGREGATORS, build_aggregator
 from operators.resnet import ResNet, ResNetConfig
-from operators.scorer import ScorerCNN, ScorerConfig, candidate_mask, cell_pool, mask_scores, minmax_normalise
+from operators.scorer import ScorerCNN, ScorerConfig, candidate_mask, cell_pool, minmax_normalise
 from operators.soft_patches import cap_support
 
 __all__ = ["SELECTORS", "ModelConfig", "Selection", "ModelOutput", "FoveateModel"]
@@ -62,6 +62,13 @@ class ModelConfig:
         alpha: LapSum scale.
         replace: attention sampling with replacement (multinomial) instead of without (Gumbel top-k).
         entropy_weight: weight of the attention-entropy regulariser (``aux_losses["entropy"] = -w * H``).
+        attention_temperature: attention sampling's attention is ``softmax(s / T)`` over the candidates, with
+            ``s`` the min–max normalised scores in [0, 1] (as for the top-k selectors), so its sharpness does not
+            depend on the scale of the scorer's raw output: at T = 0.2 the best candidate weighs at most
+            ``e^5 ~ 150`` times the worst. (A softmax over the raw scorer output is uniform to ~1e-3 at
+            initialisation, which starves the scorer of gradient: attention sampling then never learns.)
+        position_frequencies: Fourier frequencies per coordinate of the transformer's position encoding
+            (``sin, cos(2^i pi p)``, i < F; high frequencies let the transformer memorise where patches are).
         max_support: cells kept per slot for soft patches (see ``operators.soft_patches``).
         scorer: :class:`~operators.scorer.ScorerConfig`.
         features: :class:`~operators.resnet.ResNetConfig` (``feature_dim``, widths, ``frozen``).
@@ -87,6 +94,7 @@ class ModelConfig:
     alpha: float = 0.05
     replace: bool = False
     entropy_weight: float = 0.01
+    attention_temperature: float = 0.2
     max_support: int = 4
     scorer: ScorerConfig = field(default_factory=ScorerConfig)
     features: ResNetConfig = field(default_factory=ResNetConfig)
@@ -95,6 +103,7 @@ class ModelConfig:
     gated: bool = True
     transformer_layers: int = 2
     transformer_heads: int = 4
+    position_frequencies: int = 8
     num_classes: int = 2
     dropout: float = 0.0
 
@@ -105,7 +114,7 @@ class ModelConfig:
                 raise ValueError(f"model.{name} must be an int >= {minimum}, got {v!r}")
 
         for name in ("patch_size", "k", "num_samples", "sinkhorn_max_iter", "max_support", "aggregator_hidden",
-                     "transformer_layers", "transformer_heads"):
+                     "transformer_layers", "transformer_heads", "position_frequencies"):
             pos_int(name)
         pos_int("num_classes", 2)
         if self.patch_size < 8:
@@ -125,7 +134,7 @@ class ModelConfig:
             v = getattr(self, name)
             if not (math.isfinite(v) and v >= 0):
                 raise ValueError(f"model.{name} must be a finite number >= 0, got {v!r}")
-        for name in ("epsilon", "alpha"):
+        for name in ("epsilon", "alpha", "attention_temperature"):
             v = getattr(self, name)
             if not (math.isfinite(v) and v > 0):
                 raise ValueError(f"model.{name} must be a finite number > 0, got {v!r}")
@@ -218,7 +227,7 @@ class FoveateModel(nn.Module):
         self.aggregator = build_aggregator(cfg.aggregator, cfg.features.feature_dim, cfg.num_classes,
                                            hidden=cfg.aggregator_hidden, gated=cfg.gated,
                                            layers=cfg.transformer_layers, heads=cfg.transformer_heads,
-                                           dropout=cfg.dropout)
+                                           num_frequencies=cfg.position_frequencies, dropout=cfg.dropout)
 
     # ------------------------------------------------------------------ stage 1: scores
     def score(self, lowres: torch.Tensor, cell_mask: torch.Tensor) -> torch.Tensor:
@@ -231,8 +240,8 @@ class FoveateModel(nn.Module):
 
         Returns:
             ``scores[B, N]`` (``N = Gh * Gw``, row-major): min–max normalised to [0, 1] per row over the
-            candidate cells for the top-k selectors, raw logits of the attention distribution for
-            ``selector="attention"``; ``-inf`` for cells that are not candidates (outside tissue). A row with
+            candidate cells, for every selector (attention sampling takes ``softmax(scores / attention_temperature)``
+            over the candidates); ``-inf`` for cells that are not candidates (outside tissue). A row with
             fewer than ``k`` tissue cells falls back to all cells (logged warning).
 
         Raises:
@@ -252,8 +261,6 @@ class FoveateModel(nn.Module):
         smap = self.scorer(lowres)
         raw = cell_pool(smap, (gh, gw), self.cfg.patch_size, self.cfg.stride_l0, mode=self.cfg.scorer.pool)[:, 0]
         cand = candidate_mask(cell_mask.reshape(b, n).to(device=raw.device, dtype=torch.bool), self.cfg.k)
-        if self.cfg.selector == "attention":
-            return mask_scores(raw, cand)
         return minmax_normalise(raw, cand)
 
     # ------------------------------------------------------------------ stage 2: selection
@@ -313,7 +320,7 @@ class FoveateModel(nn.Module):
         if cfg.selector == "attention":
             from operators.attention_sampling import attention_entropy, attention_sample
 
-            att = torch.softmax(sc, dim=1)  # [1, Nc]
+            att = torch.softmax(sc / cfg.attention_temperature, dim=1)  # [1, Nc]
             ent = attention_entropy(att)
             if training:
                 idx, w = attention_sample(att, k, replace=cfg.replace, generator=generator)

@@ -229,3 +229,38 @@ def test_tiny_overfit_two_slides(stores):
     with torch.no_grad():
         after = epoch_loss(False)
     assert after < 0.85 * before, (before, after)  # seeds 0-4 measured: ratio 0.63-0.73
+
+
+def test_attention_sampling_attention_is_not_uniform_at_init_and_trains_the_scorer(stores):
+    """Regression: the attention was a softmax over the scorer's raw output, which is ~1e-3 wide at
+    initialisation, so it was uniform (entropy log N to 1e-6), the scorer's gradient ~100x below the
+    classifier's, and attention sampling never learnt (benchmarks/accuracy.py: loss flat at log 2). The
+    attention is now softmax(min–max normalised scores / T): independent of the raw scale, as sharp as T says."""
+    import math
+
+    cfg = ModelConfig(**{**SMALL, "selector": "attention", "attention_temperature": 0.2})
+    slide = prepare_slide(stores[1], cfg)
+    entropies = []
+    for scale in (1.0, 0.1):  # shrinking the scorer's output must not flatten the attention
+        torch.manual_seed(0)
+        model = FoveateModel(cfg).double().train()
+        with torch.no_grad():
+            last = model.scorer.net[-1]
+            last.weight.mul_(scale)
+            last.bias.mul_(scale)
+        scores = model.score(slide.lowres[None].double(), slide.cell_mask[None])
+        sel = model.select(scores, training=True, generator=torch.Generator().manual_seed(0))
+        cand = scores[0][torch.isfinite(scores[0])]
+        att = torch.softmax(cand / cfg.attention_temperature, 0)
+        torch.testing.assert_close(sel.aux["attention_entropy"][0], -(att * att.log()).sum())
+        entropies.append(float(sel.aux["attention_entropy"][0]))
+        assert entropies[-1] < math.log(cand.numel()) - 0.05, (entropies[-1], math.log(cand.numel()))
+    assert abs(entropies[0] - entropies[1]) < 1e-2, entropies  # min–max eps (1e-6) aside, scale-free
+    # the sampled estimator carries a finite, non-zero gradient to every scorer parameter
+    torch.manual_seed(0)
+    model = FoveateModel(cfg).train()
+    out = forward_slide(model, stores[1], training=True, generator=torch.Generator().manual_seed(2))
+    loss = torch.nn.functional.cross_entropy(out.logits, torch.tensor([1])) + sum(out.aux_losses.values())
+    loss.backward()
+    for name, p in model.scorer.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all() and float(p.grad.abs().sum()) > 0, name
