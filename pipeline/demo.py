@@ -1,6 +1,6 @@
 """``foveate demo``: the whole pipeline on embedded defaults, end to end.
 
-synth ~20 small slides -> ingest into OME-Zarr stores (in-process Ray) -> train briefly with perturbed
+synth ~30 small slides -> ingest into OME-Zarr stores (in-process Ray) -> train briefly with perturbed
 top-k (Ray Train, MLflow on a local sqlite file) -> batch-score the stores with the logged model ->
 compare the experiment's runs. Everything lives under ``--workdir`` (default ``./foveate-demo``); a
 re-run reuses the slides and stores already there (synth is deterministic, ingest skips complete stores).
@@ -23,8 +23,8 @@ REPO_CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workdir", default="foveate-demo", help="folder for slides, stores, runs and MLflow (default ./foveate-demo)")
-    parser.add_argument("--count", type=int, default=20, help="synthetic slides (default 20)")
-    parser.add_argument("--size", default="2048:3072", help="slide side(s) in pixels, as for `foveate synth --size` (default 2048:3072)")
+    parser.add_argument("--count", type=int, default=32, help="synthetic slides (default 32)")
+    parser.add_argument("--size", default="2048", help="slide side(s) in pixels, as for `foveate synth --size` (default 2048)")
     parser.add_argument("--epochs", type=int, default=None, help="training epochs (default: configs/demo.yaml)")
     parser.add_argument("--workers", type=int, default=2, help="Ray workers for ingest and scoring (default 2)")
     parser.add_argument("--config", default=str(REPO_CONFIGS / "demo.yaml"), help="training config (default configs/demo.yaml)")
@@ -44,7 +44,7 @@ def _stage(name: str, argv: list[str]) -> None:
     log.info("demo: %s done in %.1fs", name, time.monotonic() - t0)
 
 
-def demo(workdir: str | Path = "foveate-demo", *, count: int = 20, size: str = "2048:3072", epochs: int | None = None,
+def demo(workdir: str | Path = "foveate-demo", *, count: int = 32, size: str = "2048", epochs: int | None = None,
          workers: int = 2, config: str | Path = REPO_CONFIGS / "demo.yaml", overrides: list[str] | tuple[str, ...] = (),
          seed: int = 0) -> dict:
     """Run the demo; returns a summary dict (paths, run ids, metrics)."""
@@ -61,7 +61,7 @@ def demo(workdir: str | Path = "foveate-demo", *, count: int = 20, size: str = "
     wd.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("MLFLOW_TRACKING_URI", f"sqlite:///{wd / 'mlflow.db'}")
     slides, stores = wd / "slides", wd / "stores"
-    preds, compare_dir = wd / "predictions.parquet", wd / "compare"
+    compare_dir = wd / "compare"
     t_start = time.monotonic()
     timings: dict[str, float] = {}
 
@@ -90,6 +90,9 @@ def demo(workdir: str | Path = "foveate-demo", *, count: int = 20, size: str = "
         result = train(cfg, workdir=wd / "runs")
         timings["train"] = time.monotonic() - t0
 
+        # One predictions file per trained model: `foveate score` resumes into an existing output, so a
+        # re-run of the demo (which trains a new model) must not reuse the previous model's rows.
+        preds = wd / f"predictions-{result.run_id[:8]}.parquet"
         t0 = time.monotonic()
         _stage("score", ["score", "--model", result.model_uri, "--stores", str(stores), "--out", str(preds),
                          "--workers", str(workers)])
