@@ -87,6 +87,7 @@ class SlideSource:
     def __init__(self, path: str, osr: Any, info: SourceInfo, tiff: Any | None, direct_pages: dict[int, Any]):
         self.path, self._osr, self.info, self._tiff, self._pages = path, osr, info, tiff, direct_pages
         self._fh = tiff.filehandle if tiff is not None else None
+        self._tile_buffers: dict[tuple[int, int], np.ndarray] = {}
 
     # ------------------------------------------------------------------ opening
     @classmethod
@@ -151,11 +152,21 @@ class SlideSource:
             self._osr = None
 
     # ------------------------------------------------------------------ reading
-    def read_l0(self, x: int, y: int, w: int, h: int) -> np.ndarray:
-        """Level-0 box (x, y, w, h), inside the slide, as (h, w, 3) uint8 RGB over white."""
+    def read_l0(self, x: int, y: int, w: int, h: int, *, out: np.ndarray | None = None) -> np.ndarray:
+        """Level-0 box (x, y, w, h), inside the slide, as (h, w, 3) uint8 RGB over white.
+
+        ``out``: optional C-contiguous (h, w, 3) uint8 array to fill (reused by the tiler: no fresh
+        allocation, no page faults per block); returned.
+        """
+        if out is not None and (out.shape != (h, w, 3) or out.dtype != np.uint8 or not out.flags.c_contiguous):
+            raise ValueError(f"out must be a C-contiguous ({h}, {w}, 3) uint8 array, got {out.shape} {out.dtype}")
         if 0 in self._pages:
-            return self._read_direct(0, x, y, w, h)
-        return self.read_openslide(x, y, w, h)
+            return self._read_direct(0, x, y, w, h, out=out)
+        block = self.read_openslide(x, y, w, h)
+        if out is None:
+            return block
+        out[...] = block
+        return out
 
     def read_openslide(self, x: int, y: int, w: int, h: int, level: int = 0) -> np.ndarray:
         """OpenSlide ``read_region`` composited on white, (h, w, 3) uint8 (``x, y`` in level-0 pixels)."""
@@ -167,35 +178,55 @@ class SlideSource:
             raise SlideOpenError(f"OpenSlide cannot read pixels of {self.path}: {_one_line(exc)}") from exc
         return composite_on_white(rgba)
 
-    def _page_tile(self, level: int, index: int) -> np.ndarray | None:
-        """Decoded tile ``index`` of a direct level as (th, tw, 3) (None for a missing tile)."""
+    def _page_tile(self, level: int, index: int, buf: np.ndarray | None = None) -> np.ndarray | None:
+        """Decoded tile ``index`` of a direct level as (th, tw, 3) (None for a missing tile). JPEG tiles are
+        decoded into ``buf`` ((th, tw, 3) uint8, C-contiguous) when given."""
+        data = self._tile_bytes(level, index)
+        return None if data is None else self._decode_tile(level, index, data, buf)
+
+    def _tile_bytes(self, level: int, index: int) -> bytes | None:
         page = self._pages[level]
         off, cnt = page.dataoffsets[index], page.databytecounts[index]
         if not cnt:
             return None
         self._fh.seek(off)
-        data = self._fh.read(cnt)
+        return self._fh.read(cnt)
+
+    def _decode_tile(self, level: int, index: int, data: bytes, buf: np.ndarray | None) -> np.ndarray:
+        page = self._pages[level]
         if page.compression == _JPEG:
             import imagecodecs
 
             cs = "RGB" if page.photometric == 2 else None
+            if buf is not None:
+                try:
+                    return imagecodecs.jpeg8_decode(data, tables=page.jpegtables, colorspace=cs, out=buf)
+                except (ValueError, imagecodecs.JpegError):  # stream of another size than the page's tiles
+                    pass
             return imagecodecs.jpeg8_decode(data, tables=page.jpegtables, colorspace=cs)
         out, _idx, _shape = page.decode(data, index, jpegtables=page.jpegtables)
         return out.reshape(out.shape[-3:])[..., :3]
 
-    def _read_direct(self, level: int, x: int, y: int, w: int, h: int) -> np.ndarray:
+    def _read_direct(self, level: int, x: int, y: int, w: int, h: int, *, out: np.ndarray | None = None) -> np.ndarray:
+        """Decode the tiles covering the box into ``out`` (allocated when None). Tiles are read in file
+        order by this thread; JPEG decoding (GIL released) goes through one reused tile buffer."""
         page = self._pages[level]
         tw, th = page.tilewidth, page.tilelength
         ntx = -(-page.imagewidth // tw)
-        out = np.full((h, w, 3), 255, np.uint8)
+        if out is None:
+            out = np.empty((h, w, 3), np.uint8)
+        buf = self._tile_buffers.get((th, tw))
+        if buf is None:
+            buf = self._tile_buffers[(th, tw)] = np.empty((th, tw, 3), np.uint8)
         for ty in range(y // th, -(-(y + h) // th)):
             for tx in range(x // tw, -(-(x + w) // tw)):
-                tile = self._page_tile(level, ty * ntx + tx)
-                if tile is None:
-                    continue
                 x0, y0 = max(x, tx * tw), max(y, ty * th)
                 x1, y1 = min(x + w, (tx + 1) * tw), min(y + h, (ty + 1) * th)
-                out[y0 - y : y1 - y, x0 - x : x1 - x] = tile[y0 - ty * th : y1 - ty * th, x0 - tx * tw : x1 - tx * tw]
+                tile = self._page_tile(level, ty * ntx + tx, buf)
+                if tile is None:
+                    out[y0 - y : y1 - y, x0 - x : x1 - x] = 255
+                else:
+                    out[y0 - y : y1 - y, x0 - x : x1 - x] = tile[y0 - ty * th : y1 - ty * th, x0 - tx * tw : x1 - tx * tw]
         return out
 
     def raw_jpeg_tile(self, level: int, tx: int, ty: int) -> tuple[bytes, bytes | None] | None:

@@ -52,6 +52,7 @@ log = logging.getLogger(__name__)
 PLAN_FILE = "foveate_plan.json"
 PROGRESS_DIR = "foveate_progress"
 CODECS = ("zstd", "jpeg")
+ZSTD_MIN_LEVEL = -131072  # zstd's fastest ("negative") level; any level decodes with plain zstd
 
 
 @dataclass(frozen=True)
@@ -75,8 +76,8 @@ class IngestOptions:
             raise ValueError(f"codec must be one of {CODECS}, got {self.codec!r}")
         if not (1 <= self.jpeg_quality <= 100):
             raise ValueError(f"jpeg_quality must be in [1, 100], got {self.jpeg_quality!r}")
-        if not (1 <= self.zstd_level <= 22):
-            raise ValueError(f"zstd_level must be in [1, 22], got {self.zstd_level!r}")
+        if not (ZSTD_MIN_LEVEL <= self.zstd_level <= 22) or self.zstd_level == 0:
+            raise ValueError(f"zstd_level must be in [{ZSTD_MIN_LEVEL}, -1] (fast levels) or [1, 22], got {self.zstd_level!r}")
         if self.mpp is not None and not (self.mpp > 0):
             raise ValueError(f"mpp must be > 0 microns per pixel, got {self.mpp!r}")
         if self.min_size < 16:
@@ -166,6 +167,30 @@ def reduce2x(hwc: np.ndarray) -> np.ndarray:
     return np.asarray(Image.fromarray(np.ascontiguousarray(hwc), "RGB").reduce(2))
 
 
+class _Reducer:
+    """2x reductions of blocks through Pillow with reused images (no fresh 16 MB image per block).
+
+    Same arithmetic as :func:`reduce2x` (``Image.reduce(2)``); levels are chained as Pillow images, so
+    only the chunks' numpy views are converted back.
+    """
+
+    def __init__(self) -> None:
+        self._images: dict[tuple[int, int], Any] = {}
+
+    def load(self, hwc: np.ndarray) -> Any:
+        """A Pillow RGB image holding ``hwc`` ((h, w, 3) uint8, C-contiguous), reused per size."""
+        from PIL import Image
+
+        h, w = hwc.shape[:2]
+        img = self._images.get((w, h))
+        if img is None:
+            if len(self._images) > 8:
+                self._images.clear()
+            img = self._images[(w, h)] = Image.new("RGB", (w, h))
+        img.frombytes(hwc if hwc.flags.c_contiguous else np.ascontiguousarray(hwc))
+        return img
+
+
 def _write_json_atomic(path: Path, obj: Any) -> None:
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     tmp.write_text(json.dumps(obj, indent=1))
@@ -197,6 +222,10 @@ class Tiler:
         self.fault_kill_at = fault_kill_at
         self._sources: OrderedDict[str, SlideSource] = OrderedDict()
         self._plans: OrderedDict[str, SlidePlan] = OrderedDict()
+        self._block_buffers: dict[tuple[int, int], np.ndarray] = {}  # reused source blocks (bounded: few sizes)
+        self._chunk_buffer: np.ndarray | None = None
+        self._reducer = _Reducer()
+        self._zstd: Any = None
         register_codecs()
 
     # ------------------------------------------------------------------ cache
@@ -383,9 +412,11 @@ class Tiler:
                 raise ValueError(f"unknown region kind {region.kind!r}")
             n = 0
             xl, yl = region.x, region.y
+            img = None
             for j, lvl in enumerate(region.out_levels):
                 if region.kind == "store" or j > 0:
-                    block = reduce2x(block)
+                    img = (self._reducer.load(block) if img is None else img).reduce(2)
+                    block = np.asarray(img)
                     xl, yl = xl // 2, yl // 2
                 self._write_block(plan, lvl, xl, yl, block)
                 n += 1
@@ -403,7 +434,12 @@ class Tiler:
     def _read_source_block(self, plan: SlidePlan, region: Region) -> np.ndarray:
         src = self._source(plan.source_path, plan.files or None)
         if self.options.mpp is None:
-            return src.read_l0(region.x, region.y, region.w, region.h)
+            buf = self._block_buffers.get((region.h, region.w))
+            if buf is None:
+                if len(self._block_buffers) >= 4:  # full blocks plus the slide's right/bottom edge blocks
+                    self._block_buffers.clear()
+                buf = self._block_buffers[(region.h, region.w)] = np.empty((region.h, region.w, 3), np.uint8)
+            return src.read_l0(region.x, region.y, region.w, region.h, out=buf)
         return self._read_resampled(src, plan, region)
 
     def _read_resampled(self, src: SlideSource, plan: SlidePlan, region: Region) -> np.ndarray:
@@ -438,16 +474,19 @@ class Tiler:
         if d is None:
             d = row_dirs[cy] = f"{level_root}/{cy}"
             os.makedirs(d, exist_ok=True)
-        with open(f"{d}/{cx}", "wb") as fh:
-            fh.write(data)
+        fd = os.open(f"{d}/{cx}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+        finally:
+            os.close(fd)
 
     def _write_block(self, plan: SlidePlan, level: int, x: int, y: int, block: np.ndarray) -> None:
         """Encode and write the chunks of ``block`` (h, w, 3) at (x, y) of ``level`` (chunk-aligned).
 
         Chunks are encoded exactly as zarr would (zstd levels: ``transpose(1, 2, 0)`` then zstd, i.e. the
         interleaved chunk; full-size edge chunks padded with the fill value 255; all-white chunks are not written, like zarr's ``write_empty_chunks=False``)."""
-        import imagecodecs
-
         from workers.codecs import encode_jpeg_hwc
 
         t = plan.tile
@@ -458,28 +497,40 @@ class Tiler:
             raise ValueError(f"block origin ({x}, {y}) is not aligned to the {t}-px chunk grid")
         if x + bw > W or y + bh > H:
             raise ValueError(f"block {bw}x{bh} at ({x}, {y}) exceeds level {level} of size {W}x{H}")
-        zlevel = self.options.zstd_level
         quality = self.options.jpeg_quality
+        zstd = self._zstd_codec() if codec == "zstd" else None
+        if self._chunk_buffer is None or self._chunk_buffer.shape != (t, t, 3):
+            self._chunk_buffer = np.empty((t, t, 3), np.uint8)
+        cbuf = self._chunk_buffer
         level_root = f"{plan.store_path}/{level}/c/0"
         row_dirs: dict[int, str] = {}
         for oy in range(0, bh, t):
             for ox in range(0, bw, t):
                 chunk = block[oy : oy + t, ox : ox + t]
                 cy, cx = (y + oy) // t, (x + ox) // t
-                if chunk[0, 0, 0] == 255 and chunk.min() == 255:  # short-circuits for most tissue chunks
+                if chunk.shape[0] != t or chunk.shape[1] != t:  # edge chunk: padded with the fill value 255
+                    cbuf.fill(255)
+                    cbuf[: chunk.shape[0], : chunk.shape[1]] = chunk
+                else:
+                    np.copyto(cbuf, chunk)
+                if cbuf[0, 0, 0] == 255 and cbuf.min() == 255:  # short-circuits for most tissue chunks
                     p = f"{level_root}/{cy}/{cx}"
                     if os.path.exists(p):  # (a re-run of a region never leaves a stale chunk)
                         os.unlink(p)
                     continue
-                if chunk.shape[0] != t or chunk.shape[1] != t:
-                    full = np.full((t, t, 3), 255, np.uint8)
-                    full[: chunk.shape[0], : chunk.shape[1]] = chunk
-                    chunk = full
-                if codec == "zstd":
-                    data = imagecodecs.zstd_encode(np.ascontiguousarray(chunk), level=zlevel)  # transpose codec: (y, x, c)
+                if zstd is not None:
+                    data = zstd.encode(cbuf)  # the transpose codec's (y, x, c) chunk, zarr's own zstd encoder
                 else:
-                    data = encode_jpeg_hwc(chunk, quality)
+                    data = encode_jpeg_hwc(cbuf, quality)
                 self._put_chunk(row_dirs, level_root, cy, cx, data)
+
+    def _zstd_codec(self) -> Any:
+        """numcodecs' Zstd at the run's level: the encoder zarr's ``ZstdCodec`` itself uses (same bytes)."""
+        if self._zstd is None:
+            from numcodecs import Zstd
+
+            self._zstd = Zstd(level=self.options.zstd_level)
+        return self._zstd
 
     def _copy_region(self, plan: SlidePlan, region: Region) -> int:
         """JPEG passthrough: copy the source's compressed tiles into the store's chunks, no decode."""
