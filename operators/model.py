@@ -65,8 +65,9 @@ class ModelConfig:
         attention_temperature: attention sampling's attention is ``softmax(s / T)`` over the candidates, with
             ``s`` the min–max normalised scores in [0, 1] (as for the top-k selectors), so its sharpness does not
             depend on the scale of the scorer's raw output: at T = 0.2 the best candidate weighs at most
-            ``e^5 ~ 150`` times the worst. (A softmax over the raw scorer output is uniform to ~1e-3 at
-            initialisation, which starves the scorer of gradient: attention sampling then never learns.)
+            ``e^5 ~ 150`` times the worst. (The raw scorer output spans ~0.1 at initialisation, so a softmax
+            over it is uniform (entropy 0.99996 log N) and the scorer's gradient ~100x too small: attention sampling
+            never learnt.)
         position_frequencies: Fourier frequencies per coordinate of the transformer's position encoding
             (``sin, cos(2^i pi p)``, i < F; high frequencies let the transformer memorise where patches are).
         max_support: cells kept per slot for soft patches (see ``operators.soft_patches``).
