@@ -47,7 +47,11 @@ def add_arguments(p) -> None:
     p.add_argument("--codec", choices=CODECS, default="zstd",
                    help="zstd: lossless (default); jpeg: one RGB JPEG per chunk, copying aligned source JPEG tiles as-is")
     p.add_argument("--jpeg-quality", type=int, default=90, help="quality of JPEGs foveate encodes (default 90)")
-    p.add_argument("--zstd-level", type=int, default=1, help="zstd level (default 1)")
+    p.add_argument("--zstd-level", type=int, default=1,
+                   help="zstd level (default 1); negative levels (-1 ... -131072) are faster, with larger stores")
+    p.add_argument("--threads", type=int, default=1,
+                   help="threads per tiler actor for JPEG decoding, zstd and reductions (default 1; each actor "
+                        "still reserves one Ray CPU, so use >1 only when workers < CPUs)")
     p.add_argument("--mpp", type=float, default=None,
                    help="resample level 0 to this many microns per pixel (slides without mpp metadata then fail)")
     p.add_argument("--min-size", type=int, default=1024, help="stop the pyramid at a level whose longer side is <= this")
@@ -60,7 +64,8 @@ def add_arguments(p) -> None:
 def run(args) -> int:
     opts = IngestOptions(tile_size=args.tile_size, codec=args.codec, jpeg_quality=args.jpeg_quality,
                          zstd_level=args.zstd_level, mpp=args.mpp, min_size=args.min_size,
-                         region_tiles=args.region_tiles, passthrough=not args.no_passthrough, direct=not args.no_direct)
+                         region_tiles=args.region_tiles, passthrough=not args.no_passthrough, direct=not args.no_direct,
+                         threads=args.threads)
     res = ingest(args.inputs, args.out, options=opts, workers=args.workers, address=args.address, overwrite=args.overwrite)
     print(res.summary())
     return 1 if res.failed else 0

@@ -294,3 +294,25 @@ def test_ingest_options_validate_arguments():
         IngestOptions(region_tiles=3)
     with pytest.raises(ValueError, match="tile_size"):
         IngestOptions(tile_size=100)
+
+
+def test_threads_and_fast_zstd_levels_give_the_same_pixels_and_bytes(tmp_path, synth_slides):
+    # TIFF 2000 x 2100: edge chunks and edge regions; regions of 2 x 2 tiles -> levels from source and from store
+    path = synth_slides["tiff"]
+    ref, _ = _ingest_one(tmp_path / "t1", path, tile_size=256, min_size=256, region_tiles=2)
+    thr, _ = _ingest_one(tmp_path / "t2", path, tile_size=256, min_size=256, region_tiles=2, threads=3)
+    fast, _ = _ingest_one(tmp_path / "fast", path, tile_size=256, min_size=256, region_tiles=2, zstd_level=-5)
+    files = lambda s: {p.relative_to(s.path): p.read_bytes() for p in sorted(s.path.glob("[0-9]*/c/**/*")) if p.is_file()}
+    assert files(ref) == files(thr) and len(files(ref)) > 20  # the thread pool changes nothing on disk
+    for lvl in range(ref.level_count):
+        np.testing.assert_array_equal(fast.read_level(lvl), ref.read_level(lvl), err_msg=f"level {lvl}")
+        meta = json.loads((fast.path / str(lvl) / "zarr.json").read_text())
+        assert {"name": "zstd", "configuration": {"level": -5, "checksum": False}} in meta["codecs"]
+        # plain zarr (no foveate codec registration needed) reads the zstd levels: channel-first (c, y, x)
+        plain = zarr.open_array(str(fast.path / str(lvl)), mode="r")[...]
+        np.testing.assert_array_equal(np.moveaxis(plain, 0, -1), ref.read_level(lvl))
+    assert sum(map(len, files(fast).values())) > sum(map(len, files(ref).values()))  # fast level: larger chunks
+    with pytest.raises(ValueError, match="threads must be"):
+        IngestOptions(threads=0)
+    with pytest.raises(ValueError, match="zstd_level must be"):
+        IngestOptions(zstd_level=0)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -87,7 +88,7 @@ class SlideSource:
     def __init__(self, path: str, osr: Any, info: SourceInfo, tiff: Any | None, direct_pages: dict[int, Any]):
         self.path, self._osr, self.info, self._tiff, self._pages = path, osr, info, tiff, direct_pages
         self._fh = tiff.filehandle if tiff is not None else None
-        self._tile_buffers: dict[tuple[int, int], np.ndarray] = {}
+        self._local = threading.local()  # per-thread reused tile buffers
 
     # ------------------------------------------------------------------ opening
     @classmethod
@@ -152,16 +153,18 @@ class SlideSource:
             self._osr = None
 
     # ------------------------------------------------------------------ reading
-    def read_l0(self, x: int, y: int, w: int, h: int, *, out: np.ndarray | None = None) -> np.ndarray:
+    def read_l0(self, x: int, y: int, w: int, h: int, *, out: np.ndarray | None = None, pool: Any = None) -> np.ndarray:
         """Level-0 box (x, y, w, h), inside the slide, as (h, w, 3) uint8 RGB over white.
 
         ``out``: optional C-contiguous (h, w, 3) uint8 array to fill (reused by the tiler: no fresh
-        allocation, no page faults per block); returned.
+        allocation, no page faults per block); returned. ``pool``: optional
+        ``concurrent.futures.Executor`` that decodes the tile rows of a direct read in parallel (the
+        decoders release the GIL); the file is still read by the calling thread only.
         """
         if out is not None and (out.shape != (h, w, 3) or out.dtype != np.uint8 or not out.flags.c_contiguous):
             raise ValueError(f"out must be a C-contiguous ({h}, {w}, 3) uint8 array, got {out.shape} {out.dtype}")
         if 0 in self._pages:
-            return self._read_direct(0, x, y, w, h, out=out)
+            return self._read_direct(0, x, y, w, h, out=out, pool=pool)
         block = self.read_openslide(x, y, w, h)
         if out is None:
             return block
@@ -207,26 +210,39 @@ class SlideSource:
         out, _idx, _shape = page.decode(data, index, jpegtables=page.jpegtables)
         return out.reshape(out.shape[-3:])[..., :3]
 
-    def _read_direct(self, level: int, x: int, y: int, w: int, h: int, *, out: np.ndarray | None = None) -> np.ndarray:
+    def _read_direct(self, level: int, x: int, y: int, w: int, h: int, *, out: np.ndarray | None = None,
+                     pool: Any = None) -> np.ndarray:
         """Decode the tiles covering the box into ``out`` (allocated when None). Tiles are read in file
-        order by this thread; JPEG decoding (GIL released) goes through one reused tile buffer."""
+        order by this thread; JPEG tiles are decoded (GIL released) into a reused per-thread tile buffer,
+        one tile row per task when ``pool`` is given."""
         page = self._pages[level]
         tw, th = page.tilewidth, page.tilelength
         ntx = -(-page.imagewidth // tw)
         if out is None:
             out = np.empty((h, w, 3), np.uint8)
-        buf = self._tile_buffers.get((th, tw))
-        if buf is None:
-            buf = self._tile_buffers[(th, tw)] = np.empty((th, tw, 3), np.uint8)
+        rows = []
         for ty in range(y // th, -(-(y + h) // th)):
-            for tx in range(x // tw, -(-(x + w) // tw)):
+            rows.append([(ty, tx, self._tile_bytes(level, ty * ntx + tx)) for tx in range(x // tw, -(-(x + w) // tw))])
+
+        def decode_row(row: list) -> None:
+            buf = getattr(self._local, "tile", None)
+            if buf is None or buf.shape != (th, tw, 3):
+                buf = self._local.tile = np.empty((th, tw, 3), np.uint8)
+            for ty, tx, data in row:
                 x0, y0 = max(x, tx * tw), max(y, ty * th)
                 x1, y1 = min(x + w, (tx + 1) * tw), min(y + h, (ty + 1) * th)
-                tile = self._page_tile(level, ty * ntx + tx, buf)
-                if tile is None:
+                if data is None:  # missing tile: white
                     out[y0 - y : y1 - y, x0 - x : x1 - x] = 255
-                else:
-                    out[y0 - y : y1 - y, x0 - x : x1 - x] = tile[y0 - ty * th : y1 - ty * th, x0 - tx * tw : x1 - tx * tw]
+                    continue
+                tile = self._decode_tile(level, ty * ntx + tx, data, buf)
+                out[y0 - y : y1 - y, x0 - x : x1 - x] = tile[y0 - ty * th : y1 - ty * th, x0 - tx * tw : x1 - tx * tw]
+
+        if pool is None or len(rows) < 2:
+            for row in rows:
+                decode_row(row)
+        else:
+            for f in [pool.submit(decode_row, row) for row in rows]:
+                f.result()
         return out
 
     def raw_jpeg_tile(self, level: int, tx: int, ty: int) -> tuple[bytes, bytes | None] | None:

@@ -26,8 +26,10 @@ import logging
 import math
 import os
 import shutil
+import threading
 import time
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -68,6 +70,7 @@ class IngestOptions:
     region_tiles: int = 8  # regions are blocks of region_tiles x region_tiles chunks (a power of two)
     passthrough: bool = True  # with codec="jpeg": copy aligned source JPEG tiles without re-encoding
     direct: bool = True  # decode TIFF tiles directly (tifffile + imagecodecs) where exact
+    threads: int = 1  # threads per tiler for JPEG decoding, zstd encoding and reductions (all release the GIL)
 
     def __post_init__(self) -> None:
         if self.tile_size < 16 or self.tile_size % 16:
@@ -82,6 +85,8 @@ class IngestOptions:
             raise ValueError(f"mpp must be > 0 microns per pixel, got {self.mpp!r}")
         if self.min_size < 16:
             raise ValueError(f"min_size must be >= 16, got {self.min_size!r}")
+        if not isinstance(self.threads, int) or not (1 <= self.threads <= 64):
+            raise ValueError(f"threads must be an int in [1, 64], got {self.threads!r}")
         if self.region_tiles < 1 or self.region_tiles & (self.region_tiles - 1):
             raise ValueError(f"region_tiles must be a power of two >= 1, got {self.region_tiles!r}")
 
@@ -133,7 +138,8 @@ class SlidePlan:
 
     def identity(self) -> dict[str, Any]:
         """What must match for a partially written store to be resumed."""
-        return {"fingerprint": self.info["fingerprint"], "options": self.options, "level_shapes": [list(s) for s in self.level_shapes],
+        opts = {k: v for k, v in self.options.items() if k != "threads"}  # threads never change the bytes
+        return {"fingerprint": self.info["fingerprint"], "options": opts, "level_shapes": [list(s) for s in self.level_shapes],
                 "downsamples": self.downsamples, "level_codecs": self.level_codecs}
 
     def to_json(self) -> dict[str, Any]:
@@ -191,6 +197,17 @@ class _Reducer:
         return img
 
 
+def _write_file(path: str, data: bytes) -> None:
+    """Create/replace ``path`` with ``data`` (raw ``os.write``: less overhead than a buffered file)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+    finally:
+        os.close(fd)
+
+
 def _write_json_atomic(path: Path, obj: Any) -> None:
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     tmp.write_text(json.dumps(obj, indent=1))
@@ -223,7 +240,8 @@ class Tiler:
         self._sources: OrderedDict[str, SlideSource] = OrderedDict()
         self._plans: OrderedDict[str, SlidePlan] = OrderedDict()
         self._block_buffers: dict[tuple[int, int], np.ndarray] = {}  # reused source blocks (bounded: few sizes)
-        self._chunk_buffer: np.ndarray | None = None
+        self._local = threading.local()  # per-thread chunk buffers
+        self._pool: ThreadPoolExecutor | None = None
         self._reducer = _Reducer()
         self._zstd: Any = None
         register_codecs()
@@ -250,7 +268,15 @@ class Tiler:
                 self._plans.popitem(last=False)
         return plan
 
+    def _executor(self) -> ThreadPoolExecutor | None:
+        if self.options.threads > 1 and self._pool is None:
+            self._pool = ThreadPoolExecutor(self.options.threads, thread_name_prefix="tiler")
+        return self._pool
+
     def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
         for s in self._sources.values():
             s.close()
         self._sources.clear()
@@ -413,16 +439,24 @@ class Tiler:
             n = 0
             xl, yl = region.x, region.y
             img = None
-            for j, lvl in enumerate(region.out_levels):
-                if region.kind == "store" or j > 0:
-                    img = (self._reducer.load(block) if img is None else img).reduce(2)
-                    block = np.asarray(img)
-                    xl, yl = xl // 2, yl // 2
-                self._write_block(plan, lvl, xl, yl, block)
-                n += 1
-                if self.fault_kill_at is not None and region.stage == 0 and region.index == self.fault_kill_at:
-                    log.error("test hook: killing worker %d while writing %s", os.getpid(), region.key)
-                    os._exit(1)
+            pending: list[Future] = []
+            try:
+                for j, lvl in enumerate(region.out_levels):
+                    if region.kind == "store" or j > 0:
+                        # (overlaps the previous level's chunk encoding when threads > 1)
+                        img = (self._reducer.load(block) if img is None else img).reduce(2)
+                        block = np.asarray(img)
+                        xl, yl = xl // 2, yl // 2
+                    pending += self._write_block(plan, lvl, xl, yl, block)
+                    n += 1
+                    if self.fault_kill_at is not None and region.stage == 0 and region.index == self.fault_kill_at:
+                        for f in pending:
+                            f.result()
+                        log.error("test hook: killing worker %d while writing %s", os.getpid(), region.key)
+                        os._exit(1)
+            finally:
+                for f in pending:
+                    f.result()
         marker.write_text("")
         return {"tiles": self._region_tiles(plan, region), "skipped": False, "seconds": time.perf_counter() - t0,
                 "cpu_seconds": time.process_time() - c0}
@@ -439,7 +473,7 @@ class Tiler:
                 if len(self._block_buffers) >= 4:  # full blocks plus the slide's right/bottom edge blocks
                     self._block_buffers.clear()
                 buf = self._block_buffers[(region.h, region.w)] = np.empty((region.h, region.w, 3), np.uint8)
-            return src.read_l0(region.x, region.y, region.w, region.h, out=buf)
+            return src.read_l0(region.x, region.y, region.w, region.h, out=buf, pool=self._executor())
         return self._read_resampled(src, plan, region)
 
     def _read_resampled(self, src: SlideSource, plan: SlidePlan, region: Region) -> np.ndarray:
@@ -474,55 +508,65 @@ class Tiler:
         if d is None:
             d = row_dirs[cy] = f"{level_root}/{cy}"
             os.makedirs(d, exist_ok=True)
-        fd = os.open(f"{d}/{cx}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-        finally:
-            os.close(fd)
+        _write_file(f"{d}/{cx}", data)
 
-    def _write_block(self, plan: SlidePlan, level: int, x: int, y: int, block: np.ndarray) -> None:
+    def _write_block(self, plan: SlidePlan, level: int, x: int, y: int, block: np.ndarray) -> list[Future]:
         """Encode and write the chunks of ``block`` (h, w, 3) at (x, y) of ``level`` (chunk-aligned).
 
         Chunks are encoded exactly as zarr would (zstd levels: ``transpose(1, 2, 0)`` then zstd, i.e. the
-        interleaved chunk; full-size edge chunks padded with the fill value 255; all-white chunks are not written, like zarr's ``write_empty_chunks=False``)."""
-        from workers.codecs import encode_jpeg_hwc
-
+        interleaved chunk; full-size edge chunks padded with the fill value 255; all-white chunks are not
+        written, like zarr's ``write_empty_chunks=False``). With ``threads > 1`` the chunk rows are encoded
+        by the thread pool and their futures returned (``block`` must stay unchanged until they finish);
+        otherwise everything is written before returning ``[]``."""
         t = plan.tile
-        codec = plan.level_codecs[level]
         W, H = plan.level_shapes[level]
         bh, bw, _ = block.shape
         if x % t or y % t:
             raise ValueError(f"block origin ({x}, {y}) is not aligned to the {t}-px chunk grid")
         if x + bw > W or y + bh > H:
             raise ValueError(f"block {bw}x{bh} at ({x}, {y}) exceeds level {level} of size {W}x{H}")
-        quality = self.options.jpeg_quality
-        zstd = self._zstd_codec() if codec == "zstd" else None
-        if self._chunk_buffer is None or self._chunk_buffer.shape != (t, t, 3):
-            self._chunk_buffer = np.empty((t, t, 3), np.uint8)
-        cbuf = self._chunk_buffer
+        codec = plan.level_codecs[level]
         level_root = f"{plan.store_path}/{level}/c/0"
-        row_dirs: dict[int, str] = {}
-        for oy in range(0, bh, t):
-            for ox in range(0, bw, t):
-                chunk = block[oy : oy + t, ox : ox + t]
-                cy, cx = (y + oy) // t, (x + ox) // t
-                if chunk.shape[0] != t or chunk.shape[1] != t:  # edge chunk: padded with the fill value 255
-                    cbuf.fill(255)
-                    cbuf[: chunk.shape[0], : chunk.shape[1]] = chunk
-                else:
-                    np.copyto(cbuf, chunk)
-                if cbuf[0, 0, 0] == 255 and cbuf.min() == 255:  # short-circuits for most tissue chunks
-                    p = f"{level_root}/{cy}/{cx}"
-                    if os.path.exists(p):  # (a re-run of a region never leaves a stale chunk)
-                        os.unlink(p)
-                    continue
-                if zstd is not None:
-                    data = zstd.encode(cbuf)  # the transpose codec's (y, x, c) chunk, zarr's own zstd encoder
-                else:
-                    data = encode_jpeg_hwc(cbuf, quality)
-                self._put_chunk(row_dirs, level_root, cy, cx, data)
+        rows = range(0, bh, t)
+        pool = self._executor()
+        if pool is None or len(rows) < 2:
+            for oy in rows:
+                self._write_chunk_row(codec, level_root, t, x, y, block, oy)
+            return []
+        return [pool.submit(self._write_chunk_row, codec, level_root, t, x, y, block, oy) for oy in rows]
+
+    def _write_chunk_row(self, codec: str, level_root: str, t: int, x: int, y: int, block: np.ndarray, oy: int) -> None:
+        """Encode and write the chunks of block rows ``oy:oy+t`` (one chunk-row directory; thread-safe)."""
+        from workers.codecs import encode_jpeg_hwc
+
+        cbuf = getattr(self._local, "chunk", None)
+        if cbuf is None or cbuf.shape != (t, t, 3):
+            cbuf = self._local.chunk = np.empty((t, t, 3), np.uint8)
+        zstd = self._zstd_codec() if codec == "zstd" else None
+        quality = self.options.jpeg_quality
+        cy = (y + oy) // t
+        row_dir: str | None = None
+        for ox in range(0, block.shape[1], t):
+            chunk = block[oy : oy + t, ox : ox + t]
+            cx = (x + ox) // t
+            if chunk.shape[0] != t or chunk.shape[1] != t:  # edge chunk: padded with the fill value 255
+                cbuf.fill(255)
+                cbuf[: chunk.shape[0], : chunk.shape[1]] = chunk
+            else:
+                np.copyto(cbuf, chunk)
+            if cbuf[0, 0, 0] == 255 and cbuf.min() == 255:  # short-circuits for most tissue chunks
+                p = f"{level_root}/{cy}/{cx}"
+                if os.path.exists(p):  # (a re-run of a region never leaves a stale chunk)
+                    os.unlink(p)
+                continue
+            if zstd is not None:
+                data = zstd.encode(cbuf)  # the transpose codec's (y, x, c) chunk, zarr's own zstd encoder
+            else:
+                data = encode_jpeg_hwc(cbuf, quality)
+            if row_dir is None:
+                row_dir = f"{level_root}/{cy}"
+                os.makedirs(row_dir, exist_ok=True)
+            _write_file(f"{row_dir}/{cx}", data)
 
     def _zstd_codec(self) -> Any:
         """numcodecs' Zstd at the run's level: the encoder zarr's ``ZstdCodec`` itself uses (same bytes)."""
