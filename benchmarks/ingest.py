@@ -6,6 +6,8 @@ Measures, in megapixels of level 0 per second (MP/s):
 - ``naive``: one process, ``OpenSlide.read_region`` of 2048-px blocks -> ``zarr`` array (zstd), level 0 only
   (on the first ``--naive-fraction`` of the slide's rows, to keep the run short);
 - ``ingest_zstd_wN``: ``foveate ingest`` (lossless zstd, full pyramid + tissue mask) with N tiler actors;
+- ``ingest_zstd_w1_tT``: the same with 1 actor running ``T`` threads (``--threads``: JPEG decoding, zstd and
+  reductions release the GIL), for each ``T > 1`` in ``--threads``;
 - ``ingest_jpeg_passthrough``: ``foveate ingest --codec jpeg`` (source JPEG tiles copied), 1 actor.
 
 Ray is started once before the timed runs (start-up is not counted; actor start-up is). "MP per CPU-s"
@@ -17,6 +19,9 @@ quality 90) is cached in ``--work-dir``.
     python benchmarks/ingest.py                      # 32768 x 32768 (1.07 gigapixel), workers 1 and 2
     python benchmarks/ingest.py --size 8192          # quick run (67 MP)
     python benchmarks/ingest.py --workers 1,2,4 --json out.json
+    python benchmarks/ingest.py --threads 1,2 --zstd-level -1   # also 1 actor x 2 threads; a fast zstd level
+
+Each run records the 1-minute load average before and after it (``load_avg``): the machine may be shared.
 """
 
 from __future__ import annotations
@@ -98,13 +103,15 @@ def naive(path: Path, out: Path, fraction: float) -> dict:
     return {"seconds": dt, "mp": mp, "mp_per_s": mp / dt, "rows": rows, "cpu_seconds": cpu, "mp_per_cpu_s": mp / cpu}
 
 
-def run_ingest(path: Path, out: Path, workers: int, codec: str) -> dict:
+def run_ingest(path: Path, out: Path, workers: int, codec: str, *, threads: int = 1, zstd_level: int = 1) -> dict:
     from pipeline.ingest import ingest
     from workers.tiler import IngestOptions
 
     shutil.rmtree(out, ignore_errors=True)
+    load0 = os.getloadavg()[0]
     t = time.perf_counter()
-    res = ingest([path], out, options=IngestOptions(codec=codec), workers=workers, overwrite=True, progress=False)
+    res = ingest([path], out, options=IngestOptions(codec=codec, threads=threads, zstd_level=zstd_level), workers=workers,
+                 overwrite=True, progress=False)
     dt = time.perf_counter() - t
     (row,) = res.rows
     if row["status"] != "ok":
@@ -113,7 +120,8 @@ def run_ingest(path: Path, out: Path, workers: int, codec: str) -> dict:
     store = Path(row["store"])
     return {"seconds": dt, "mp": mp, "mp_per_s": mp / dt, "workers": workers, "codec": row["codec"],
             "cpu_seconds": res.cpu_seconds, "mp_per_cpu_s": mp / res.cpu_seconds if res.cpu_seconds else None,
-            "store_bytes": du(store), "levels": row["levels"]}
+            "store_bytes": du(store), "levels": row["levels"], "threads": threads, "zstd_level": zstd_level,
+            "load_avg": [load0, os.getloadavg()[0]]}
 
 
 def main(argv=None) -> int:
@@ -125,10 +133,15 @@ def main(argv=None) -> int:
                    help="cache for the synthetic slide and scratch stores (default benchmarks/_work/ingest)")
     p.add_argument("--naive-fraction", type=float, default=0.25, help="fraction of the slide's rows the naive loop does")
     p.add_argument("--skip-naive", action="store_true")
+    p.add_argument("--threads", default="1", help="comma-separated threads per actor; each T > 1 adds a 1-actor run (default 1)")
+    p.add_argument("--zstd-level", type=int, default=1, help="zstd level of the zstd runs (default 1, foveate's default)")
     p.add_argument("--json", default=None, help="write results here (default WORK_DIR/ingest_<size>.json)")
     p.add_argument("--keep-stores", action="store_true", help="keep the scratch stores")
     args = p.parse_args(argv)
     workers = [int(w) for w in args.workers.split(",") if w]
+    threads = [int(t) for t in args.threads.split(",") if t]
+    if not threads or min(threads) < 1:
+        raise ValueError(f"--threads must list positive ints, got {args.threads!r}")
     if not workers or min(workers) < 1:
         raise ValueError(f"--workers must list positive ints, got {args.workers!r}")
     if not (0 < args.naive_fraction <= 1):
@@ -144,17 +157,25 @@ def main(argv=None) -> int:
                      "command": "python benchmarks/ingest.py " + " ".join(argv if argv is not None else sys.argv[1:]),
                      "runs": {}}
     print("decode floor ...", flush=True)
+    load0 = os.getloadavg()[0]
     results["runs"]["decode_floor"] = decode_floor(slide)
+    results["runs"]["decode_floor"]["load_avg"] = [load0, os.getloadavg()[0]]
     if not args.skip_naive:
         print("naive OpenSlide read_region -> zarr ...", flush=True)
         results["runs"]["naive"] = naive(slide, work / "naive.zarr", args.naive_fraction)
         shutil.rmtree(work / "naive.zarr", ignore_errors=True)
-    ray.init(num_cpus=max(workers), include_dashboard=False, object_store_memory=128 * 1024**2, configure_logging=False,
+    ray.init(num_cpus=max(workers + [1]), include_dashboard=False, object_store_memory=128 * 1024**2, configure_logging=False,
              runtime_env={"env_vars": {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}})
     try:
         for w in workers:
             print(f"foveate ingest zstd, {w} worker(s) ...", flush=True)
-            results["runs"][f"ingest_zstd_w{w}"] = run_ingest(slide, work / f"stores_zstd_w{w}", w, "zstd")
+            results["runs"][f"ingest_zstd_w{w}"] = run_ingest(slide, work / f"stores_zstd_w{w}", w, "zstd",
+                                                              zstd_level=args.zstd_level)
+        for th in threads:
+            if th > 1:
+                print(f"foveate ingest zstd, 1 worker x {th} threads ...", flush=True)
+                results["runs"][f"ingest_zstd_w1_t{th}"] = run_ingest(slide, work / f"stores_zstd_t{th}", 1, "zstd",
+                                                                      threads=th, zstd_level=args.zstd_level)
         print("foveate ingest jpeg passthrough, 1 worker ...", flush=True)
         results["runs"]["ingest_jpeg_passthrough"] = run_ingest(slide, work / "stores_jpeg", 1, "jpeg")
     finally:
@@ -181,13 +202,14 @@ def main(argv=None) -> int:
     }
 
     print(f"\nslide {args.size}x{args.size} ({args.size**2 / 1e9:.2f} GP), source {src_bytes / 1e6:.1f} MB; {results['machine']}")
-    print("| run | MP/s (wall) | MP per CPU-s | seconds | MP | store MB | store / source |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print("| run | MP/s (wall) | MP per CPU-s | seconds | MP | store MB | store / source | load avg |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for name, r in runs.items():
         sb = r.get("store_bytes")
         size = f"{sb / 1e6:.1f} | {sb / src_bytes:.2f}" if sb else "- | -"
         pc = f"{r['mp_per_cpu_s']:.1f}" if r.get("mp_per_cpu_s") else "-"
-        print(f"| {name} | {r['mp_per_s']:.1f} | {pc} | {r['seconds']:.1f} | {r['mp']:.0f} | {size} |")
+        la = "-".join(f"{v:.1f}" for v in r["load_avg"]) if r.get("load_avg") else "-"
+        print(f"| {name} | {r['mp_per_s']:.1f} | {pc} | {r['seconds']:.1f} | {r['mp']:.0f} | {size} | {la} |")
     for k, v in goals.items():
         print(f"{k}: {v:.2f}")
     for k, v in results["goals_met"].items():
