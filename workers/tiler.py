@@ -190,7 +190,7 @@ class _Reducer:
         h, w = hwc.shape[:2]
         img = self._images.get((w, h))
         if img is None:
-            if len(self._images) > 8:
+            if len(self._images) >= 4:  # full blocks plus edge blocks; ~16 MB each (Pillow stores RGBX)
                 self._images.clear()
             img = self._images[(w, h)] = Image.new("RGB", (w, h))
         img.frombytes(hwc if hwc.flags.c_contiguous else np.ascontiguousarray(hwc))
