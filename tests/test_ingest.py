@@ -316,3 +316,31 @@ def test_threads_and_fast_zstd_levels_give_the_same_pixels_and_bytes(tmp_path, s
         IngestOptions(threads=0)
     with pytest.raises(ValueError, match="zstd_level must be"):
         IngestOptions(zstd_level=0)
+
+
+def test_all_white_region_writes_no_chunks_and_removes_stale_ones(tmp_path, synth_slides):
+    inp = discover_inputs([synth_slides["tiff"]])[0]
+    t = Tiler(tmp_path / "s", IngestOptions(tile_size=256, min_size=256, region_tiles=2))
+    plan = t.plan(inp)
+    src = SlideSource.open(inp.path)
+    white = [r for r in plan.todo[0] if src.read_l0(r.x, r.y, r.w, r.h).min() == 255]
+    tissue = [r for r in plan.todo[0] if r not in white]
+    src.close()
+    assert white and tissue, "the synthetic slide should have background-only and tissue regions"
+    r = white[0]
+    stale = [Path(plan.store_path) / str(lvl) / "c" / "0" / str((r.y >> j) // 256) / str((r.x >> j) // 256)
+             for j, lvl in enumerate(r.out_levels)]
+    for f in stale:  # e.g. left by a run over different pixels
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_bytes(b"stale")
+    t.write_region(plan.store_path, r)
+    assert not any(f.exists() for f in stale)
+    for st in plan.todo:
+        for reg in st:
+            t.write_region(plan.store_path, reg)
+    t.finalize(plan.store_path)
+    store = SlideStore(plan.store_path)
+    ref0 = openslide_reference(synth_slides["tiff"])
+    np.testing.assert_array_equal(store.read_level(0), ref0)
+    for lvl, ref in enumerate(reference_pyramid(ref0, store.level_count)):
+        np.testing.assert_array_equal(store.read_level(lvl), ref, err_msg=f"level {lvl}")

@@ -440,14 +440,23 @@ class Tiler:
             xl, yl = region.x, region.y
             img = None
             pending: list[Future] = []
+            # an all-white block (background: most of a slide) has all-white reductions: no chunk to write at any
+            # level, so skip the copies, checks and reductions (a strided sample rules out tissue blocks cheaply)
+            white = bool(block[::61, ::61].min() == 255) and bool(block.min() == 255)
+            bh, bw = block.shape[:2]
             try:
                 for j, lvl in enumerate(region.out_levels):
                     if region.kind == "store" or j > 0:
-                        # (overlaps the previous level's chunk encoding when threads > 1)
-                        img = (self._reducer.load(block) if img is None else img).reduce(2)
-                        block = np.asarray(img)
                         xl, yl = xl // 2, yl // 2
-                    pending += self._write_block(plan, lvl, xl, yl, block)
+                        bh, bw = -(-bh // 2), -(-bw // 2)
+                        if not white:
+                            # (overlaps the previous level's chunk encoding when threads > 1)
+                            img = (self._reducer.load(block) if img is None else img).reduce(2)
+                            block = np.asarray(img)
+                    if white:
+                        self._clear_chunks(plan, lvl, xl, yl, bw, bh)
+                    else:
+                        pending += self._write_block(plan, lvl, xl, yl, block)
                     n += 1
                     if self.fault_kill_at is not None and region.stage == 0 and region.index == self.fault_kill_at:
                         for f in pending:
@@ -534,6 +543,20 @@ class Tiler:
                 self._write_chunk_row(codec, level_root, t, x, y, block, oy)
             return []
         return [pool.submit(self._write_chunk_row, codec, level_root, t, x, y, block, oy) for oy in rows]
+
+    @staticmethod
+    def _clear_chunks(plan: SlidePlan, level: int, x: int, y: int, w: int, h: int) -> None:
+        """An all-white box of ``level``: no chunk is stored (fill value); remove any left by an earlier run."""
+        t = plan.tile
+        root = f"{plan.store_path}/{level}/c/0"
+        for cy in range(y // t, -(-(y + h) // t)):
+            row = f"{root}/{cy}"
+            if not os.path.isdir(row):
+                continue
+            for cx in range(x // t, -(-(x + w) // t)):
+                p = f"{row}/{cx}"
+                if os.path.exists(p):
+                    os.unlink(p)
 
     def _write_chunk_row(self, codec: str, level_root: str, t: int, x: int, y: int, block: np.ndarray, oy: int) -> None:
         """Encode and write the chunks of block rows ``oy:oy+t`` (one chunk-row directory; thread-safe)."""
