@@ -344,3 +344,18 @@ def test_all_white_region_writes_no_chunks_and_removes_stale_ones(tmp_path, synt
     np.testing.assert_array_equal(store.read_level(0), ref0)
     for lvl, ref in enumerate(reference_pyramid(ref0, store.level_count)):
         np.testing.assert_array_equal(store.read_level(lvl), ref, err_msg=f"level {lvl}")
+
+
+def test_tissue_label_levels_are_exact_nearest_neighbour_resamplings(tmp_path):
+    from workers.store import write_tissue_labels
+
+    rng = np.random.default_rng(5)
+    mask = rng.random((13, 21)) < 0.5
+    mask[:4] = True  # whole tissue chunks too
+    shapes, downs = [(161, 100), (81, 50), (41, 25), (21, 13)], [1.0, 2.0, 4.0, 8.0]
+    g = zarr.open_group(str(tmp_path / "s.zarr"), mode="w", zarr_format=3)
+    write_tissue_labels(g, mask, shapes, downs, (0.5, 0.5), chunk=16)
+    for j, ((w, h), dj) in enumerate(zip(shapes, downs)):
+        iy = np.minimum(((np.arange(h) + 0.5) * (dj / 8.0)).astype(int), 12)
+        ix = np.minimum(((np.arange(w) + 0.5) * (dj / 8.0)).astype(int), 20)
+        np.testing.assert_array_equal(g[f"labels/tissue/{j}"][0], mask[np.ix_(iy, ix)].astype(np.uint8), err_msg=f"level {j}")

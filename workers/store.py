@@ -287,6 +287,20 @@ def write_store_from_array(path: str | Path, rgb: np.ndarray, *, slide_id: str |
     return SlideStore(path)
 
 
+def _nearest_block(mask: np.ndarray, ys: np.ndarray, xs: np.ndarray, y0: int, x0: int, factor: float) -> np.ndarray:
+    """``mask[np.ix_(ys, xs)]`` for the nearest-neighbour indices of :func:`write_tissue_labels`; with an integer
+    upsampling ``factor`` (``ys == (y0 + arange) // factor``) by repeating the covered mask cells instead of a
+    fancy-indexed gather (several times faster for a 1024^2 label chunk)."""
+    f = int(factor)
+    if f >= 1 and f == factor and ys[0] == y0 // f and xs[0] == x0 // f:
+        sub = mask[ys[0] : ys[-1] + 1, xs[0] : xs[-1] + 1]
+        oy, ox = y0 - ys[0] * f, x0 - xs[0] * f
+        rep = np.repeat(np.repeat(sub, f, axis=0), f, axis=1)[oy : oy + len(ys), ox : ox + len(xs)]
+        if rep.shape == (len(ys), len(xs)):
+            return rep
+    return mask[np.ix_(ys, xs)]
+
+
 def write_tissue_labels(group: Any, mask: np.ndarray, level_shapes: list[tuple[int, int]],
                         downsamples: list[float] | tuple[float, ...], mpp: tuple[float, float] | None,
                         *, chunk: int = 1024) -> None:
@@ -342,7 +356,7 @@ def write_tissue_labels(group: Any, mask: np.ndarray, level_shapes: list[tuple[i
                     data = ones_cache[key]
                 else:
                     full = np.zeros(ch, np.uint8)
-                    full[: len(ys), : len(xs)] = mask[np.ix_(ys, xs)]
+                    full[: len(ys), : len(xs)] = _nearest_block(mask, ys, xs, y0, x0, dm / float(dj))
                     data = bytes(imagecodecs.zstd_encode(full, level=3))
                 if row_dir is None:
                     row_dir = os.path.join(root, str(cy))
