@@ -131,11 +131,18 @@ class TransformerAggregator(nn.Module):
         heads: attention heads.
         num_frequencies: Fourier frequencies per coordinate of the position encoding.
         dropout: dropout inside the encoder and before the head.
+        readout: ``"mean"`` (default): the mean of the encoded patch tokens (the encoder layers are residual,
+            so at initialisation this is close to the mean aggregator and the interactions are learnt on top;
+            measured to train the scorer where the CLS readout did not, see ``benchmarks/RESULTS.md``), or
+            ``"cls"``: a learnt CLS token.
     """
 
     def __init__(self, dim: int, num_classes: int, *, hidden: int = 128, layers: int = 2, heads: int = 4,
-                 num_frequencies: int = 8, dropout: float = 0.0):
+                 num_frequencies: int = 8, dropout: float = 0.0, readout: str = "mean"):
         super().__init__()
+        if readout not in ("mean", "cls"):
+            raise ValueError(f"transformer readout must be 'mean' or 'cls', got {readout!r}")
+        self.readout = readout
         if hidden % heads:
             raise ValueError(f"aggregator hidden ({hidden}) must be a multiple of heads ({heads})")
         self.num_frequencies = num_frequencies
@@ -156,13 +163,16 @@ class TransformerAggregator(nn.Module):
             raise ValueError("the transformer aggregator needs positions [B, K, 2]")
         h = self.inp(_scale(features, weights))
         h = h + self.pos(fourier_position_encoding(positions.to(h.dtype), self.num_frequencies))
+        if self.readout == "mean":
+            return self.head(self.norm(self.encoder(h).mean(1)))
         tokens = torch.cat([self.cls.expand(h.shape[0], -1, -1).to(h.dtype), h], dim=1)
         out = self.encoder(tokens)
         return self.head(self.norm(out[:, 0]))
 
 
 def build_aggregator(name: str, dim: int, num_classes: int, *, hidden: int = 128, gated: bool = True,
-                     layers: int = 2, heads: int = 4, num_frequencies: int = 8, dropout: float = 0.0) -> nn.Module:
+                     layers: int = 2, heads: int = 4, num_frequencies: int = 8, dropout: float = 0.0,
+                     readout: str = "mean") -> nn.Module:
     """The aggregator called ``name`` (one of :data:`AGGREGATORS`)."""
     if name == "mean":
         return MeanAggregator(dim, num_classes, dropout=dropout)
@@ -172,5 +182,5 @@ def build_aggregator(name: str, dim: int, num_classes: int, *, hidden: int = 128
         return AttentionMILAggregator(dim, num_classes, hidden=hidden, gated=gated, dropout=dropout)
     if name == "transformer":
         return TransformerAggregator(dim, num_classes, hidden=hidden, layers=layers, heads=heads,
-                                     num_frequencies=num_frequencies, dropout=dropout)
+                                     num_frequencies=num_frequencies, dropout=dropout, readout=readout)
     raise ValueError(f"aggregator must be one of {list(AGGREGATORS)}, got {name!r}")

@@ -68,6 +68,16 @@ class ModelConfig:
             ``e^5 ~ 150`` times the worst. (The raw scorer output spans ~0.1 at initialisation, so a softmax
             over it is uniform (entropy 0.99996 log N) and the scorer's gradient ~100x too small: attention sampling
             never learnt.)
+        explore_temperature: SOFT top-k and LapSum in training read the top-k cells of
+            ``s / T + Gumbel`` (``T`` this value; K cells drawn without replacement from ``softmax(s / T)``) instead
+            of the hard top-k, and gate them with their mask values; 0 (default) reads the hard top-k. Without it
+            these selectors read only the cells the scorer already ranks first, so a scorer that starts out
+            ranking the informative cells low never sees them (measured: ``benchmarks/selection_hits.py``).
+        mask_extra: SOFT top-k and LapSum in training read ``k + mask_extra`` cells (the largest scores, or
+            the Gumbel draw of ``explore_temperature``) and weigh each by its mask value / k, so the cells just
+            below the top-k threshold, which carry part of the mask, are seen and get a gradient (like the
+            capped support of the perturbed top-k's soft patches; the mask beyond those cells is dropped). 0
+            (default): the k chosen cells only. Inference always reads the hard top-k.
         position_frequencies: Fourier frequencies per coordinate of the transformer's position encoding
             (``sin, cos(2^i pi p)``, i < F; high frequencies let the transformer memorise where patches are).
         max_support: cells kept per slot for soft patches (see ``operators.soft_patches``).
@@ -77,6 +87,7 @@ class ModelConfig:
         aggregator_hidden: hidden size of attention-MIL / token width of the transformer.
         gated: gated attention-MIL.
         transformer_layers, transformer_heads: transformer aggregator size.
+        transformer_readout: ``"mean"`` of the encoded patch tokens (default) or a ``"cls"`` token.
         num_classes: C (>= 2).
         dropout: dropout in the aggregator.
     """
@@ -96,6 +107,8 @@ class ModelConfig:
     replace: bool = False
     entropy_weight: float = 0.01
     attention_temperature: float = 0.2
+    explore_temperature: float = 0.0
+    mask_extra: int = 0
     max_support: int = 4
     scorer: ScorerConfig = field(default_factory=ScorerConfig)
     features: ResNetConfig = field(default_factory=ResNetConfig)
@@ -105,6 +118,7 @@ class ModelConfig:
     transformer_layers: int = 2
     transformer_heads: int = 4
     position_frequencies: int = 8
+    transformer_readout: Literal["mean", "cls"] = "mean"
     num_classes: int = 2
     dropout: float = 0.0
 
@@ -118,6 +132,7 @@ class ModelConfig:
                      "transformer_layers", "transformer_heads", "position_frequencies"):
             pos_int(name)
         pos_int("num_classes", 2)
+        pos_int("mask_extra", 0)
         if self.patch_size < 8:
             raise ValueError(f"model.patch_size must be >= 8 level-0 pixels, got {self.patch_size}")
         if self.stride is not None:
@@ -131,7 +146,7 @@ class ModelConfig:
             raise ValueError(f"model.selector must be one of {list(SELECTORS)}, got {self.selector!r}")
         if self.aggregator not in AGGREGATORS:
             raise ValueError(f"model.aggregator must be one of {list(AGGREGATORS)}, got {self.aggregator!r}")
-        for name in ("sigma", "entropy_weight"):
+        for name in ("sigma", "entropy_weight", "explore_temperature"):
             v = getattr(self, name)
             if not (math.isfinite(v) and v >= 0):
                 raise ValueError(f"model.{name} must be a finite number >= 0, got {v!r}")
@@ -139,6 +154,8 @@ class ModelConfig:
             v = getattr(self, name)
             if not (math.isfinite(v) and v > 0):
                 raise ValueError(f"model.{name} must be a finite number > 0, got {v!r}")
+        if self.transformer_readout not in ("mean", "cls"):
+            raise ValueError(f"model.transformer_readout must be 'mean' or 'cls', got {self.transformer_readout!r}")
         if not (0.0 <= self.dropout < 1.0):
             raise ValueError(f"model.dropout must be in [0, 1), got {self.dropout!r}")
         if self.aggregator == "transformer" and self.aggregator_hidden % self.transformer_heads:
@@ -228,7 +245,8 @@ class FoveateModel(nn.Module):
         self.aggregator = build_aggregator(cfg.aggregator, cfg.features.feature_dim, cfg.num_classes,
                                            hidden=cfg.aggregator_hidden, gated=cfg.gated,
                                            layers=cfg.transformer_layers, heads=cfg.transformer_heads,
-                                           num_frequencies=cfg.position_frequencies, dropout=cfg.dropout)
+                                           num_frequencies=cfg.position_frequencies, dropout=cfg.dropout,
+                                           readout=cfg.transformer_readout)
 
     # ------------------------------------------------------------------ stage 1: scores
     def score(self, lowres: torch.Tensor, cell_mask: torch.Tensor) -> torch.Tensor:
@@ -278,7 +296,8 @@ class FoveateModel(nn.Module):
         Returns:
             :class:`Selection`. Per selector in training: ``perturbed`` -> soft slots over the capped support
             (``S = max_support``); ``hard`` -> hard top-k (``S = 1``, weights 1); ``sinkhorn``/``lapsum`` ->
-            hard top-k cells with ``slot_weights`` = the soft mask at those cells / K (gating features);
+            hard top-k cells with ``slot_weights`` = the soft mask at those cells / K (gating features;
+            ``K + mask_extra`` cells, drawn with Gumbel noise when ``explore_temperature > 0``);
             ``attention`` -> sampled cells with the estimator weights as ``slot_weights`` and the entropy in
             ``aux``. At inference every selector takes the hard top-k (sinkhorn/lapsum keep their mask
             gates, attention its renormalised attention).
@@ -300,11 +319,14 @@ class FoveateModel(nn.Module):
         counts = cand.sum(1)
         if bool((counts < k).any()):
             raise ValueError(f"every row needs at least k={k} candidate cells (finite scores), got counts {counts.tolist()}")
+        # SOFT/LapSum training reads k + mask_extra cells per row; the same count for every row of the batch
+        m = min(k + cfg.mask_extra, int(counts.min()))
         rows = []
         for b in range(scores.shape[0]):  # rows differ in their candidate count: select on the compacted row
             cidx = torch.nonzero(cand[b]).flatten()
             sc = scores[b, cidx].unsqueeze(0)  # [1, Nc], finite
-            rows.append(self._select_row(sc, cidx, training=training, sigma=sigma, generator=generator, topk=_topk))
+            rows.append(self._select_row(sc, cidx, training=training, sigma=sigma, generator=generator, topk=_topk,
+                                         num_read=m))
         out = Selection(
             indices=torch.cat([r.indices for r in rows]),
             weights=torch.cat([r.weights for r in rows]),
@@ -314,7 +336,7 @@ class FoveateModel(nn.Module):
         return out
 
     def _select_row(self, sc: torch.Tensor, cidx: torch.Tensor, *, training: bool, sigma: float,
-                    generator: torch.Generator | None, topk) -> Selection:
+                    generator: torch.Generator | None, topk, num_read: int) -> Selection:
         cfg = self.cfg
         k = cfg.k
         ones = sc.new_ones((1, k, 1))
@@ -336,6 +358,16 @@ class FoveateModel(nn.Module):
             idx, w, mass = cap_support(y, cfg.max_support)
             return Selection(cidx[idx], w, None, {"kept_mass": mass})
         idx = topk.hard_topk(sc, k)  # [1, K], sorted by position
+        if training and cfg.selector in ("sinkhorn", "lapsum") and sc.shape[1] > k:
+            m = num_read
+            if cfg.explore_temperature > 0:
+                dev = generator.device if generator is not None else sc.device
+                u = torch.rand(sc.shape, generator=generator, dtype=sc.dtype, device=dev).to(sc.device)
+                gumbel = -torch.log(-torch.log(u.clamp_min(1e-20)))
+                idx = topk.hard_topk(sc.detach() / cfg.explore_temperature + gumbel, m)
+            elif m > k:
+                idx = topk.hard_topk(sc, m)
+            ones = sc.new_ones((1, idx.shape[1], 1))
         if cfg.selector in ("sinkhorn", "lapsum") and sc.shape[1] == k:
             # SOFT and LapSum need k < N; with exactly k candidates all are chosen with mask 1
             return Selection(cidx[idx].unsqueeze(-1), ones, sc.new_full((1, k), 1.0 / k), {})

@@ -264,3 +264,55 @@ def test_attention_sampling_attention_is_not_uniform_at_init_and_trains_the_scor
     loss.backward()
     for name, p in model.scorer.named_parameters():
         assert p.grad is not None and torch.isfinite(p.grad).all() and float(p.grad.abs().sum()) > 0, name
+
+
+@pytest.mark.parametrize("selector", ["lapsum", "sinkhorn"])
+def test_mask_selectors_read_extra_cells_weighted_by_their_mask(selector):
+    from operators.lapsum import lapsum_topk
+    from operators.sinkhorn import sinkhorn_topk
+
+    cfg = ModelConfig(**{**SMALL, "selector": selector, "mask_extra": 3, "alpha": 0.1, "epsilon": 0.05})
+    model = FoveateModel(cfg)
+    g = torch.Generator().manual_seed(5)
+    scores = torch.rand(2, 20, generator=g, dtype=torch.float64)
+    scores[1, :4] = float("-inf")  # rows with different candidate counts
+    scores.requires_grad_(True)
+    sel = model.select(scores, training=True)
+    k, m = cfg.k, cfg.k + 3
+    assert tuple(sel.indices.shape) == (2, m, 1) and tuple(sel.slot_weights.shape) == (2, m)
+    for b in range(2):
+        cand = torch.nonzero(torch.isfinite(scores[b])).flatten()
+        sc = scores[b, cand][None]
+        want = cand[hard_topk(sc, m)[0]]  # the k + 3 largest scores, in position order
+        assert torch.equal(sel.indices[b, :, 0], want)
+        mask = (lapsum_topk(sc, k, alpha=cfg.alpha) if selector == "lapsum"
+                else sinkhorn_topk(sc, k, epsilon=cfg.epsilon, max_iter=cfg.sinkhorn_max_iter))[0]
+        pos = {int(c): i for i, c in enumerate(cand)}
+        torch.testing.assert_close(sel.slot_weights[b], mask[[pos[int(c)] for c in want]] / k)
+    # the cells just below the top-k threshold are read and get a gradient
+    sel.slot_weights.sum().backward()
+    below = sel.indices[0, :, 0][scores[0].detach()[sel.indices[0, :, 0]].argsort()[:3]]
+    assert (scores.grad[0, below] != 0).all()
+    # inference reads the hard top-k only
+    hard = model.select(scores.detach(), training=False)
+    assert hard.indices.shape[1] == k
+    with pytest.raises(ValueError, match="mask_extra"):
+        ModelConfig(**{**SMALL, "mask_extra": -1})
+
+
+def test_explore_temperature_draws_distinct_cells_deterministically():
+    cfg = ModelConfig(**{**SMALL, "selector": "lapsum", "explore_temperature": 0.2, "mask_extra": 2})
+    model = FoveateModel(cfg)
+    scores = torch.linspace(0, 1, 30)[None]
+    draws = []
+    for seed in (0, 0, 1):
+        sel = model.select(scores, training=True, generator=torch.Generator().manual_seed(seed))
+        idx = sel.indices[0, :, 0]
+        assert idx.numel() == cfg.k + 2 == idx.unique().numel()
+        draws.append(idx.tolist())
+    assert draws[0] == draws[1]  # same generator state, same cells
+    many = torch.stack([model.select(scores, training=True, generator=torch.Generator().manual_seed(s)).indices[0, :, 0]
+                        for s in range(50)])
+    # a Gumbel draw from softmax(s / 0.2), not the hard top-k: low-score cells are read sometimes
+    assert many.unique().numel() > cfg.k + 2 and (many < 20).any()
+    assert torch.equal(model.select(scores, training=False).indices[0, :, 0], hard_topk(scores, cfg.k)[0])

@@ -120,6 +120,21 @@ def test_aggregator_permutation(name):
         torch.testing.assert_close(agg(f, pos[:, perm]), agg(f, pos))
 
 
+@pytest.mark.parametrize("readout", ["mean", "cls"])
+def test_transformer_readouts_are_permutation_invariant(readout):
+    torch.manual_seed(1)
+    agg = build_aggregator("transformer", 12, 2, hidden=16, layers=1, heads=2, readout=readout).double().eval()
+    f = torch.randn(3, 5, 12, dtype=torch.float64)
+    pos = torch.rand(3, 5, 2, dtype=torch.float64)
+    perm = torch.randperm(5)
+    torch.testing.assert_close(agg(f[:, perm], pos[:, perm]), agg(f, pos))
+    if readout == "mean":  # the mean of the encoded tokens, through the final norm and head
+        h = agg.inp(f) + agg.pos(fourier_position_encoding(pos, agg.num_frequencies))
+        torch.testing.assert_close(agg(f, pos), agg.head(agg.norm(agg.encoder(h).mean(1))))
+    with pytest.raises(ValueError, match="readout"):
+        build_aggregator("transformer", 12, 2, hidden=16, heads=2, readout="max")
+
+
 def test_aggregator_weights_semantics():
     agg = build_aggregator("mean", 4, 2).double()
     f = torch.randn(1, 3, 4, dtype=torch.float64)
