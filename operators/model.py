@@ -78,6 +78,11 @@ class ModelConfig:
             below the top-k threshold, which carry part of the mask, are seen and get a gradient (like the
             capped support of the perturbed top-k's soft patches; the mask beyond those cells is dropped). 0
             (default): the k chosen cells only. Inference always reads the hard top-k.
+        candidate_dropout: in training, each candidate cell is left out of the selection with this
+            probability (a row keeps all its candidates when fewer than k would remain), for every selector: the
+            top-k of a random subset reaches cells ranked up to about ``k / (1 - p)``, so the scorer sees cells
+            it does not rank first yet, and a slide's patches vary from step to step (harder to memorise).
+            0 (default): off. Inference uses every candidate.
         position_frequencies: Fourier frequencies per coordinate of the transformer's position encoding
             (``sin, cos(2^i pi p)``, i < F; high frequencies let the transformer memorise where patches are).
         max_support: cells kept per slot for soft patches (see ``operators.soft_patches``).
@@ -109,6 +114,7 @@ class ModelConfig:
     attention_temperature: float = 0.2
     explore_temperature: float = 0.0
     mask_extra: int = 0
+    candidate_dropout: float = 0.0
     max_support: int = 4
     scorer: ScorerConfig = field(default_factory=ScorerConfig)
     features: ResNetConfig = field(default_factory=ResNetConfig)
@@ -156,6 +162,8 @@ class ModelConfig:
                 raise ValueError(f"model.{name} must be a finite number > 0, got {v!r}")
         if self.transformer_readout not in ("mean", "cls"):
             raise ValueError(f"model.transformer_readout must be 'mean' or 'cls', got {self.transformer_readout!r}")
+        if not (isinstance(self.candidate_dropout, (int, float)) and 0.0 <= self.candidate_dropout < 1.0):
+            raise ValueError(f"model.candidate_dropout must be in [0, 1), got {self.candidate_dropout!r}")
         if not (0.0 <= self.dropout < 1.0):
             raise ValueError(f"model.dropout must be in [0, 1), got {self.dropout!r}")
         if self.aggregator == "transformer" and self.aggregator_hidden % self.transformer_heads:
@@ -319,6 +327,15 @@ class FoveateModel(nn.Module):
         counts = cand.sum(1)
         if bool((counts < k).any()):
             raise ValueError(f"every row needs at least k={k} candidate cells (finite scores), got counts {counts.tolist()}")
+        if training and cfg.candidate_dropout > 0:
+            # drop candidates at random (rows keep at least k): the top-k of a random subset reaches cells the
+            # scorer ranks lower, and the patches of a slide change from step to step
+            dev = generator.device if generator is not None else scores.device
+            keep = torch.rand(scores.shape, generator=generator, device=dev).to(scores.device) >= cfg.candidate_dropout
+            kept = cand & keep
+            short = kept.sum(1) < k
+            cand = torch.where(short[:, None], cand, kept)
+            counts = cand.sum(1)
         # SOFT/LapSum training reads k + mask_extra cells per row; the same count for every row of the batch
         m = min(k + cfg.mask_extra, int(counts.min()))
         rows = []

@@ -316,3 +316,26 @@ def test_explore_temperature_draws_distinct_cells_deterministically():
     # a Gumbel draw from softmax(s / 0.2), not the hard top-k: low-score cells are read sometimes
     assert many.unique().numel() > cfg.k + 2 and (many < 20).any()
     assert torch.equal(model.select(scores, training=False).indices[0, :, 0], hard_topk(scores, cfg.k)[0])
+
+
+@pytest.mark.parametrize("selector", SELECTORS)
+def test_candidate_dropout_reaches_lower_ranked_cells_and_keeps_rows_valid(selector):
+    cfg = ModelConfig(**{**SMALL, "selector": selector, "candidate_dropout": 0.75, "max_support": 1})
+    model = FoveateModel(cfg)
+    scores = torch.linspace(0, 1, 40).repeat(2, 1)
+    scores[1, 6:] = float("-inf")  # 6 candidates: fewer than k would remain after dropout -> all are kept
+    top = set(hard_topk(scores[:1], cfg.k)[0].tolist())
+    chosen = set()
+    for seed in range(20):
+        sel = model.select(scores, training=True, sigma=0.0, generator=torch.Generator().manual_seed(seed))
+        assert torch.isfinite(scores.gather(1, sel.primary)).all()  # only candidates
+        assert len(set(sel.primary[0].tolist())) == cfg.k
+        chosen |= set(sel.primary[0].tolist())
+    assert chosen - top  # cells below the top k were read
+    again = model.select(scores, training=True, sigma=0.0, generator=torch.Generator().manual_seed(19))
+    torch.testing.assert_close(again.primary, sel.primary)  # deterministic for a generator state
+    hard = model.select(scores, training=False)
+    assert set(hard.primary[0].tolist()) == top
+    for bad in (-0.1, 1.0):
+        with pytest.raises(ValueError, match="candidate_dropout"):
+            ModelConfig(**{**SMALL, "candidate_dropout": bad})
