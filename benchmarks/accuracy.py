@@ -186,7 +186,7 @@ def main() -> int:
     p.add_argument("--quick", action="store_true", help="small task: 32 slides of 2048 px, 20 epochs, 64 tiles/step")
     p.add_argument("--count", type=int, default=80, help="synthetic slides (default 80)")
     p.add_argument("--size", default="2048:3072", help="slide side(s), as foveate synth --size (default 2048:3072)")
-    p.add_argument("--epochs", type=int, default=20, help="epochs for every model (default 20)")
+    p.add_argument("--epochs", type=int, default=30, help="epochs for every model (default 30)")
     p.add_argument("--test-fraction", type=float, default=0.3, help="held-out fraction per class (default 0.3)")
     p.add_argument("--max-tiles", type=int, default=256, help="tiles per training step of tiles_mean (default 256)")
     p.add_argument("--models", default=",".join([*SELECTION, *BASELINES]), help="comma-separated subset")
