@@ -339,3 +339,13 @@ def test_candidate_dropout_reaches_lower_ranked_cells_and_keeps_rows_valid(selec
     for bad in (-0.1, 1.0):
         with pytest.raises(ValueError, match="candidate_dropout"):
             ModelConfig(**{**SMALL, "candidate_dropout": bad})
+
+
+def test_transformer_readout_config():
+    cfg = ModelConfig(**{**SMALL, "aggregator": "transformer", "aggregator_hidden": 16, "transformer_heads": 2})
+    assert cfg.transformer_readout == "mean" and FoveateModel(cfg).aggregator.readout == "mean"
+    cls = FoveateModel(ModelConfig(**{**SMALL, "aggregator": "transformer", "aggregator_hidden": 16,
+                                      "transformer_heads": 2, "transformer_readout": "cls"}))
+    assert cls.aggregator.readout == "cls"
+    with pytest.raises(ValueError, match="transformer_readout"):
+        ModelConfig(**{**SMALL, "transformer_readout": "max"})
