@@ -21,7 +21,7 @@ from torch import nn
 
 from operators._checks import check_bool, check_k, check_positive_int, check_scores
 
-__all__ = ["attention_sample", "attention_entropy", "AttentionSampler"]
+__all__ = ["attention_sample", "attention_entropy", "gumbel_noise", "AttentionSampler"]
 
 
 def _check_attention(attention: object, name: str = "attention") -> torch.Tensor:
@@ -46,6 +46,18 @@ def _check_generator(generator: object, device: torch.device) -> None:
         raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
     if generator.device.type != device.type:
         raise ValueError(f"generator must live on the attention's device ({device}), got one on {generator.device}")
+
+
+def gumbel_noise(shape: torch.Size | tuple[int, ...], *, generator: torch.Generator | None = None,
+                 device: torch.device | str | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Standard Gumbel noise ``-log(-log U)``, ``U ~ Uniform(0, 1)`` clamped to ``[tiny, 1 - eps]`` (finite).
+
+    Adding it to log-probabilities (or ``logits / T``) and taking the top k draws k indices without replacement
+    from the softmax (Gumbel-top-k).
+    """
+    u = torch.rand(shape, generator=generator, device=device, dtype=dtype)
+    finfo = torch.finfo(dtype)
+    return -torch.log(-torch.log(u.clamp(min=finfo.tiny, max=1.0 - finfo.eps)))
 
 
 def _safe_ratio(a: torch.Tensor) -> torch.Tensor:
@@ -131,10 +143,8 @@ def attention_sample(
 
     with torch.no_grad():
         u_dtype = torch.float64 if a.dtype == torch.float64 else torch.float32
-        u = torch.rand(a.shape, generator=generator, device=a.device, dtype=u_dtype)
-        tiny = torch.finfo(u.dtype).tiny
-        gumbel = -torch.log(-torch.log(u.clamp(min=tiny, max=1.0 - torch.finfo(u.dtype).eps)))
-        keys = torch.log(a.detach().to(u.dtype)) + gumbel  # log 0 = -inf: zero-probability patches come last
+        gumbel = gumbel_noise(a.shape, generator=generator, device=a.device, dtype=u_dtype)
+        keys = torch.log(a.detach().to(u_dtype)) + gumbel  # log 0 = -inf: zero-probability patches come last
         idx = torch.topk(keys, k, dim=1, largest=True, sorted=True).indices
     a_s = a.gather(1, idx)  # [B, k], differentiable
     a_det = a_s.detach()

@@ -299,7 +299,8 @@ class FoveateModel(nn.Module):
             scores: ``[B, N]`` from :meth:`score` (``-inf`` = not a candidate).
             training: soft/stochastic selection (True) or hard top-k (False).
             sigma: perturbed top-k noise for this call (default ``cfg.sigma``; the trainer decays it).
-            generator: RNG for the perturbed noise / attention sampling.
+            generator: RNG on the scores' device for the training-time randomness (perturbed noise, attention
+                sampling, ``candidate_dropout``, ``explore_temperature``).
 
         Returns:
             :class:`Selection`. Per selector in training: ``perturbed`` -> soft slots over the capped support
@@ -330,8 +331,7 @@ class FoveateModel(nn.Module):
         if training and cfg.candidate_dropout > 0:
             # drop candidates at random (rows keep at least k): the top-k of a random subset reaches cells the
             # scorer ranks lower, and the patches of a slide change from step to step
-            dev = generator.device if generator is not None else scores.device
-            keep = torch.rand(scores.shape, generator=generator, device=dev).to(scores.device) >= cfg.candidate_dropout
+            keep = torch.rand(scores.shape, generator=generator, device=scores.device) >= cfg.candidate_dropout
             kept = cand & keep
             short = kept.sum(1) < k
             cand = torch.where(short[:, None], cand, kept)
@@ -374,17 +374,18 @@ class FoveateModel(nn.Module):
                                   control_variate=cfg.control_variate)  # [1,K,Nc]
             idx, w, mass = cap_support(y, cfg.max_support)
             return Selection(cidx[idx], w, None, {"kept_mass": mass})
-        idx = topk.hard_topk(sc, k)  # [1, K], sorted by position
         if training and cfg.selector in ("sinkhorn", "lapsum") and sc.shape[1] > k:
-            m = num_read
+            # read num_read = k + mask_extra cells: the largest scores, or a Gumbel-top-k draw from softmax(s / T)
+            keys = sc.detach()
             if cfg.explore_temperature > 0:
-                dev = generator.device if generator is not None else sc.device
-                u = torch.rand(sc.shape, generator=generator, dtype=sc.dtype, device=dev).to(sc.device)
-                gumbel = -torch.log(-torch.log(u.clamp_min(1e-20)))
-                idx = topk.hard_topk(sc.detach() / cfg.explore_temperature + gumbel, m)
-            elif m > k:
-                idx = topk.hard_topk(sc, m)
-            ones = sc.new_ones((1, idx.shape[1], 1))
+                from operators.attention_sampling import gumbel_noise
+
+                keys = keys / cfg.explore_temperature + gumbel_noise(sc.shape, generator=generator,
+                                                                     device=sc.device, dtype=sc.dtype)
+            idx = topk.hard_topk(keys, num_read)  # [1, num_read], sorted by position
+            ones = sc.new_ones((1, num_read, 1))
+        else:
+            idx = topk.hard_topk(sc, k)  # [1, K], sorted by position
         if cfg.selector in ("sinkhorn", "lapsum") and sc.shape[1] == k:
             # SOFT and LapSum need k < N; with exactly k candidates all are chosen with mask 1
             return Selection(cidx[idx].unsqueeze(-1), ones, sc.new_full((1, k), 1.0 / k), {})
