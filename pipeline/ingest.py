@@ -7,8 +7,9 @@ slides share one queue, so slides of an archive and regions of one large slide b
 actors; an actor prefers regions of the slide it already has open. Each actor has at most
 ``2`` tasks queued, so memory stays bounded (a region is one ``2048 x 2048`` block by default).
 
-A worker that dies (killed, OOM) is replaced and its task retried (``max_task_retries``); a task that
-raises fails its slide only. Completed stores are skipped unless ``--overwrite``; interrupted ones resume
+A worker that dies (killed, OOM) is replaced and its task retried (``max_task_retries``); a region whose
+workers die more often than that fails its slide once the other regions of its stage are written (kept for the
+resume); a task that raises fails its slide only. Completed stores are skipped unless ``--overwrite``; interrupted ones resume
 at region granularity.
 """
 
@@ -113,6 +114,7 @@ class _SlideState:
     resumed: int = 0
     mpp_missing: bool = False
     done: bool = False
+    error: str | None = None  # a region whose worker kept dying: the stage's other regions finish, then it fails
 
 
 def _one_line(exc: BaseException) -> str:
@@ -334,8 +336,17 @@ def _schedule(states: dict[str, _SlideState], queue: deque, rows: dict, out: Pat
                 if st.done:
                     continue
                 if t.attempts > max_task_retries:
-                    fail(t.slide, f"worker died {t.attempts} times on {t.kind} "
-                         f"{getattr(t.payload, 'key', '')}".rstrip() + " (store kept; re-run to resume)", remove_store=False)
+                    error = (f"worker died {t.attempts} times on {t.kind} "
+                             f"{getattr(t.payload, 'key', '')}".rstrip() + " (store kept; re-run to resume)")
+                    if t.kind != "region":
+                        fail(t.slide, error, remove_store=False)
+                        continue
+                    # give up on this region but let the stage's other regions finish, so that a re-run
+                    # resumes from everything that could be written; the slide fails when the stage is over
+                    st.error = st.error or error
+                    st.outstanding -= 1
+                    if st.outstanding == 0:
+                        fail(t.slide, st.error, remove_store=False)
                 else:
                     queue.appendleft(t)
                 continue
@@ -366,7 +377,9 @@ def _schedule(states: dict[str, _SlideState], queue: deque, rows: dict, out: Pat
                 tile_bar.update(result["tiles"])
                 cpu += result.get("cpu_seconds", 0.0)
                 st.outstanding -= 1
-                if st.outstanding == 0:
+                if st.outstanding == 0 and st.error:
+                    fail(t.slide, st.error, remove_store=False)
+                elif st.outstanding == 0:
                     st.stage += 1
                     enqueue_stage(t.slide)
             else:
