@@ -21,8 +21,7 @@ __all__ = ["ConfigError", "from_dict", "to_dict", "load_config", "apply_override
 T = TypeVar("T")
 
 
-class ConfigError(ValueError):
-    """A config key or value is not what the dataclass allows."""
+from operators.errors import ConfigError  # noqa: E402  (defined at the bottom layer; re-exported here)
 
 
 def _type_name(tp: Any) -> str:
