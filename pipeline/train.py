@@ -274,10 +274,10 @@ def _peak_memory_mb(device: torch.device) -> float:
 
 
 # ---------------------------------------------------------------------------------------------- model glue
-def _forward(model, store, *, training: bool, sigma: float, generator):
+def _forward(model, store, *, training: bool, sigma: float, generator, target: int | None = None):
     from workers.patches import forward_slide
 
-    return forward_slide(model, store, training=training, sigma=sigma, generator=generator)
+    return forward_slide(model, store, training=training, sigma=sigma, generator=generator, target=target)
 
 
 def _slide_loss(out, target: int) -> tuple[torch.Tensor, dict[str, float]]:
@@ -411,7 +411,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             loss_sum, correct, patches = 0.0, 0, 0
             aux_sums: dict[str, float] = {}
             for rec in batch:
-                out = _forward(model, store_of(rec), training=True, sigma=sigma, generator=generator)
+                out = _forward(model, store_of(rec), training=True, sigma=sigma, generator=generator, target=rec.target)
                 loss, parts = _slide_loss(out, rec.target)
                 (loss / len(batch)).backward()
                 loss_sum += float(loss.detach())
