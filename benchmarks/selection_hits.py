@@ -49,7 +49,7 @@ def hits(rec, coords):
     return h / len(coords)
 torch.manual_seed(cfg.seed)
 from pipeline.model_io import with_num_classes
-model = FoveateModel(with_num_classes(cfg.model, 2))
+model = FoveateModel(with_num_classes(cfg.model, table.num_classes))
 params = [q for q in model.parameters() if q.requires_grad]
 opt = torch.optim.AdamW(params, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
 acc = cfg.optim.accumulate
