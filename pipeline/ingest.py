@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
+from pipeline import __version__
 from pipeline.progress import Progress
 from workers.ingest_inputs import SlideInput, discover_inputs
 from workers.ingest_manifest import merge_manifest
@@ -245,7 +246,7 @@ def _schedule(states: dict[str, _SlideState], queue: deque, rows: dict, out: Pat
     actor_cls = ray.remote(num_cpus=1, max_restarts=0)(Tiler)
 
     def spawn():
-        return actor_cls.remote(str(out), options, fault_kill_at=fault_kill_at)
+        return actor_cls.remote(str(out), options, fault_kill_at=fault_kill_at, version=__version__)
 
     actors = [spawn() for _ in range(n_actors)]
     last_slide: list[str | None] = [None] * n_actors

@@ -44,6 +44,7 @@ __all__ = [
     "downsample2x",
     "write_store_from_array",
     "write_tissue_labels",
+    "installed_version",
 ]
 
 COMPLETE_MARKER = "foveate_complete.json"
@@ -249,14 +250,25 @@ def downsample2x(rgb_chw: np.ndarray) -> np.ndarray:
     return ((s + 2) // 4).astype(np.uint8)
 
 
+def installed_version() -> str:
+    """The installed ``foveate`` distribution's version (what a store records when its writer was not given
+    one; the commands pass ``pipeline.__version__`` down)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("foveate")
+    except metadata.PackageNotFoundError:  # a source tree (ray job --working-dir)
+        return "0.1.0"
+
+
 def write_store_from_array(path: str | Path, rgb: np.ndarray, *, slide_id: str | None = None,
                            mpp: tuple[float, float] | None = (0.5, 0.5), tile_size: int = 256,
-                           min_size: int = 1024, source: str = "<array>", extra: dict[str, Any] | None = None) -> "SlideStore":
+                           min_size: int = 1024, source: str = "<array>", extra: dict[str, Any] | None = None,
+                           version: str | None = None) -> "SlideStore":
     """Write an in-memory (h, w, 3) uint8 image as a complete store (zstd, power-of-two pyramid).
 
     For tests and small synthetic data; archives go through ``foveate ingest``.
     """
-    from pipeline import __version__
     from workers.tissue import tissue_mask
 
     if rgb.ndim != 3 or rgb.shape[2] != 3 or rgb.dtype != np.uint8:
@@ -279,7 +291,7 @@ def write_store_from_array(path: str | Path, rgb: np.ndarray, *, slide_id: str |
     tissue_ds = float(downsamples[-1])
     write_tissue_labels(group, mask, [(w_, h_) for _, (w_, h_) in shapes], downsamples, mpp)
     meta = StoreMeta(slide_id=slide_id, source=source, vendor="array", level0_size=(w, h), tile_size=tile_size,
-                     downsamples=downsamples, mpp=mpp, source_mpp=mpp, codec="zstd", foveate_version=__version__,
+                     downsamples=downsamples, mpp=mpp, source_mpp=mpp, codec="zstd", foveate_version=version or installed_version(),
                      tissue_downsample=tissue_ds, tissue_fraction=float(mask.mean()), extra=dict(extra or {}))
     group.attrs.update({"ome": {"version": "0.5", "multiscales": ngff_multiscales(slide_id, downsamples, mpp)},
                         "foveate": meta.to_json()})

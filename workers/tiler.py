@@ -41,6 +41,7 @@ from workers.ingest_source import SlideOpenError, SlideSource, SourceInfo
 from workers.store import (
     COMPLETE_MARKER,
     StoreMeta,
+    installed_version,
     ngff_multiscales,
     pyramid_shapes,
     register_codecs,
@@ -227,13 +228,15 @@ class Tiler:
         store_dir: folder holding ``<slide_id>.zarr`` stores.
         options: :class:`IngestOptions`.
         cache_size: how many slides to keep open.
+        version: the foveate version the stores record (default: the installed distribution's).
         fault_kill_at: test hook: ``os._exit(1)`` while writing region ``s0_r<fault_kill_at>`` (after
             some of its chunks are written, before its done marker) - a worker killed mid-slide.
     """
 
     def __init__(self, store_dir: str | Path, options: IngestOptions | None = None, *, cache_size: int = 4,
-                 fault_kill_at: int | None = None):
+                 fault_kill_at: int | None = None, version: str | None = None):
         self.store_dir = Path(store_dir)
+        self.version = version or installed_version()
         self.options = options or IngestOptions()
         self.cache_size = int(cache_size)
         self.fault_kill_at = fault_kill_at
@@ -623,7 +626,6 @@ class Tiler:
         """Tissue mask, metadata, completion marker (written last). Returns the manifest fields."""
         import zarr
 
-        from pipeline import __version__
         from workers.tissue import tissue_mask
 
         c0 = time.process_time()
@@ -645,7 +647,7 @@ class Tiler:
             slide_id=plan.slide_id, source=plan.source, vendor=info["vendor"], level0_size=tuple(plan.level_shapes[0]),
             tile_size=plan.tile, downsamples=tuple(plan.downsamples), mpp=plan.mpp,
             source_mpp=tuple(info["mpp"]) if info["mpp"] else None, fingerprint=info["fingerprint"],
-            codec=("jpeg-passthrough" if passthrough else plan.options["codec"]), foveate_version=__version__,
+            codec=("jpeg-passthrough" if passthrough else plan.options["codec"]), foveate_version=self.version,
             tissue_downsample=tissue_ds, tissue_fraction=float(mask.mean()),
             extra={"source_dimensions": list(info["dimensions"]), "level_codecs": plan.level_codecs,
                    "source_levels": plan.source_levels, "tile_grid": [[math.ceil(w / plan.tile), math.ceil(h / plan.tile)]
@@ -656,7 +658,7 @@ class Tiler:
                             "foveate": meta.to_json()})
         shutil.rmtree(prog, ignore_errors=True)
         _write_json_atomic(path / COMPLETE_MARKER, {"slide_id": plan.slide_id, "levels": len(plan.downsamples),
-                                                    "fingerprint": info["fingerprint"], "foveate_version": __version__})
+                                                    "fingerprint": info["fingerprint"], "foveate_version": self.version})
         self._plans.pop(str(store_path), None)
         return {"width": plan.level_shapes[0][0], "height": plan.level_shapes[0][1],
                 "mpp": plan.mpp[0] if plan.mpp else None, "tissue_fraction": float(mask.mean()),
