@@ -55,11 +55,13 @@ def demo(workdir: str | Path = "foveate-demo", *, count: int = 32, size: str = "
     import ray
 
     from pipeline.config import load_config
+    from pipeline.runtime import init_ray
+    from pipeline.tracking import resolve_tracking_uri
     from pipeline.train import TrainConfig, train
 
     wd = Path(workdir).expanduser().resolve()
     wd.mkdir(parents=True, exist_ok=True)
-    os.environ.setdefault("MLFLOW_TRACKING_URI", f"sqlite:///{wd / 'mlflow.db'}")
+    os.environ["MLFLOW_TRACKING_URI"] = resolve_tracking_uri(default_dir=wd)  # every stage below logs there
     slides, stores = wd / "slides", wd / "stores"
     compare_dir = wd / "compare"
     t_start = time.monotonic()
@@ -73,10 +75,7 @@ def demo(workdir: str | Path = "foveate-demo", *, count: int = 32, size: str = "
                          "--seed", str(seed)])
     timings["synth"] = time.monotonic() - t0
 
-    started = False
-    if not ray.is_initialized():
-        ray.init(num_cpus=max(2, workers), include_dashboard=False, log_to_driver=True, configure_logging=False)
-        started = True
+    started = init_ray(num_cpus=max(2, workers))  # one Ray for all stages (each command reuses it)
     try:
         t0 = time.monotonic()
         _stage("ingest", ["ingest", str(slides / "labels.csv"), "--out", str(stores), "--workers", str(workers)])

@@ -27,6 +27,7 @@ from typing import Any, Sequence
 
 from pipeline import __version__
 from pipeline.progress import Progress
+from pipeline.runtime import ActorPool, init_ray, wait_done
 from workers.ingest_inputs import SlideInput, discover_inputs
 from workers.ingest_manifest import merge_manifest
 from workers.tiler import CODECS, IngestOptions, Tiler
@@ -34,9 +35,6 @@ from workers.tiler import CODECS, IngestOptions, Tiler
 __all__ = ["add_arguments", "run", "ingest", "IngestResult"]
 
 log = logging.getLogger(__name__)
-
-_REPO_ROOT = str(Path(__file__).resolve().parents[1])
-
 
 def add_arguments(p) -> None:
     p.add_argument("inputs", nargs="+", metavar="INPUT",
@@ -100,7 +98,6 @@ class _Task:
     slide: str  # slide_id
     kind: str  # plan | region | finalize
     payload: Any = None
-    attempts: int = 0
 
 
 @dataclass
@@ -134,23 +131,11 @@ def _one_line(exc: BaseException) -> str:
     return msg if name == "SlideOpenError" else f"{name}: {msg}"
 
 
-def _init_ray(workers: int | None, address: str | None) -> tuple[bool, int]:
-    """Start (or join) Ray; returns (we_started_it, number of actors to use)."""
+def _actors(workers: int | None) -> int:
     import ray
 
-    started = False
-    if not ray.is_initialized():
-        if address:
-            # no runtime_env here: inside `ray job submit` the job's own (working_dir) must stay in force
-            ray.init(address=address, log_to_driver=True)
-        else:
-            n = workers or os.cpu_count() or 1
-            ray.init(num_cpus=n, include_dashboard=False, object_store_memory=128 * 1024**2,
-                     runtime_env={"env_vars": {"PYTHONPATH": _REPO_ROOT, "OMP_NUM_THREADS": "1"}},
-                     log_to_driver=True, configure_logging=False)
-        started = True
     cpus = int(ray.cluster_resources().get("CPU", 1))
-    return started, max(1, min(workers or cpus, cpus))
+    return max(1, min(workers or cpus, cpus))
 
 
 def ingest(inputs: Sequence[str | Path], out: str | Path, *, options: IngestOptions | None = None,
@@ -197,7 +182,9 @@ def ingest(inputs: Sequence[str | Path], out: str | Path, *, options: IngestOpti
     pixels, cpu = 0, 0.0
     try:
         if states:
-            started, n_actors = _init_ray(workers, address)
+            started = init_ray(address, num_cpus=workers or os.cpu_count() or 1,
+                               object_store_memory=128 * 1024**2, env_vars={"OMP_NUM_THREADS": "1"})
+            n_actors = _actors(workers)
             try:
                 pixels, cpu = _schedule(states, queue, rows, out, options, n_actors, overwrite, max_task_retries,
                                         fault_kill_at, progress)
@@ -244,15 +231,8 @@ def _schedule(states: dict[str, _SlideState], queue: deque, rows: dict, out: Pat
     import ray
 
     actor_cls = ray.remote(num_cpus=1, max_restarts=0)(Tiler)
-
-    def spawn():
-        return actor_cls.remote(str(out), options, fault_kill_at=fault_kill_at, version=__version__)
-
-    actors = [spawn() for _ in range(n_actors)]
-    last_slide: list[str | None] = [None] * n_actors
-    busy = [0] * n_actors
-    depth = 2
-    inflight: dict[Any, tuple[int, _Task, Any]] = {}
+    pool = ActorPool(lambda: actor_cls.remote(str(out), options, fault_kill_at=fault_kill_at, version=__version__),
+                     n_actors, depth=2, max_task_retries=max_task_retries, name="tiler").start()
     pixels = 0
     cpu = 0.0
     slide_bar = Progress(len(states), "slides", unit="slide", enable=progress)
@@ -262,8 +242,9 @@ def _schedule(states: dict[str, _SlideState], queue: deque, rows: dict, out: Pat
     def pick(i: int) -> _Task | None:
         if not queue:
             return None
+        last = pool.last_task[i]
         for j, t in enumerate(queue):  # prefer the slide this actor has open
-            if t.slide == last_slide[i] and t.kind == "region":
+            if last is not None and t.slide == last.slide and t.kind == "region":
                 del queue[j]
                 return t
             if j > 64:
@@ -274,14 +255,11 @@ def _schedule(states: dict[str, _SlideState], queue: deque, rows: dict, out: Pat
         st = states[t.slide]
         if t.kind == "plan":
             st.t0 = time.perf_counter()
-            ref = actors[i].plan.remote(t.payload, overwrite=overwrite)
+            pool.submit(i, "plan", t.payload, overwrite=overwrite, task=t)
         elif t.kind == "region":
-            ref = actors[i].write_region.remote(st.store_path, t.payload)
+            pool.submit(i, "write_region", st.store_path, t.payload, task=t)
         else:
-            ref = actors[i].finalize.remote(st.store_path)
-        inflight[ref] = (i, t, actors[i])
-        busy[i] += 1
-        last_slide[i] = t.slide
+            pool.submit(i, "finalize", st.store_path, task=t)
 
     def fail(slide: str, error: str, *, remove_store: bool) -> None:
         st = states[slide]
@@ -310,90 +288,82 @@ def _schedule(states: dict[str, _SlideState], queue: deque, rows: dict, out: Pat
         queue.extend(_Task(slide, "region", r) for r in regs)
 
     try:
-        while queue or inflight:
+        while queue or len(pool):
             for i in range(n_actors):
-                while busy[i] < depth:
+                while pool.has_room(i):
                     t = pick(i)
                     if t is None:
                         break
                     submit(i, t)
-            if not inflight:
+            if not len(pool):
                 continue
-            ready, _ = ray.wait(list(inflight), num_returns=1)
-            ref = ready[0]
-            i, t, handle = inflight.pop(ref)
-            if handle is actors[i]:  # (not a task of an actor that was already replaced)
-                busy[i] -= 1
-            st = states[t.slide]
-            try:
-                result = ray.get(ref)
-            except ray.exceptions.RayActorError as exc:
-                if handle is actors[i]:
-                    log.warning("tiler actor %d died (%s); replacing it", i, type(exc).__name__)
-                    actors[i] = spawn()
-                    busy[i] = 0
-                # tasks queued on the dead actor fail too; each is retried on its own
-                t.attempts += 1
+            for done in wait_done(pool):
+                t = done.task
+                st = states[t.slide]
+                if done.actor_died:  # tasks queued on the dead actor fail too; each is retried on its own
+                    if st.done:
+                        continue
+                    if not done.retry:
+                        error = (f"worker died {pool.attempts(t)} times on {t.kind} "
+                                 f"{getattr(t.payload, 'key', '')}".rstrip() + " (store kept; re-run to resume)")
+                        if t.kind != "region":
+                            fail(t.slide, error, remove_store=False)
+                            continue
+                        # give up on this region but let the stage's other regions finish, so that a re-run
+                        # resumes from everything that could be written; the slide fails when the stage is over
+                        st.error = st.error or error
+                        st.outstanding -= 1
+                        if st.outstanding == 0:
+                            fail(t.slide, st.error, remove_store=False)
+                    else:
+                        queue.appendleft(t)
+                    continue
+                if done.error is not None:
+                    if not isinstance(done.error, ray.exceptions.RayTaskError):
+                        raise done.error
+                    if not st.done:
+                        from workers.ingest_source import SlideOpenError
+
+                        bad_input = isinstance(getattr(done.error, "cause", None), SlideOpenError)
+                        fail(t.slide, _one_line(done.error), remove_store=bad_input)
+                    continue
                 if st.done:
                     continue
-                if t.attempts > max_task_retries:
-                    error = (f"worker died {t.attempts} times on {t.kind} "
-                             f"{getattr(t.payload, 'key', '')}".rstrip() + " (store kept; re-run to resume)")
-                    if t.kind != "region":
-                        fail(t.slide, error, remove_store=False)
-                        continue
-                    # give up on this region but let the stage's other regions finish, so that a re-run
-                    # resumes from everything that could be written; the slide fails when the stage is over
-                    st.error = st.error or error
-                    st.outstanding -= 1
-                    if st.outstanding == 0:
-                        fail(t.slide, st.error, remove_store=False)
-                else:
-                    queue.appendleft(t)
-                continue
-            except ray.exceptions.RayTaskError as exc:
-                if not st.done:
-                    from workers.ingest_source import SlideOpenError
-
-                    bad_input = isinstance(getattr(exc, "cause", None), SlideOpenError)
-                    fail(t.slide, _one_line(exc), remove_store=bad_input)
-                continue
-            if st.done:
-                continue
-            if t.kind == "plan":
-                plan = result
-                st.store_path = plan.store_path
-                st.stages = plan.todo
-                st.regions = sum(len(s) for s in plan.stages)
-                st.resumed = plan.resumed_regions
-                st.mpp_missing = plan.info["mpp"] is None
-                if st.mpp_missing:
-                    log.warning("slide %s has no mpp metadata (flagged in the manifest)", t.slide)
-                n_tiles = sum(_tiles(plan.tile, r) for s in plan.stages for r in s)
-                total_tiles += n_tiles
-                tile_bar.set_total(total_tiles)
-                tile_bar.update(n_tiles - sum(_tiles(plan.tile, r) for s in plan.todo for r in s))
-                enqueue_stage(t.slide)
-            elif t.kind == "region":
-                tile_bar.update(result["tiles"])
-                cpu += result.get("cpu_seconds", 0.0)
-                st.outstanding -= 1
-                if st.outstanding == 0 and st.error:
-                    fail(t.slide, st.error, remove_store=False)
-                elif st.outstanding == 0:
-                    st.stage += 1
+                result = done.value
+                if t.kind == "plan":
+                    plan = result
+                    st.store_path = plan.store_path
+                    st.stages = plan.todo
+                    st.regions = sum(len(s) for s in plan.stages)
+                    st.resumed = plan.resumed_regions
+                    st.mpp_missing = plan.info["mpp"] is None
+                    if st.mpp_missing:
+                        log.warning("slide %s has no mpp metadata (flagged in the manifest)", t.slide)
+                    n_tiles = sum(_tiles(plan.tile, r) for s in plan.stages for r in s)
+                    total_tiles += n_tiles
+                    tile_bar.set_total(total_tiles)
+                    tile_bar.update(n_tiles - sum(_tiles(plan.tile, r) for s in plan.todo for r in s))
                     enqueue_stage(t.slide)
-            else:
-                st.done = True
-                rows[t.slide] = {**_base_row(st.inp), "status": "ok", "error": None,
-                                 "seconds": time.perf_counter() - st.t0, "mpp_missing": st.mpp_missing,
-                                 "regions": st.regions, "regions_resumed": st.resumed, "store": st.store_path, **result}
-                pixels += int(result["width"]) * int(result["height"])
-                cpu += result.get("cpu_seconds", 0.0)
-                slide_bar.update(1)
+                elif t.kind == "region":
+                    tile_bar.update(result["tiles"])
+                    cpu += result.get("cpu_seconds", 0.0)
+                    st.outstanding -= 1
+                    if st.outstanding == 0 and st.error:
+                        fail(t.slide, st.error, remove_store=False)
+                    elif st.outstanding == 0:
+                        st.stage += 1
+                        enqueue_stage(t.slide)
+                else:
+                    st.done = True
+                    rows[t.slide] = {**_base_row(st.inp), "status": "ok", "error": None,
+                                     "seconds": time.perf_counter() - st.t0, "mpp_missing": st.mpp_missing,
+                                     "regions": st.regions, "regions_resumed": st.resumed, "store": st.store_path,
+                                     **result}
+                    pixels += int(result["width"]) * int(result["height"])
+                    cpu += result.get("cpu_seconds", 0.0)
+                    slide_bar.update(1)
     finally:
-        for a in actors:
-            ray.kill(a)
+        pool.shutdown()
         tile_bar.close()
         slide_bar.close()
     return pixels, cpu

@@ -38,9 +38,12 @@ import math
 import os
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from pipeline.runtime import ActorPool, init_ray, wait_done
+from pipeline.tracking import resolve_tracking_uri
 
 __all__ = ["ScoreResult", "list_stores", "read_predictions", "PredictionWriter", "score", "add_arguments", "run",
            "CRASH_ENV"]
@@ -205,62 +208,12 @@ def _crash_hook(stage: str) -> tuple[str, str] | None:
     return None
 
 
-def _init_ray(address: str | None, num_cpus: int | None) -> bool:
-    """Start or join Ray; True when this call started it (so we shut it down)."""
-    import ray
-
-    if ray.is_initialized():
-        return False
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    kwargs: dict[str, Any] = {"log_to_driver": True}
-    if address is None and os.environ.get("RAY_ADDRESS", "").startswith(("http://", "https://")):
-        # a job-submission address (from `eval "$(infra/local/up.sh)"`) is not one ray.init() can join
-        log.info("RAY_ADDRESS %s is a job-submission address; starting an in-process Ray instead "
-                 "(use `ray job submit` to run on that cluster)", os.environ.pop("RAY_ADDRESS"))
-    if address is None and not os.environ.get("RAY_ADDRESS"):
-        kwargs.update(include_dashboard=False, num_cpus=num_cpus)
-    ray.init(address=address, **kwargs)
-    return True
-
-
-@dataclass
-class _Pool:
-    """Actors of one stage with their in-flight call counts; dead actors are replaced."""
-
-    make: Any
-    size: int
-    actors: list = field(default_factory=list)
-    load: list = field(default_factory=list)
-    replaced: int = 0
-
-    def start(self) -> None:
-        self.actors = [self.make() for _ in range(self.size)]
-        self.load = [0] * self.size
-
-    def free(self, limit: int) -> int | None:
-        i = min(range(self.size), key=lambda j: self.load[j])
-        return i if self.load[i] < limit else None
-
-    def replace(self, i: int) -> None:
-        import ray
-
-        if self.replaced >= 3 * self.size:
-            raise RuntimeError(f"scoring actors keep dying ({self.replaced} replaced); see the Ray logs")
-        try:
-            ray.kill(self.actors[i], no_restart=True)
-        except Exception:  # noqa: BLE001 - already gone
-            pass
-        self.actors[i] = self.make()
-        self.load[i] = 0
-        self.replaced += 1
-
-
 def _run_pipeline(todo: list[tuple[str, str]], ckpt_ref: Any, *, model_name: str, heatmap_dir: Path | None,
                   writer: PredictionWriter, workers: int | None, scorer_workers: int | None, batch_size: int,
                   max_in_flight: int, max_restarts: int, max_task_retries: int, progress) -> tuple[str, int, int, int]:
     """Drive the two actor pools over ``todo``; returns (scorer device, ok rows, error rows, retried calls)."""
     import ray
-    from ray.exceptions import GetTimeoutError, RayActorError, RayError
+    from ray.exceptions import GetTimeoutError, RayError
 
     from workers.scoring import ClassifierWorker, ScorerWorker, error_row
 
@@ -281,11 +234,13 @@ def _run_pipeline(todo: list[tuple[str, str]], ckpt_ref: Any, *, model_name: str
         scorer_cls = ray.remote(num_cpus=cpus_each, **opts)(ScorerWorker)
         device = "cpu"
     classifier_cls = ray.remote(num_cpus=cpus_each, **opts)(ClassifierWorker)
-    scorers = _Pool(lambda: scorer_cls.remote(ckpt_ref, device=device, threads=threads,
-                                              crash_once=_crash_hook("scorer")), n_scorers)
-    classifiers = _Pool(lambda: classifier_cls.remote(ckpt_ref, heatmap_dir=str(heatmap_dir) if heatmap_dir else None,
-                                                      model_name=model_name, threads=threads,
-                                                      crash_once=_crash_hook("classifier")), workers)
+    scorers = ActorPool(lambda: scorer_cls.remote(ckpt_ref, device=device, threads=threads,
+                                                  crash_once=_crash_hook("scorer")),
+                        n_scorers, depth=max_in_flight, max_replacements=3 * n_scorers, name="scorer")
+    classifiers = ActorPool(lambda: classifier_cls.remote(ckpt_ref, heatmap_dir=str(heatmap_dir) if heatmap_dir else None,
+                                                          model_name=model_name, threads=threads,
+                                                          crash_once=_crash_hook("classifier")),
+                            workers, depth=max_in_flight, max_replacements=3 * workers, name="classifier")
     scorers.start()
     classifiers.start()
     log.info("scoring %d slide(s): %d scorer actor(s) on %s, %d classifier actor(s), batch %d", len(todo), n_scorers,
@@ -293,7 +248,6 @@ def _run_pipeline(todo: list[tuple[str, str]], ckpt_ref: Any, *, model_name: str
 
     pending: deque[list[tuple[str, str]]] = deque(todo[i:i + batch_size] for i in range(0, len(todo), batch_size))
     waiting: deque[dict[str, Any]] = deque()  # scored slides waiting for a classifier
-    in_flight: dict[Any, tuple[str, int, list]] = {}  # ref -> (stage, actor index, work)
     backlog_limit = max(2 * batch_size * workers * max_in_flight, batch_size)
     ok = failed = retried = 0
 
@@ -308,12 +262,10 @@ def _run_pipeline(todo: list[tuple[str, str]], ckpt_ref: Any, *, model_name: str
 
     solo: deque[dict[str, Any]] = deque()  # classifier items re-run one by one after a failed call
 
-    def on_failure(stage: str, pool: _Pool, i: int, work: list, exc: BaseException) -> None:
+    def on_failure(stage: str, work: list, exc: BaseException) -> None:
         nonlocal retried
         retried += 1
         log.warning("%s call on %d slide(s) failed after Ray's retries: %s", stage, len(work), exc)
-        if isinstance(exc, RayActorError):
-            pool.replace(i)
         if len(work) > 1:  # split, so only the slide that fails gets an error row
             for w in reversed(work):
                 if stage == "scorer":
@@ -324,53 +276,42 @@ def _run_pipeline(todo: list[tuple[str, str]], ckpt_ref: Any, *, model_name: str
         sid, store = (work[0][0], work[0][1]) if stage == "scorer" else (work[0]["slide_id"], work[0]["store"])
         record(error_row(sid, store, f"{stage} worker failed: {type(exc).__name__}: {exc}"[:2000], model=model_name))
 
-    while pending or waiting or solo or in_flight:
-        while waiting or solo:  # classifiers first: drain before scoring more
-            i = classifiers.free(max_in_flight)
-            if i is None:
-                break
-            items = [solo.popleft()] if solo else [waiting.popleft() for _ in range(min(batch_size, len(waiting)))]
-            ref = classifiers.actors[i].classify_batch.remote(items)
-            in_flight[ref] = ("classifier", i, items)
-            classifiers.load[i] += 1
-        queued = len(waiting) + len(solo) + sum(len(w) for s, _, w in in_flight.values() if s == "scorer")
-        while pending and queued < backlog_limit:  # backpressure: bounded backlog ahead of the classifiers
-            i = scorers.free(max_in_flight)
-            if i is None:
-                break
-            batch = pending.popleft()
-            ref = scorers.actors[i].score_batch.remote(batch)
-            in_flight[ref] = ("scorer", i, batch)
-            scorers.load[i] += 1
-            queued += len(batch)
-        if not in_flight:
-            continue
-        ready, _ = ray.wait(list(in_flight), num_returns=1, timeout=30.0)
-        for ref in ready:
-            stage, i, work = in_flight.pop(ref)
-            pool = scorers if stage == "scorer" else classifiers
-            pool.load[i] = max(0, pool.load[i] - 1)
-            try:
-                results = ray.get(ref)
-            except (RayError, GetTimeoutError) as exc:
-                on_failure(stage, pool, i, work, exc)
-                continue
-            if stage == "scorer":
-                for item in results:
-                    if item["status"] == "ok":
-                        waiting.append(item)
-                    else:
-                        record(error_row(item["slide_id"], item["store"], item["error"], model=model_name,
-                                         seconds=item.get("seconds", 0.0)))
-            else:
-                for row in results:
-                    record(row)
-    for pool in (scorers, classifiers):
-        for a in pool.actors:
-            try:
-                ray.kill(a, no_restart=True)
-            except Exception:  # noqa: BLE001
-                pass
+    try:
+        while pending or waiting or solo or len(scorers) or len(classifiers):
+            while waiting or solo:  # classifiers first: drain before scoring more
+                i = classifiers.free()
+                if i is None:
+                    break
+                items = [solo.popleft()] if solo else [waiting.popleft() for _ in range(min(batch_size, len(waiting)))]
+                classifiers.submit(i, "classify_batch", items, task=items)
+            queued = len(waiting) + len(solo) + sum(len(w) for w in scorers.in_flight())
+            while pending and queued < backlog_limit:  # backpressure: bounded backlog ahead of the classifiers
+                i = scorers.free()
+                if i is None:
+                    break
+                batch = pending.popleft()
+                scorers.submit(i, "score_batch", batch, task=batch)
+                queued += len(batch)
+            for done in wait_done(scorers, classifiers, timeout=30.0):
+                stage = "scorer" if done.pool is scorers else "classifier"
+                if done.error is not None:
+                    if not isinstance(done.error, (RayError, GetTimeoutError)):
+                        raise done.error
+                    on_failure(stage, done.task, done.error)
+                    continue
+                if stage == "scorer":
+                    for item in done.value:
+                        if item["status"] == "ok":
+                            waiting.append(item)
+                        else:
+                            record(error_row(item["slide_id"], item["store"], item["error"], model=model_name,
+                                             seconds=item.get("seconds", 0.0)))
+                else:
+                    for row in done.value:
+                        record(row)
+    finally:
+        scorers.shutdown()
+        classifiers.shutdown()
     return device, ok, failed, retried
 
 
@@ -434,7 +375,7 @@ def score(model: str, stores: str | Path, out: str | Path, *, workers: int | Non
     log.info("%d store(s) in %s: %d already scored in %s, %d to score", len(all_stores), stores, skipped, out,
              len(todo))
 
-    uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{out.parent / 'mlflow.db'}"
+    uri = resolve_tracking_uri(tracking_uri, default_dir=out.parent)
     run_id = None
     device, ok, failed, retried = "cpu", 0, 0, 0
     client = None
@@ -462,7 +403,7 @@ def score(model: str, stores: str | Path, out: str | Path, *, workers: int | Non
             del net
             import ray
 
-            started = _init_ray(address, num_cpus)
+            started = init_ray(address, num_cpus=num_cpus)
             try:
                 ckpt_ref = ray.put(ckpt)
                 with Progress(len(todo), "slides scored", unit="slide") as progress:

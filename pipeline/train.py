@@ -103,20 +103,6 @@ class TrainResult:
 
 
 # ---------------------------------------------------------------------------------------------- driver
-def _init_ray(address: str | None, cfg: TrainConfig) -> bool:
-    """Start or join Ray; returns True when this call started it (so the caller shuts it down)."""
-    import ray
-
-    if ray.is_initialized():
-        return False
-    if address or os.environ.get("RAY_ADDRESS"):
-        ray.init(address=address, log_to_driver=True)
-    else:
-        ray.init(num_cpus=max(2, cfg.workers * cfg.cpus_per_worker), include_dashboard=False,
-                 log_to_driver=True, configure_logging=False)
-    return True
-
-
 def _run_dir(cfg: TrainConfig, resume: bool) -> Path:
     runs = Path(cfg.workdir).expanduser().resolve() / "train"
     if cfg.tracking.run_name:
@@ -185,7 +171,8 @@ def train(config: TrainConfig, *, resume: bool = False, address: str | None = No
     if not isinstance(config, TrainConfig):
         raise TypeError(f"config must be a TrainConfig, got {type(config).__name__}")
     from pipeline.model_io import log_model, model_from_checkpoint, with_num_classes
-    from pipeline.tracking import client_for, get_or_create_experiment, log_params, tracking_uri
+    from pipeline.runtime import init_ray
+    from pipeline.tracking import client_for, get_or_create_experiment, log_params, resolve_tracking_uri
 
     config = _resolve(config, workers=workers, workdir=workdir)
     table = build_slide_table(config.data)
@@ -204,7 +191,7 @@ def train(config: TrainConfig, *, resume: bool = False, address: str | None = No
     run_dir = _run_dir(config, resume)
     if config.tracking.run_name is None:
         config = dataclasses.replace(config, tracking=dataclasses.replace(config.tracking, run_name=run_dir.name))
-    uri = tracking_uri(config.workdir)
+    uri = resolve_tracking_uri(default_dir=config.workdir)
     client = client_for(uri)
     resolved = to_dict(config)
     if resume:
@@ -231,7 +218,7 @@ def train(config: TrainConfig, *, resume: bool = False, address: str | None = No
                                                       "tracking_uri": uri, "config": resolved}, indent=2))
     log.info("MLflow run %s in experiment %r at %s", run_id, config.tracking.experiment, uri)
 
-    started = _init_ray(address, config)
+    started = init_ray(address, num_cpus=max(2, config.workers * config.cpus_per_worker))
     try:
         result = _fit(config, run_dir, train_recs, val_recs, table.class_names, uri, run_id, after_epoch)
         ckpt = _load_ckpt(result)
