@@ -140,7 +140,7 @@ def _actors(workers: int | None) -> int:
 
 def ingest(inputs: Sequence[str | Path], out: str | Path, *, options: IngestOptions | None = None,
            workers: int | None = None, address: str | None = None, overwrite: bool = False,
-           max_task_retries: int = 2, fault_kill_at: int | None = None, progress: bool | None = None) -> IngestResult:
+           max_task_retries: int = 2, progress: bool | None = None, tiler_cls: type[Tiler] = Tiler) -> IngestResult:
     """Ingest slides into ``out``; see the module doc and ``foveate ingest --help``.
 
     Args:
@@ -151,7 +151,7 @@ def ingest(inputs: Sequence[str | Path], out: str | Path, *, options: IngestOpti
         address: Ray address to join; ``None`` starts a local Ray (or uses the one already initialised).
         overwrite: redo complete stores.
         max_task_retries: how often a task whose worker died is retried on a fresh actor.
-        fault_kill_at: test hook, see :class:`workers.tiler.Tiler`.
+        tiler_cls: the actor class (fault-injection tests pass a :class:`workers.tiler.Tiler` subclass).
         progress: show progress bars (default: when stderr is a terminal).
 
     Returns:
@@ -187,7 +187,7 @@ def ingest(inputs: Sequence[str | Path], out: str | Path, *, options: IngestOpti
             n_actors = _actors(workers)
             try:
                 pixels, cpu = _schedule(states, queue, rows, out, options, n_actors, overwrite, max_task_retries,
-                                        fault_kill_at, progress)
+                                        progress, tiler_cls)
             finally:
                 if started:
                     ray.shutdown()
@@ -226,12 +226,12 @@ def _skipped_row(inp: SlideInput, spath: Path) -> dict[str, Any]:
 
 
 def _schedule(states: dict[str, _SlideState], queue: deque, rows: dict, out: Path, options: IngestOptions,
-              n_actors: int, overwrite: bool, max_task_retries: int, fault_kill_at: int | None,
-              progress: bool | None) -> tuple[int, float]:
+              n_actors: int, overwrite: bool, max_task_retries: int, progress: bool | None,
+              tiler_cls: type[Tiler] = Tiler) -> tuple[int, float]:
     import ray
 
-    actor_cls = ray.remote(num_cpus=1, max_restarts=0)(Tiler)
-    pool = ActorPool(lambda: actor_cls.remote(str(out), options, fault_kill_at=fault_kill_at, version=__version__),
+    actor_cls = ray.remote(num_cpus=1, max_restarts=0)(tiler_cls)
+    pool = ActorPool(lambda: actor_cls.remote(str(out), options, version=__version__),
                      n_actors, depth=2, max_task_retries=max_task_retries, name="tiler").start()
     pixels = 0
     cpu = 0.0
@@ -370,7 +370,7 @@ def _schedule(states: dict[str, _SlideState], queue: deque, rows: dict, out: Pat
 
 
 def _tiles(t: int, r) -> int:
-    return -(-r.w // t) * -(-r.h // t)
+    return -(-r.box.width // t) * -(-r.box.height // t)
 
 
 if __name__ == "__main__":  # pragma: no cover

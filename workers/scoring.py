@@ -12,10 +12,6 @@
 Both catch errors per slide and return them as ``status="error"`` records, so one corrupt store never loses
 the rest of its batch. Both accept the model as a checkpoint dict (``operators.model_io.checkpoint_dict``, what
 the driver ships to actors so they never touch MLflow) or as a local checkpoint path.
-
-Test hook: ``crash_once=(slide_id, marker_path)`` makes the worker kill its own process (``os._exit``) the
-first time it reaches ``slide_id`` (when ``marker_path`` does not exist yet; it is created just before), to
-test that Ray restarts the actor and retries its work.
 """
 
 from __future__ import annotations
@@ -61,18 +57,6 @@ def _describe(exc: BaseException) -> str:
     return text if len(text) < 2000 else text[:2000] + " ..."
 
 
-def _maybe_crash(crash_once: tuple[str, str] | None, slide_id: str) -> None:
-    if crash_once is None or slide_id != crash_once[0]:
-        return
-    marker = Path(crash_once[1])
-    if marker.exists():
-        return
-    marker.parent.mkdir(parents=True, exist_ok=True)
-    marker.write_text(f"pid {os.getpid()} crashed on {slide_id}\n")
-    log.warning("test hook: killing this worker process (pid %d) on slide %s", os.getpid(), slide_id)
-    os._exit(17)
-
-
 def _now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
@@ -96,11 +80,9 @@ class ScorerWorker:
         model: checkpoint dict or local checkpoint path.
         device: ``"cuda"``/``"cpu"``/None (None: CUDA when available).
         threads: torch CPU threads (None: leave as is).
-        crash_once: test hook, see the module docstring.
     """
 
-    def __init__(self, model: Any, *, device: str | None = None, threads: int | None = None,
-                 crash_once: tuple[str, str] | None = None):
+    def __init__(self, model: Any, *, device: str | None = None, threads: int | None = None):
         _set_threads(threads)
         self.model, self.cfg, self.class_names = _load(model)
         if device is None:
@@ -109,7 +91,6 @@ class ScorerWorker:
             raise ValueError(f"device must be 'cuda', 'cuda:N', 'cpu' or None, got {device!r}")
         self.device = torch.device(device)
         self.model.to(self.device).eval()
-        self.crash_once = tuple(crash_once) if crash_once else None
 
     def score_one(self, slide_id: str, store_path: str) -> dict[str, Any]:
         """Score one slide; returns ``{"slide_id", "store", "status": "ok", "scores" float32 [N] (-inf = not a
@@ -118,7 +99,6 @@ class ScorerWorker:
         from workers.patches import lowres_input
         from workers.store import SlideStore
 
-        _maybe_crash(self.crash_once, slide_id)
         t0 = time.perf_counter()
         try:
             store = SlideStore(store_path)
@@ -154,17 +134,15 @@ class ClassifierWorker:
         heatmap_dir: where ``<slide_id>.png`` heatmaps go (None: no heatmaps).
         model_name: recorded in each row's ``model`` field (the URI the driver was given).
         threads: torch CPU threads (None: leave as is).
-        crash_once: test hook, see the module docstring.
     """
 
     def __init__(self, model: Any, *, heatmap_dir: str | Path | None = None, model_name: str = "",
-                 threads: int | None = None, crash_once: tuple[str, str] | None = None):
+                 threads: int | None = None):
         _set_threads(threads)
         self.model, self.cfg, self.class_names = _load(model)
         self.model.to("cpu").eval()
         self.heatmap_dir = Path(heatmap_dir) if heatmap_dir is not None else None
         self.model_name = str(model_name)
-        self.crash_once = tuple(crash_once) if crash_once else None
 
     def _prepare(self, item: Mapping[str, Any]):
         from workers.patches import PatchGrid, PatchReader
@@ -185,7 +163,6 @@ class ClassifierWorker:
         rows: list[dict[str, Any] | None] = [None] * len(items)
         ready = []  # (index, store, grid, pix, positions, coords, t_read)
         for i, item in enumerate(items):
-            _maybe_crash(self.crash_once, item["slide_id"])
             if item.get("status") != "ok":
                 rows[i] = error_row(item["slide_id"], item["store"], item.get("error", "unknown error"),
                                     model=self.model_name, seconds=item.get("seconds", 0.0))
