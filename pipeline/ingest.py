@@ -28,8 +28,9 @@ from typing import Any, Sequence
 from pipeline import __version__
 from pipeline.progress import Progress
 from pipeline.runtime import ActorPool, init_ray, wait_done
-from workers.ingest_inputs import SlideInput, discover_inputs
-from workers.ingest_manifest import merge_manifest
+from pipeline.ingest_inputs import discover_inputs
+from workers.ingest_source import SlideFile
+from pipeline.ingest_manifest import merge_manifest
 from workers.tiler import CODECS, IngestOptions, Tiler
 
 __all__ = ["add_arguments", "run", "ingest", "IngestResult"]
@@ -102,7 +103,7 @@ class _Task:
 
 @dataclass
 class _SlideState:
-    inp: SlideInput
+    inp: SlideFile
     t0: float = field(default_factory=time.perf_counter)
     store_path: str | None = None
     stages: list[list[Any]] = field(default_factory=list)
@@ -206,11 +207,11 @@ def _complete(spath: Path) -> bool:
     return is_complete(spath)
 
 
-def _base_row(inp: SlideInput) -> dict[str, Any]:
+def _base_row(inp: SlideFile) -> dict[str, Any]:
     return {"slide_id": inp.slide_id, "source": inp.source, **inp.carried}
 
 
-def _skipped_row(inp: SlideInput, spath: Path) -> dict[str, Any]:
+def _skipped_row(inp: SlideFile, spath: Path) -> dict[str, Any]:
     from workers.store import SlideStore
 
     row = {**_base_row(inp), "status": "skipped", "error": None, "store": str(spath), "seconds": 0.0}

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from pipeline.cli import main as cli_main
-from workers.ingest_inputs import discover_inputs
-from workers.ingest_manifest import read_manifest
+from pipeline.ingest_inputs import discover_inputs
+from pipeline.ingest_manifest import read_manifest
 from workers.store import SlideStore, is_complete
 from workers.tiler import PROGRESS_DIR, IngestOptions, Tiler
 

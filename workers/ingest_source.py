@@ -16,19 +16,38 @@ from __future__ import annotations
 import hashlib
 import logging
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-__all__ = ["SlideSource", "SourceInfo", "SlideOpenError", "composite_on_white", "file_fingerprint"]
+__all__ = ["SlideFile", "SlideSource", "SourceInfo", "SlideOpenError", "composite_on_white", "file_fingerprint"]
 
 log = logging.getLogger(__name__)
 
 _JPEG = 7
 _DIRECT_COMPRESSIONS = {1, 5, 7, 8, 32946, 50000}  # none, LZW, JPEG, deflate, deflate, zstd
 _DIRECT_VENDORS = {"aperio", "generic-tiff"}
+
+
+@dataclass(frozen=True)
+class SlideFile:
+    """One slide file to ingest (found by ``pipeline.ingest_inputs``; what a tiler actor is given).
+
+    Attributes:
+        slide_id: store name (``<slide_id>.zarr``), see ``pipeline.ingest_inputs.make_slide_id``.
+        path: the file to open (for DICOM: one file of the series; OpenSlide finds the others).
+        source: what the manifest reports as source (the file, or the DICOM folder).
+        carried: extra CSV-manifest columns (e.g. ``label``) carried into the store manifest.
+        files: every file of the slide (several for DICOM).
+    """
+
+    slide_id: str
+    path: str
+    source: str
+    carried: dict[str, Any] = field(default_factory=dict)
+    files: tuple[str, ...] = ()
 
 
 class SlideOpenError(Exception):

@@ -26,6 +26,7 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
+from workers.frames import Box
 from workers.reports import heatmap_image, score_grid, slide_heatmap, write_heatmap
 
 __all__ = ["ROW_FIELDS", "ScorerWorker", "ClassifierWorker", "error_row", "heatmap_image", "write_heatmap"]
@@ -210,7 +211,7 @@ class ClassifierWorker:
         cells = np.asarray(item["cells"], dtype=np.int64)
         cls = int(np.argmax(probs))
         p = self.cfg.patch_size
-        patches = [{"x": int(x), "y": int(y), "w": p, "h": p, "score": float(scores[c])}
+        patches = [{**Box(int(x), int(y), p, p).as_dict(), "score": float(scores[c])}  # level-0 boxes
                    for (x, y), c in zip(coords, cells)]
         heatmap = None
         if self.heatmap_dir is not None:

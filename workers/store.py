@@ -16,9 +16,9 @@ Layout of ``STORE_DIR/<slide_id>.zarr``::
                               (Older stores have a single label level ``0``; readers handle both.)
     foveate_complete.json     completion marker, written last; a store without it is incomplete
 
-Coordinates: everything public is in level-0 pixels, ``(x, y)`` and ``(width, height)`` as
-OpenSlide uses them. Arrays are channel-first ``(c, y, x)`` as NGFF requires; :meth:`SlideStore.read_region`
-returns channel-last ``(h, w, 3)`` uint8 like a PIL image.
+Coordinates: everything public is in level-0 pixels (the frames are defined once, in :mod:`workers.frames`).
+Arrays are channel-first ``(c, y, x)`` as NGFF requires; :meth:`SlideStore.read_region` returns channel-last
+``(h, w, 3)`` uint8 like a PIL image.
 """
 
 from __future__ import annotations

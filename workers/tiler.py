@@ -27,10 +27,9 @@ from typing import Any
 
 import numpy as np
 
-from workers.ingest_inputs import SlideInput
 from workers.chunks import ChunkWriter, level_codec_kwargs, write_json_atomic
 from workers.frames import Box
-from workers.ingest_source import SlideOpenError, SlideSource, SourceInfo
+from workers.ingest_source import SlideFile, SlideOpenError, SlideSource, SourceInfo
 from workers.pyramid import Reducer, Region, SlidePlan, plan_levels, plan_stages
 from workers.store import COMPLETE_MARKER, installed_version, mark_complete, register_codecs, write_store_metadata
 
@@ -143,7 +142,7 @@ class Tiler:
     def store_path(self, slide_id: str) -> Path:
         return self.store_dir / f"{slide_id}.zarr"
 
-    def plan(self, slide: SlideInput, *, overwrite: bool = False) -> SlidePlan:
+    def plan(self, slide: SlideFile, *, overwrite: bool = False) -> SlidePlan:
         """Open the slide, create (or reopen, to resume) its store and return the regions still to do.
 
         Raises:
@@ -364,7 +363,7 @@ class Tiler:
                 "cpu_seconds": time.process_time() - c0}
 
     # ------------------------------------------------------------------ convenience
-    def ingest_slide(self, slide: SlideInput, *, overwrite: bool = False) -> dict[str, Any]:
+    def ingest_slide(self, slide: SlideFile, *, overwrite: bool = False) -> dict[str, Any]:
         """Whole slide in this process (no Ray): plan, every region in stage order, finalize."""
         plan = self.plan(slide, overwrite=overwrite)
         for st in plan.todo:
