@@ -15,7 +15,8 @@ import yaml
 
 from operators.config import ConfigError, from_dict, to_dict
 
-__all__ = ["ConfigError", "from_dict", "to_dict", "load_config", "apply_overrides", "parse_override"]
+__all__ = ["ConfigError", "from_dict", "to_dict", "load_config", "apply_overrides", "parse_override",
+           "add_config_arguments", "config_from_cli"]
 
 T = TypeVar("T")
 
@@ -51,7 +52,28 @@ def apply_overrides(data: dict[str, Any], overrides: list[str] | tuple[str, ...]
 
 def load_config(cls: type[T], path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> T:
     """Read YAML at ``path`` (or start empty), apply overrides, build ``cls``."""
+    return config_from_cli(cls, _Args(path, list(overrides)))
+
+
+class _Args:
+    def __init__(self, config: str | Path | None, overrides: list[str]):
+        self.config, self.overrides = config, overrides
+
+
+# ---------------------------------------------------------------------------------------------- command lines
+def add_config_arguments(parser: Any, example: str) -> None:
+    """``--config FILE.yaml`` and repeatable ``--set key=value`` (every command that has a config dataclass)."""
+    parser.add_argument("--config", help="YAML config (keys as in the command's config dataclass; see configs/)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help=f"override a config value, e.g. --set {example} (repeatable)")
+
+
+def config_from_cli(cls: type[T], args: Any, flags: dict[str, str] | None = None) -> T:
+    """Build ``cls`` from the command line: the ``--config`` YAML, then ``--set`` overrides, then the flags given
+    explicitly (``flags`` maps a config key, dotted for nested sections, to the argparse attribute holding it;
+    an attribute that is None was not given and leaves the key alone)."""
     data: dict[str, Any] = {}
+    path = getattr(args, "config", None)
     if path is not None:
         p = Path(path)
         if not p.is_file():
@@ -60,4 +82,14 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: list[st
         if not isinstance(loaded, dict):
             raise ConfigError(f"{p}: expected a YAML mapping at the top level, got {type(loaded).__name__}")
         data = loaded
-    return from_dict(cls, apply_overrides(data, overrides))
+    data = apply_overrides(data, list(getattr(args, "overrides", None) or ()))
+    for key, attr in (flags or {}).items():
+        value = getattr(args, attr, None)
+        if value is None:
+            continue
+        node = data
+        *parents, last = key.split(".")
+        for k in parents:
+            node = node.setdefault(k, {})
+        node[last] = list(value) if isinstance(value, tuple) else value
+    return from_dict(cls, data)

@@ -25,7 +25,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
+from operators.errors import ConfigError
 from pipeline import __version__
+from pipeline.config import add_config_arguments, config_from_cli
 from pipeline.progress import Progress
 from pipeline.runtime import ActorPool, init_ray, wait_done
 from pipeline.ingest_inputs import discover_inputs
@@ -33,41 +35,85 @@ from workers.ingest_source import SlideFile
 from pipeline.ingest_manifest import merge_manifest
 from workers.tiler import CODECS, IngestOptions, Tiler
 
-__all__ = ["add_arguments", "run", "ingest", "IngestResult"]
+__all__ = ["add_arguments", "run", "ingest", "IngestConfig", "IngestResult"]
 
 log = logging.getLogger(__name__)
 
+@dataclass(frozen=True)
+class IngestConfig:
+    """Everything ``foveate ingest`` needs (``--config`` YAML / ``--set`` keys; the flags map onto them).
+
+    Attributes:
+        inputs: slide files, directories (searched recursively) or CSV manifests with a ``path`` column.
+        out: folder for ``<slide_id>.zarr`` stores and the manifest.
+        workers: tiler actors (None: the CPUs of the Ray cluster).
+        address: Ray cluster to join (None: in-process Ray, see ``pipeline.runtime.init_ray``).
+        overwrite: redo slides whose store is already complete.
+        max_task_retries: how often a task whose actor died is retried on a fresh actor.
+        options: how stores are written (:class:`workers.tiler.IngestOptions`).
+    """
+
+    inputs: tuple[str, ...] = ()
+    out: str = ""
+    workers: int | None = None
+    address: str | None = None
+    overwrite: bool = False
+    max_task_retries: int = 2
+    options: IngestOptions = field(default_factory=IngestOptions)
+
+    def __post_init__(self) -> None:
+        if not self.inputs:
+            raise ConfigError("inputs: name at least one slide file, directory or CSV manifest")
+        if not self.out:
+            raise ConfigError("out: the store folder is required (--out)")
+        if self.workers is not None and (isinstance(self.workers, bool) or self.workers < 1):
+            raise ConfigError(f"workers: got {self.workers!r}, must be a positive integer")
+        if self.max_task_retries < 0:
+            raise ConfigError(f"max_task_retries: got {self.max_task_retries!r}, must be >= 0")
+
+
+# CLI flag (argparse attribute) -> config key; flags not given leave the config's value
+_FLAGS = {"inputs": "inputs", "out": "out", "workers": "workers", "address": "address", "overwrite": "overwrite",
+          "options.tile_size": "tile_size", "options.codec": "codec", "options.jpeg_quality": "jpeg_quality",
+          "options.zstd_level": "zstd_level", "options.threads": "threads", "options.mpp": "mpp",
+          "options.min_size": "min_size", "options.region_tiles": "region_tiles",
+          "options.passthrough": "passthrough", "options.direct": "direct"}
+
+
 def add_arguments(p) -> None:
-    p.add_argument("inputs", nargs="+", metavar="INPUT",
+    p.add_argument("inputs", nargs="*", metavar="INPUT", default=None,
                    help="slide files, directories (searched recursively) or CSV manifests with a 'path' column")
-    p.add_argument("--out", required=True, metavar="STORE_DIR", help="folder for <slide_id>.zarr stores and the manifest")
+    p.add_argument("--out", metavar="STORE_DIR", help="folder for <slide_id>.zarr stores and the manifest (required)")
     p.add_argument("--workers", type=int, default=None, help="tiler actors (default: CPUs of the Ray cluster)")
     p.add_argument("--address", default=None,
                    help="Ray cluster to join ('auto' or host:port); default: start an in-process local Ray")
-    p.add_argument("--tile-size", type=int, default=256, help="chunk / tile side in pixels (default 256)")
-    p.add_argument("--codec", choices=CODECS, default="zstd",
+    p.add_argument("--tile-size", type=int, help="chunk / tile side in pixels (default 256)")
+    p.add_argument("--codec", choices=CODECS,
                    help="zstd: lossless (default); jpeg: one RGB JPEG per chunk, copying aligned source JPEG tiles as-is")
-    p.add_argument("--jpeg-quality", type=int, default=90, help="quality of JPEGs foveate encodes (default 90)")
-    p.add_argument("--zstd-level", type=int, default=1,
+    p.add_argument("--jpeg-quality", type=int, help="quality of JPEGs foveate encodes (default 90)")
+    p.add_argument("--zstd-level", type=int,
                    help="zstd level (default 1); negative levels (-1 ... -131072) are faster, with larger stores")
-    p.add_argument("--threads", type=int, default=1,
+    p.add_argument("--threads", type=int,
                    help="threads per tiler actor for JPEG decoding, zstd and reductions (default 1; each actor "
                         "still reserves one Ray CPU, so use >1 only when workers < CPUs)")
     p.add_argument("--mpp", type=float, default=None,
                    help="resample level 0 to this many microns per pixel (slides without mpp metadata then fail)")
-    p.add_argument("--min-size", type=int, default=1024, help="stop the pyramid at a level whose longer side is <= this")
-    p.add_argument("--region-tiles", type=int, default=8, help="regions are blocks of N x N chunks (power of two, default 8)")
-    p.add_argument("--no-passthrough", action="store_true", help="with --codec jpeg: always decode and re-encode")
-    p.add_argument("--no-direct", action="store_true", help="always read through OpenSlide read_region")
-    p.add_argument("--overwrite", action="store_true", help="redo slides whose store is already complete")
+    p.add_argument("--min-size", type=int, help="stop the pyramid at a level whose longer side is <= this (default 1024)")
+    p.add_argument("--region-tiles", type=int, help="regions are blocks of N x N chunks (power of two, default 8)")
+    p.add_argument("--no-passthrough", dest="passthrough", action="store_false", default=None,
+                   help="with --codec jpeg: always decode and re-encode")
+    p.add_argument("--no-direct", dest="direct", action="store_false", default=None,
+                   help="always read through OpenSlide read_region")
+    p.add_argument("--overwrite", action="store_true", default=None, help="redo slides whose store is already complete")
+    add_config_arguments(p, "options.codec=jpeg")
 
 
 def run(args) -> int:
-    opts = IngestOptions(tile_size=args.tile_size, codec=args.codec, jpeg_quality=args.jpeg_quality,
-                         zstd_level=args.zstd_level, mpp=args.mpp, min_size=args.min_size,
-                         region_tiles=args.region_tiles, passthrough=not args.no_passthrough, direct=not args.no_direct,
-                         threads=args.threads)
-    res = ingest(args.inputs, args.out, options=opts, workers=args.workers, address=args.address, overwrite=args.overwrite)
+    if not args.inputs:
+        args.inputs = None  # nargs="*" gives [] when none are given: leave the config's inputs
+    cfg = config_from_cli(IngestConfig, args, _FLAGS)
+    res = ingest(cfg.inputs, cfg.out, options=cfg.options, workers=cfg.workers, address=cfg.address,
+                 overwrite=cfg.overwrite, max_task_retries=cfg.max_task_retries)
     print(res.summary())
     return 1 if res.failed else 0
 
@@ -161,10 +207,8 @@ def ingest(inputs: Sequence[str | Path], out: str | Path, *, options: IngestOpti
     import ray
 
     options = options or IngestOptions()
-    if workers is not None and (not isinstance(workers, int) or workers < 1):
-        raise ValueError(f"workers must be a positive int, got {workers!r}")
-    if not inputs:
-        raise ValueError("inputs must name at least one file, directory or CSV manifest, got none")
+    IngestConfig(tuple(str(i) for i in inputs), str(out), workers=workers, address=address, overwrite=overwrite,
+                 max_task_retries=max_task_retries, options=options)  # validates
     t_start = time.perf_counter()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

@@ -34,18 +34,21 @@ and the predictions file as an artifact.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from operators.errors import ConfigError
+from pipeline.config import add_config_arguments, config_from_cli
 from pipeline.predictions import PredictionWriter, list_stores, read_predictions
 from pipeline.runtime import init_ray
 from pipeline.score_stages import run_stages
 from pipeline.tracking import resolve_tracking_uri
 
-__all__ = ["ScoreResult", "list_stores", "read_predictions", "PredictionWriter", "score", "add_arguments", "run"]
+__all__ = ["ScoreConfig", "ScoreResult", "list_stores", "read_predictions", "PredictionWriter", "score", "add_arguments", "run"]
 
 log = logging.getLogger(__name__)
 
@@ -78,9 +81,45 @@ class ScoreResult:
 
 
 # ---------------------------------------------------------------------------------------------- the job
-def _check_int(name: str, value: Any, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+@dataclass(frozen=True)
+class ScoreConfig:
+    """Everything ``foveate score`` needs (``--config`` YAML / ``--set`` keys; the flags map onto them; see
+    :func:`score` for each field). Validates itself (``ConfigError``)."""
+
+    model: str
+    stores: str
+    out: str
+    workers: int | None = None
+    scorer_workers: int | None = None
+    address: str | None = None
+    batch_size: int = 4
+    max_in_flight: int = 2
+    heatmaps: bool = True
+    experiment: str | None = "foveate-score"
+    tracking_uri: str | None = None
+    max_restarts: int = 3
+    max_task_retries: int = 3
+    flush_every_s: float = 2.0
+    num_cpus: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model:
+            raise ConfigError(f"--model must be an MLflow model URI or a checkpoint path, got {self.model!r}")
+        for name, value, minimum in (("--workers", self.workers, 1), ("--scorer-workers", self.scorer_workers, 1),
+                                     ("--batch-size", self.batch_size, 1), ("--max-in-flight", self.max_in_flight, 1),
+                                     ("max_restarts", self.max_restarts, 0),
+                                     ("max_task_retries", self.max_task_retries, 0), ("num_cpus", self.num_cpus, 1)):
+            if value is None and name in ("--workers", "--scorer-workers", "num_cpus"):
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise ConfigError(f"{name} must be an integer >= {minimum}, got {value!r}")
+        if not str(self.out).endswith(".parquet"):
+            raise ConfigError(f"--out must be a .parquet file, got {self.out!r}")
+
+
+# CLI flag (argparse attribute) -> config key
+_FLAGS = {k: k for k in ("model", "stores", "out", "workers", "scorer_workers", "address", "batch_size",
+                         "max_in_flight", "heatmaps", "experiment", "tracking_uri")}
 
 
 def score(model: str, stores: str | Path, out: str | Path, *, workers: int | None = None,
@@ -113,19 +152,12 @@ def score(model: str, stores: str | Path, out: str | Path, *, workers: int | Non
     """
     from pipeline.progress import Progress
 
-    if not isinstance(model, (str, Path)) or not str(model):
-        raise ValueError(f"--model must be an MLflow model URI or a checkpoint path, got {model!r}")
-    if workers is not None:
-        _check_int("--workers", workers, 1)
-    if scorer_workers is not None:
-        _check_int("--scorer-workers", scorer_workers, 1)
-    _check_int("--batch-size", batch_size, 1)
-    _check_int("--max-in-flight", max_in_flight, 1)
-    _check_int("max_restarts", max_restarts, 0)
-    _check_int("max_task_retries", max_task_retries, 0)
+    ScoreConfig(model=str(model) if isinstance(model, (str, Path)) else model, stores=str(stores), out=str(out),
+                workers=workers, scorer_workers=scorer_workers, address=address, batch_size=batch_size,
+                max_in_flight=max_in_flight, heatmaps=heatmaps, experiment=experiment, tracking_uri=tracking_uri,
+                max_restarts=max_restarts, max_task_retries=max_task_retries, flush_every_s=flush_every_s,
+                num_cpus=num_cpus)  # validates
     out = Path(out).expanduser().resolve()
-    if out.suffix != ".parquet":
-        raise ValueError(f"--out must be a .parquet file, got {str(out)!r}")
     t0 = time.perf_counter()
     all_stores = list_stores(stores)
     if not all_stores:
@@ -206,11 +238,11 @@ def score(model: str, stores: str | Path, out: str | Path, *, workers: int | Non
 
 # ---------------------------------------------------------------------------------------------- CLI
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True,
+    parser.add_argument("--model",
                         help="MLflow model URI (runs:/<run_id>, runs:/<run_id>/model, models:/<name>/<version>) or a "
-                             "local checkpoint (.pt) / MLflow model directory")
-    parser.add_argument("--stores", required=True, help="folder of <slide_id>.zarr stores (foveate ingest's STORE_DIR)")
-    parser.add_argument("--out", required=True, help="predictions file (.parquet); an existing one is resumed")
+                             "local checkpoint (.pt) / MLflow model directory (required)")
+    parser.add_argument("--stores", help="folder of <slide_id>.zarr stores (foveate ingest's STORE_DIR; required)")
+    parser.add_argument("--out", help="predictions file (.parquet); an existing one is resumed (required)")
     parser.add_argument("--workers", type=int, default=None,
                         help="CPU actors reading patches + features + aggregation (default: the cluster's CPUs not "
                              "used by CPU scorers, at least 1)")
@@ -218,19 +250,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="scorer actors (default: one per GPU of the cluster, else 1 on CPU)")
     parser.add_argument("--address", default=None, help="Ray address (default: RAY_ADDRESS / the job's cluster, else "
                                                         "an in-process Ray)")
-    parser.add_argument("--batch-size", type=int, default=4, help="slides per actor call (default 4)")
-    parser.add_argument("--max-in-flight", type=int, default=2, help="queued calls per actor (default 2)")
-    parser.add_argument("--no-heatmaps", action="store_true", help="do not write heatmap PNGs")
-    parser.add_argument("--experiment", default="foveate-score", help="MLflow experiment of the scoring run")
+    parser.add_argument("--batch-size", type=int, default=None, help="slides per actor call (default 4)")
+    parser.add_argument("--max-in-flight", type=int, default=None, help="queued calls per actor (default 2)")
+    parser.add_argument("--no-heatmaps", dest="heatmaps", action="store_false", default=None,
+                        help="do not write heatmap PNGs")
+    parser.add_argument("--experiment", default=None, help="MLflow experiment of the scoring run (default foveate-score)")
     parser.add_argument("--no-mlflow", action="store_true", help="do not log an MLflow run")
     parser.add_argument("--tracking-uri", default=None,
                         help="MLflow tracking URI (default $MLFLOW_TRACKING_URI, else sqlite:///<out dir>/mlflow.db)")
+    add_config_arguments(parser, "batch_size=8")
 
 
 def run(args: argparse.Namespace) -> int:
-    res = score(args.model, args.stores, args.out, workers=args.workers, scorer_workers=args.scorer_workers,
-                address=args.address, batch_size=args.batch_size, max_in_flight=args.max_in_flight,
-                heatmaps=not args.no_heatmaps, experiment=None if args.no_mlflow else args.experiment,
-                tracking_uri=args.tracking_uri)
+    cfg = config_from_cli(ScoreConfig, args, _FLAGS)
+    if args.no_mlflow:
+        cfg = dataclasses.replace(cfg, experiment=None)
+    res = score(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)})
     print(res.summary())
     return 0

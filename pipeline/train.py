@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from pipeline.config import load_config, to_dict
+from pipeline.config import add_config_arguments, config_from_cli, to_dict
 from pipeline.data import SlideRecord, build_slide_table, split_train_val
 from pipeline.train_config import OptimConfig, ScheduleConfig, TrackingConfig, TrainConfig
 from pipeline.train_loop import MODEL_FILE, WORKER_STATE, train_loop_per_worker
@@ -315,19 +315,18 @@ def _log_val_artifacts(model, model_cfg, records: list[SlideRecord], class_names
 
 # ---------------------------------------------------------------------------------------------- CLI
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", help="YAML config (sections data/model/optim/schedule/tracking; see configs/)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a config value, e.g. --set optim.epochs=2 --set model.k=8 (repeatable)")
-    parser.add_argument("--workers", type=int, default=None, help="Ray Train workers (overrides config.workers)")
+    add_config_arguments(parser, "optim.epochs=2 --set model.k=8")
+    parser.add_argument("--workers", type=int, default=None, help="Ray Train workers (config key workers)")
     parser.add_argument("--resume", action="store_true",
                         help="continue the run tracking.run_name (default: the latest) from its last checkpoint")
     parser.add_argument("--address", default=None,
                         help="Ray cluster to join: auto, ray://HOST:10001 or HOST:PORT (default: in-process Ray)")
-    parser.add_argument("--workdir", default=None, help="run dirs and the default sqlite tracking store (config.workdir)")
+    parser.add_argument("--workdir", default=None,
+                        help="run dirs and the default sqlite tracking store (config key workdir)")
 
 
 def run(args: argparse.Namespace) -> int:
-    config = load_config(TrainConfig, args.config, args.overrides)
-    result = train(config, resume=args.resume, address=args.address, workers=args.workers, workdir=args.workdir)
+    config = config_from_cli(TrainConfig, args, {"workers": "workers", "workdir": "workdir"})
+    result = train(config, resume=args.resume, address=args.address)
     print(result.summary(), file=sys.stdout, flush=True)
     return 0

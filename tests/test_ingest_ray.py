@@ -15,19 +15,8 @@ from pipeline.ingest_manifest import read_manifest
 from workers.store import SlideStore, is_complete
 from workers.tiler import PROGRESS_DIR, IngestOptions, Tiler
 
-pytestmark = pytest.mark.cluster
 
 
-@pytest.fixture(scope="module")
-def ray_local():
-    import ray
-
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    repo = str(Path(__file__).resolve().parents[1])
-    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=80 * 1024**2, configure_logging=False,
-             runtime_env={"env_vars": {"PYTHONPATH": repo, "OMP_NUM_THREADS": "1"}})
-    yield
-    ray.shutdown()
 
 
 @pytest.fixture(scope="module")

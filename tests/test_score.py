@@ -69,13 +69,6 @@ def data(tmp_path_factory):
     return {"root": root, "stores": stores, "ckpt": ckpt, "model": model}
 
 
-@pytest.fixture(scope="module")
-def ray_local():
-    import ray
-
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 def _reference(model, store_path):

@@ -73,14 +73,6 @@ def slides(tmp_path_factory) -> tuple[Path, Path]:
     return root, labels
 
 
-@pytest.fixture(scope="module")
-def ray_local():
-    import ray
-
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 def _config_file(tmp_path: Path, slides, name: str = "tiny.yaml") -> Path:

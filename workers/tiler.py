@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from operators.errors import ConfigError
 from workers.chunks import ChunkWriter, level_codec_kwargs, write_json_atomic
 from workers.frames import Box
 from workers.ingest_source import SlideFile, SlideOpenError, SlideSource, SourceInfo
@@ -45,7 +46,8 @@ ZSTD_MIN_LEVEL = -131072  # zstd's fastest ("negative") level; any level decodes
 
 @dataclass(frozen=True)
 class IngestOptions:
-    """Options of one ingest run (see ``foveate ingest --help``)."""
+    """How a tiler writes stores (``foveate ingest`` flags / the ``options`` section of its config; validated
+    here, raising ``ConfigError``)."""
 
     tile_size: int = 256
     codec: str = "zstd"  # "zstd" (lossless) or "jpeg"
@@ -60,21 +62,21 @@ class IngestOptions:
 
     def __post_init__(self) -> None:
         if self.tile_size < 16 or self.tile_size % 16:
-            raise ValueError(f"tile_size must be a multiple of 16 and >= 16, got {self.tile_size!r}")
+            raise ConfigError(f"tile_size must be a multiple of 16 and >= 16, got {self.tile_size!r}")
         if self.codec not in CODECS:
-            raise ValueError(f"codec must be one of {CODECS}, got {self.codec!r}")
+            raise ConfigError(f"codec must be one of {CODECS}, got {self.codec!r}")
         if not (1 <= self.jpeg_quality <= 100):
-            raise ValueError(f"jpeg_quality must be in [1, 100], got {self.jpeg_quality!r}")
+            raise ConfigError(f"jpeg_quality must be in [1, 100], got {self.jpeg_quality!r}")
         if not (ZSTD_MIN_LEVEL <= self.zstd_level <= 22) or self.zstd_level == 0:
-            raise ValueError(f"zstd_level must be in [{ZSTD_MIN_LEVEL}, -1] (fast levels) or [1, 22], got {self.zstd_level!r}")
+            raise ConfigError(f"zstd_level must be in [{ZSTD_MIN_LEVEL}, -1] (fast levels) or [1, 22], got {self.zstd_level!r}")
         if self.mpp is not None and not (self.mpp > 0):
-            raise ValueError(f"mpp must be > 0 microns per pixel, got {self.mpp!r}")
+            raise ConfigError(f"mpp must be > 0 microns per pixel, got {self.mpp!r}")
         if self.min_size < 16:
-            raise ValueError(f"min_size must be >= 16, got {self.min_size!r}")
+            raise ConfigError(f"min_size must be >= 16, got {self.min_size!r}")
         if not isinstance(self.threads, int) or not (1 <= self.threads <= 64):
-            raise ValueError(f"threads must be an int in [1, 64], got {self.threads!r}")
+            raise ConfigError(f"threads must be an int in [1, 64], got {self.threads!r}")
         if self.region_tiles < 1 or self.region_tiles & (self.region_tiles - 1):
-            raise ValueError(f"region_tiles must be a power of two >= 1, got {self.region_tiles!r}")
+            raise ConfigError(f"region_tiles must be a power of two >= 1, got {self.region_tiles!r}")
 
 
 class Tiler:
