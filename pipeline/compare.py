@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import logging
 import math
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any

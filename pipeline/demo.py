@@ -139,9 +139,9 @@ def run(args: argparse.Namespace) -> int:
         f"  model           {s['model_uri']}",
         f"  predictions     {s['predictions']}  ({s['slides_scored']} slides; accuracy over all slides "
         f"{s['score_accuracy_all_slides']:.2f}, train and validation together)",
-        f"  validation      " + (", ".join(f"{k}={v:.3f}" for k, v in sorted(s["val_metrics"].items())) or "n/a"),
+        "  validation      " + (", ".join(f"{k}={v:.3f}" for k, v in sorted(s["val_metrics"].items())) or "n/a"),
         f"  comparison      {s['compare']}",
-        f"  seconds         " + ", ".join(f"{k} {v}" for k, v in s["seconds"].items()),
+        "  seconds         " + ", ".join(f"{k} {v}" for k, v in s["seconds"].items()),
         "",
         "Look at it:",
         f"  .venv/bin/mlflow ui --backend-store-uri {backend} --host 127.0.0.1 --port 5000",

@@ -21,18 +21,19 @@ import shutil
 import sys
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from operators.errors import ConfigError
 from pipeline import __version__
 from pipeline.config import add_config_arguments, config_from_cli
+from pipeline.ingest_inputs import discover_inputs
+from pipeline.ingest_manifest import merge_manifest
 from pipeline.progress import Progress
 from pipeline.runtime import ActorPool, init_ray, wait_done
-from pipeline.ingest_inputs import discover_inputs
 from workers.ingest_source import SlideFile
-from pipeline.ingest_manifest import merge_manifest
 from workers.tiler import CODECS, IngestOptions, Tiler
 
 __all__ = ["add_arguments", "run", "ingest", "IngestConfig", "IngestResult"]
@@ -265,7 +266,7 @@ def _skipped_row(inp: SlideFile, spath: Path) -> dict[str, Any]:
         row.update(width=m.level0_size[0], height=m.level0_size[1], mpp=m.mpp[0] if m.mpp else None,
                    mpp_missing=m.mpp is None, tissue_fraction=m.tissue_fraction, vendor=m.vendor, codec=m.codec,
                    levels=len(m.downsamples))
-    except Exception as exc:  # noqa: BLE001 - a skipped row without details is still a row
+    except Exception as exc:
         log.warning("%s: complete store but unreadable metadata: %s", spath, exc)
     return row
 

@@ -13,8 +13,9 @@ import csv
 import hashlib
 import logging
 import re
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from workers.ingest_source import SlideFile
 
@@ -48,7 +49,7 @@ def _dicom_series_key(path: Path) -> str:
 
         with openslide.OpenSlide(str(path)) as s:
             return s.properties.get("dicom.SeriesInstanceUID") or s.properties.get("openslide.quickhash-1", "")
-    except Exception:  # noqa: BLE001 - an unopenable file becomes its own (failing) slide
+    except Exception:
         return ""
 
 

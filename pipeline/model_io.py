@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import logging
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 
@@ -143,7 +144,7 @@ def load_model(uri: str | Path, *, map_location: str | torch.device = "cpu", tra
         for i, cand in enumerate(candidates):
             try:
                 path = Path(mlflow.artifacts.download_artifacts(artifact_uri=cand, dst_path=str(Path(tmp) / str(i))))
-            except Exception as exc:  # noqa: BLE001 - report all candidates below
+            except Exception as exc:
                 errors.append(f"{cand}: {exc}")
                 continue
             ckpt = find_checkpoint(path)

@@ -54,7 +54,7 @@ def read_predictions(path: str | Path) -> list[dict[str, Any]]:
         return []
     try:
         table = pq.read_table(path)
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         raise ValueError(f"--out {str(path)!r} exists but is not a readable predictions file ({exc}); move it away "
                          f"or choose another --out") from exc
     if "slide_id" not in table.column_names or "status" not in table.column_names:

@@ -58,7 +58,7 @@ class Done:
     ``value`` or its ``error``. ``actor_died``: the actor was lost (``RayActorError``); then ``retry`` says
     whether the task has attempts left (``max_task_retries``)."""
 
-    pool: "ActorPool"
+    pool: ActorPool
     index: int
     task: Any
     value: Any = None
@@ -93,7 +93,7 @@ class ActorPool:
     _in_flight: dict[Any, tuple[int, Any, Any]] = field(default_factory=dict)
     _attempts: dict[int, int] = field(default_factory=dict)
 
-    def start(self) -> "ActorPool":
+    def start(self) -> ActorPool:
         self.actors = [self.make() for _ in range(self.size)]
         self.load = [0] * self.size
         self.last_task = [None] * self.size
@@ -132,7 +132,7 @@ class ActorPool:
             raise RuntimeError(f"{self.name} actors keep dying ({self.replaced} replaced); see the Ray logs")
         try:
             ray.kill(self.actors[i], no_restart=True)
-        except Exception:  # noqa: BLE001 - already gone
+        except Exception:
             pass
         self.actors[i] = self.make()
         self.load[i] = 0
@@ -153,7 +153,7 @@ class ActorPool:
                 self.replace(i)
             n = self._attempts[id(task)] = self._attempts.get(id(task), 0) + 1
             return Done(self, i, task, error=exc, actor_died=True, retry=n <= self.max_task_retries)
-        except Exception as exc:  # noqa: BLE001 - the caller decides (RayTaskError, GetTimeoutError, ...)
+        except Exception as exc:
             return Done(self, i, task, error=exc)
 
     def attempts(self, task: Any) -> int:
@@ -166,7 +166,7 @@ class ActorPool:
         for a in self.actors:
             try:
                 ray.kill(a, no_restart=True)
-            except Exception:  # noqa: BLE001
+            except Exception:
                 pass
 
 

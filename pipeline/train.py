@@ -28,7 +28,6 @@ import argparse
 import dataclasses
 import json
 import logging
-import os
 import sys
 import tempfile
 import time
@@ -42,7 +41,7 @@ import torch
 from pipeline.config import add_config_arguments, config_from_cli, to_dict
 from pipeline.data import SlideRecord, build_slide_table, split_train_val
 from pipeline.train_config import OptimConfig, ScheduleConfig, TrackingConfig, TrainConfig
-from pipeline.train_loop import MODEL_FILE, WORKER_STATE, train_loop_per_worker
+from pipeline.train_loop import MODEL_FILE, train_loop_per_worker
 from workers.metrics import classification_metrics, roc_auc
 from workers.reports import plot_gallery, plot_heatmap
 from workers.trainer import lr_factor, sigma_at

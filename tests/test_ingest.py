@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import zarr
 
-from workers.codecs import JpegRGBCodec, decode_jpeg_chunk, encode_jpeg_chunk, merge_jpeg_tables
 from pipeline.ingest_inputs import discover_inputs, make_slide_id
+from workers.codecs import JpegRGBCodec, decode_jpeg_chunk, encode_jpeg_chunk, merge_jpeg_tables
 from workers.ingest_source import SlideOpenError, SlideSource, composite_on_white
 from workers.store import SlideStore, is_complete
 from workers.tiler import PROGRESS_DIR, IngestOptions, Tiler

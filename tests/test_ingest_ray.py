@@ -16,9 +16,6 @@ from workers.store import SlideStore, is_complete
 from workers.tiler import PROGRESS_DIR, IngestOptions, Tiler
 
 
-
-
-
 @pytest.fixture(scope="module")
 def synth_svs(tmp_path_factory):
     from workers.synth import write_synthetic_slide

@@ -39,7 +39,7 @@ def _free_ports(n: int) -> list[int]:
 
 def _run(cmd: list[str], env: dict[str, str], timeout: float, what: str) -> str:
     t0 = time.monotonic()
-    for attempt in range(2):
+    for _attempt in range(2):
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
         out = proc.stdout + proc.stderr
         # Ray hashes the working dir twice (upload, then the job's runtime_env); a file edited in between (a

@@ -55,7 +55,7 @@ class Box(NamedTuple):
     def bottom(self) -> int:
         return self.y + self.height
 
-    def halved(self) -> "Box":
+    def halved(self) -> Box:
         """The same area one 2x level down (origin floored, size rounded up)."""
         return Box(self.x // 2, self.y // 2, -(-self.width // 2), -(-self.height // 2))
 

@@ -111,7 +111,7 @@ class SlideSource:
 
     # ------------------------------------------------------------------ opening
     @classmethod
-    def open(cls, path: str | Path, *, files: tuple[str, ...] | None = None, allow_direct: bool = True) -> "SlideSource":
+    def open(cls, path: str | Path, *, files: tuple[str, ...] | None = None, allow_direct: bool = True) -> SlideSource:
         """Open ``path``; raises :class:`SlideOpenError` with a one-line reason for any bad input."""
         path = str(path)
         p = Path(path)
@@ -127,7 +127,7 @@ class SlideSource:
             osr = openslide.OpenSlide(path)
         except openslide.OpenSlideUnsupportedFormatError as exc:
             raise SlideOpenError(f"not a slide OpenSlide can open (unsupported format, truncated or not an image): {path}") from exc
-        except Exception as exc:  # noqa: BLE001 - OpenSlideError and friends
+        except Exception as exc:
             raise SlideOpenError(f"OpenSlide cannot open {path}: {_one_line(exc)}") from exc
         try:
             props = dict(osr.properties)
@@ -159,7 +159,7 @@ class SlideSource:
         except SlideOpenError:
             osr.close()
             raise
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             osr.close()
             raise SlideOpenError(f"cannot read {path}: {_one_line(exc)}") from exc
 
@@ -283,7 +283,7 @@ class SlideSource:
         x, y = (W - w) // 2, (H - h) // 2
         try:
             a = self._read_direct(0, x, y, w, h)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             log.debug("direct read failed: %s", exc)
             return False
         b = self.read_openslide(x, y, w, h)
@@ -297,7 +297,7 @@ def _direct_pages(path: str, osr: Any) -> tuple[Any, dict[int, Any], list]:
     jpeg_levels: list = [None] * osr.level_count
     try:
         tiff = tifffile.TiffFile(path)
-    except Exception:  # noqa: BLE001
+    except Exception:
         return None, {}, jpeg_levels
     pages: dict[int, Any] = {}
     try:
@@ -314,7 +314,7 @@ def _direct_pages(path: str, osr: Any) -> tuple[Any, dict[int, Any], list]:
             pages[lvl] = p
             if p.compression == _JPEG:
                 jpeg_levels[lvl] = (p.tilewidth, p.tilelength, "rgb" if p.photometric == 2 else "ycbcr")
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         log.debug("tifffile could not index %s: %s", path, exc)
         tiff.close()
         return None, {}, [None] * osr.level_count

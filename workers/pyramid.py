@@ -122,7 +122,7 @@ class Region:
         return d
 
     @classmethod
-    def from_json(cls, d: dict[str, Any]) -> "Region":
+    def from_json(cls, d: dict[str, Any]) -> Region:
         return cls(**{**d, "box": Box(*d["box"]), "out_levels": tuple(d["out_levels"])})
 
 
@@ -159,7 +159,7 @@ class SlidePlan:
         return d
 
     @classmethod
-    def from_json(cls, d: dict[str, Any]) -> "SlidePlan":
+    def from_json(cls, d: dict[str, Any]) -> SlidePlan:
         d = dict(d)
         d["stages"] = [[Region.from_json(r) for r in st] for st in d["stages"]]
         d["level_shapes"] = [tuple(s) for s in d["level_shapes"]]

@@ -17,11 +17,11 @@ the driver ships to actors so they never touch MLflow) or as a local checkpoint 
 from __future__ import annotations
 
 import logging
-import os
 import time
 import traceback
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 import torch
@@ -113,7 +113,7 @@ class ScorerWorker:
                     "scores": scores[0].float().cpu().numpy(), "grid_shape": tuple(int(g) for g in cell_mask.shape),
                     "cells": cells, "slot_weights": slot_w, "seconds": time.perf_counter() - t0,
                     "device": str(self.device)}
-        except Exception as exc:  # noqa: BLE001 - one bad slide must not take the batch down
+        except Exception as exc:
             log.warning("scoring %s failed: %s", slide_id, _describe(exc))
             log.debug("%s", traceback.format_exc())
             return {"slide_id": slide_id, "store": str(store_path), "status": "error",
@@ -171,7 +171,7 @@ class ClassifierWorker:
             t0 = time.perf_counter()
             try:
                 ready.append((i, *self._prepare(item), time.perf_counter() - t0))
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 log.warning("reading patches of %s failed: %s", item["slide_id"], _describe(exc))
                 rows[i] = error_row(item["slide_id"], item["store"], f"patches: {_describe(exc)}",
                                     model=self.model_name, seconds=item.get("seconds", 0.0) + time.perf_counter() - t0)
@@ -186,7 +186,7 @@ class ClassifierWorker:
                 try:
                     rows[i] = self._row(item, store, grid, coords, p)
                     rows[i]["seconds"] = float(item.get("seconds", 0.0) + t_read + per_slide + time.perf_counter() - t1)
-                except Exception as exc:  # noqa: BLE001
+                except Exception as exc:
                     rows[i] = error_row(item["slide_id"], item["store"], f"output: {_describe(exc)}",
                                         model=self.model_name, seconds=item.get("seconds", 0.0))
         return rows  # type: ignore[return-value]

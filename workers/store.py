@@ -91,7 +91,7 @@ class StoreMeta:
         return d
 
     @classmethod
-    def from_json(cls, d: dict[str, Any]) -> "StoreMeta":
+    def from_json(cls, d: dict[str, Any]) -> StoreMeta:
         d = dict(d)
         d["level0_size"] = tuple(d["level0_size"])
         d["downsamples"] = tuple(float(x) for x in d["downsamples"])
@@ -272,7 +272,7 @@ def mark_complete(path: str | Path, slide_id: str, levels: int, **fields: Any) -
 def write_store_from_array(path: str | Path, rgb: np.ndarray, *, slide_id: str | None = None,
                            mpp: tuple[float, float] | None = (0.5, 0.5), tile_size: int = 256,
                            min_size: int = 1024, source: str = "<array>", extra: dict[str, Any] | None = None,
-                           version: str | None = None) -> "SlideStore":
+                           version: str | None = None) -> SlideStore:
     """Write an in-memory (h, w, 3) uint8 image as a complete store (zstd, power-of-two pyramid).
 
     For tests and small synthetic data; archives go through ``foveate ingest``.
@@ -287,7 +287,7 @@ def write_store_from_array(path: str | Path, rgb: np.ndarray, *, slide_id: str |
     group = zarr.open_group(str(path), mode="w", zarr_format=3)
     level = np.ascontiguousarray(rgb)
     compressors = [zarr.codecs.ZstdCodec(level=3)]
-    for i, (ds, (lw, lh)) in enumerate(shapes):
+    for i, (_, (lw, lh)) in enumerate(shapes):
         if i:
             level = downsample2x(level)[:lh, :lw]
         a = group.create_array(str(i), shape=(3, lh, lw), chunks=(3, tile_size, tile_size), dtype="uint8",

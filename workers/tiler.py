@@ -30,7 +30,7 @@ import numpy as np
 from operators.errors import ConfigError
 from workers.chunks import ChunkWriter, level_codec_kwargs, write_json_atomic
 from workers.frames import Box
-from workers.ingest_source import SlideFile, SlideOpenError, SlideSource, SourceInfo
+from workers.ingest_source import SlideFile, SlideOpenError, SlideSource
 from workers.pyramid import Reducer, Region, SlidePlan, plan_levels, plan_stages
 from workers.store import COMPLETE_MARKER, installed_version, mark_complete, register_codecs, write_store_metadata
 
@@ -187,7 +187,7 @@ class Tiler:
             try:
                 old = SlidePlan.from_json(json.loads(plan_file.read_text()))
                 same = old.identity() == json.loads(json.dumps(plan.identity()))
-            except Exception:  # noqa: BLE001 - unreadable plan: start over
+            except Exception:
                 same = False
             if same:
                 prog = path / PROGRESS_DIR
