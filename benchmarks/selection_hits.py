@@ -64,16 +64,21 @@ for ep in range(cfg.optim.epochs):
     model.train()
     order = rng.permutation(len(tr))
     ce_s, ent_s, hit_s, n, gn_sc, gn_all, clipfrac = 0, 0, 0, 0, [], [], []
+    auxs = {}
     for s in range(spe):
         batch = [tr[i] for i in order[s * acc:(s + 1) * acc]]
         sigma = sigma_at(step, total, cfg.schedule.sigma_start, cfg.schedule.sigma_end)
         opt.zero_grad(set_to_none=True)
         for rec in batch:
-            out = forward_slide(model, stores[rec.store], training=True, sigma=sigma, generator=gen)
+            out = forward_slide(model, stores[rec.store], training=True, sigma=sigma, generator=gen, target=rec.target)
             ce = torch.nn.functional.cross_entropy(out.logits.reshape(1, -1), torch.tensor([rec.target]))
             loss = ce + sum(v.sum() for v in out.aux_losses.values())
             (loss / len(batch)).backward()
             ce_s += float(ce.detach()); n += 1
+            for kk, vv in out.aux_losses.items():
+                auxs[kk] = auxs.get(kk, 0.0) + float(vv.detach().sum())
+            if "instance_confidence" in out.info:
+                auxs["conf"] = auxs.get("conf", 0.0) + out.info["instance_confidence"]
             hit_s += hits(rec, out.coords_l0)
             if "attention_entropy" in out.selection.aux:
                 ent_s += float(out.selection.aux["attention_entropy"].mean()) / math.log(float(out.info["num_candidates"]))
@@ -92,4 +97,4 @@ for ep in range(cfg.optim.epochs):
     m = classification_metrics(ys, np.array(probs))
     print(f"ep {ep+1:2d} ce {ce_s/n:.3f} Hrel {ent_s/n:.3f} trainhit {hit_s/n:.2f} testhit {thit/len(te):.2f} "
           f"|g_scorer| {np.median(gn_sc):.3g} |g| {np.median(gn_all):.3g} test acc {m['accuracy']:.2f} auc {m['auc']:.2f} "
-          f"t {time.time()-t0:.0f}s", flush=True)
+          f"t {time.time()-t0:.0f}s " + " ".join(f"{kk} {vv/n:.3f}" for kk, vv in auxs.items()), flush=True)

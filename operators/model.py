@@ -29,6 +29,8 @@ import torch
 from torch import nn
 
 from operators.aggregators import AGGREGATORS, build_aggregator
+from operators.errors import ConfigError
+from operators.evidence import evidence_rank_loss, instance_confidence, instance_loss
 from operators.resnet import ResNet, ResNetConfig
 from operators.scorer import ScorerCNN, ScorerConfig, candidate_mask, cell_pool, minmax_normalise
 from operators.soft_patches import cap_support
@@ -83,6 +85,20 @@ class ModelConfig:
             top-k of a random subset reaches cells ranked up to about ``k / (1 - p)``, so the scorer sees cells
             it does not rank first yet, and a slide's patches vary from step to step (harder to memorise).
             0 (default): off. Inference uses every candidate.
+        explore_cells: in training, this many candidate cells per slide are drawn uniformly at random (besides
+            the selection) and read at full resolution for the evidence losses below; they never enter the
+            aggregator. 0 (default): none.
+        explore_strata: exploration cells are drawn stratified by low-resolution appearance: the cells are
+            grouped into at most this many strata (k-means on per-cell colour mean/std of the scorer's input,
+            ``workers.patches.cell_strata``), and each draw takes a stratum uniformly, then a cell in it, so
+            visually rare cells are read as often as the common background. 0 (default): uniform draws.
+        instance_weight: weight of the instance loss (``operators.evidence.instance_loss``): a linear instance
+            head classifies every read patch (selected and exploration cells) on its own with the slide label.
+            0 (default): no instance head.
+        rank_weight: weight of the evidence rank loss (``operators.evidence.evidence_rank_loss``): the scorer's
+            scores of the read cells are trained to rank them by the instance head's confidence, so the scorer
+            learns where the evidence is from every patch it reads. Needs ``instance_weight > 0``.
+        rank_temperature: ``T`` of the rank loss in normalised score units.
         position_frequencies: Fourier frequencies per coordinate of the transformer's position encoding
             (``sin, cos(2^i pi p)``, i < F; high frequencies let the transformer memorise where patches are).
         max_support: cells kept per slot for soft patches (see ``operators.soft_patches``).
@@ -115,6 +131,11 @@ class ModelConfig:
     explore_temperature: float = 0.0
     mask_extra: int = 0
     candidate_dropout: float = 0.0
+    explore_cells: int = 0
+    explore_strata: int = 0
+    instance_weight: float = 0.0
+    rank_weight: float = 0.0
+    rank_temperature: float = 0.1
     max_support: int = 4
     scorer: ScorerConfig = field(default_factory=ScorerConfig)
     features: ResNetConfig = field(default_factory=ResNetConfig)
@@ -132,42 +153,55 @@ class ModelConfig:
         def pos_int(name: str, minimum: int = 1) -> None:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
-                raise ValueError(f"model.{name} must be an int >= {minimum}, got {v!r}")
+                raise ConfigError(f"model.{name} must be an int >= {minimum}, got {v!r}")
 
         for name in ("patch_size", "k", "num_samples", "sinkhorn_max_iter", "max_support", "aggregator_hidden",
                      "transformer_layers", "transformer_heads", "position_frequencies"):
             pos_int(name)
         pos_int("num_classes", 2)
         pos_int("mask_extra", 0)
+        pos_int("explore_cells", 0)
+        pos_int("explore_strata", 0)
         if self.patch_size < 8:
-            raise ValueError(f"model.patch_size must be >= 8 level-0 pixels, got {self.patch_size}")
+            raise ConfigError(f"model.patch_size must be >= 8 level-0 pixels, got {self.patch_size}")
         if self.stride is not None:
             pos_int("stride")
         if not (isinstance(self.scorer_downsample, (int, float)) and math.isfinite(self.scorer_downsample)
                 and self.scorer_downsample >= 1):
-            raise ValueError(f"model.scorer_downsample must be a number >= 1, got {self.scorer_downsample!r}")
+            raise ConfigError(f"model.scorer_downsample must be a number >= 1, got {self.scorer_downsample!r}")
         if not (0.0 <= self.tissue_threshold <= 1.0):
-            raise ValueError(f"model.tissue_threshold must be in [0, 1], got {self.tissue_threshold!r}")
+            raise ConfigError(f"model.tissue_threshold must be in [0, 1], got {self.tissue_threshold!r}")
         if self.selector not in SELECTORS:
-            raise ValueError(f"model.selector must be one of {list(SELECTORS)}, got {self.selector!r}")
+            raise ConfigError(f"model.selector must be one of {list(SELECTORS)}, got {self.selector!r}")
         if self.aggregator not in AGGREGATORS:
-            raise ValueError(f"model.aggregator must be one of {list(AGGREGATORS)}, got {self.aggregator!r}")
+            raise ConfigError(f"model.aggregator must be one of {list(AGGREGATORS)}, got {self.aggregator!r}")
         for name in ("sigma", "entropy_weight", "explore_temperature"):
             v = getattr(self, name)
             if not (math.isfinite(v) and v >= 0):
-                raise ValueError(f"model.{name} must be a finite number >= 0, got {v!r}")
+                raise ConfigError(f"model.{name} must be a finite number >= 0, got {v!r}")
         for name in ("epsilon", "alpha", "attention_temperature"):
             v = getattr(self, name)
             if not (math.isfinite(v) and v > 0):
-                raise ValueError(f"model.{name} must be a finite number > 0, got {v!r}")
+                raise ConfigError(f"model.{name} must be a finite number > 0, got {v!r}")
+        for name in ("instance_weight", "rank_weight"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+                raise ConfigError(f"model.{name} must be a finite number >= 0, got {v!r}")
+        if not (isinstance(self.rank_temperature, (int, float)) and math.isfinite(self.rank_temperature)
+                and self.rank_temperature > 0):
+            raise ConfigError(f"model.rank_temperature must be a finite number > 0, got {self.rank_temperature!r}")
+        if self.rank_weight > 0 and self.instance_weight <= 0:
+            raise ConfigError("model.rank_weight > 0 needs model.instance_weight > 0 (the rank targets are the "
+                              f"instance head's confidence, which only the instance loss trains); got "
+                              f"rank_weight={self.rank_weight}, instance_weight={self.instance_weight}")
         if self.transformer_readout not in ("mean", "cls"):
-            raise ValueError(f"model.transformer_readout must be 'mean' or 'cls', got {self.transformer_readout!r}")
+            raise ConfigError(f"model.transformer_readout must be 'mean' or 'cls', got {self.transformer_readout!r}")
         if not (isinstance(self.candidate_dropout, (int, float)) and 0.0 <= self.candidate_dropout < 1.0):
-            raise ValueError(f"model.candidate_dropout must be in [0, 1), got {self.candidate_dropout!r}")
+            raise ConfigError(f"model.candidate_dropout must be in [0, 1), got {self.candidate_dropout!r}")
         if not (0.0 <= self.dropout < 1.0):
-            raise ValueError(f"model.dropout must be in [0, 1), got {self.dropout!r}")
+            raise ConfigError(f"model.dropout must be in [0, 1), got {self.dropout!r}")
         if self.aggregator == "transformer" and self.aggregator_hidden % self.transformer_heads:
-            raise ValueError(f"model.aggregator_hidden ({self.aggregator_hidden}) must be a multiple of "
+            raise ConfigError(f"model.aggregator_hidden ({self.aggregator_hidden}) must be a multiple of "
                              f"model.transformer_heads ({self.transformer_heads})")
 
     @property
@@ -255,6 +289,14 @@ class FoveateModel(nn.Module):
                                            layers=cfg.transformer_layers, heads=cfg.transformer_heads,
                                            num_frequencies=cfg.position_frequencies, dropout=cfg.dropout,
                                            readout=cfg.transformer_readout)
+        # created only when used, so models without the evidence losses keep their parameters (and seeds)
+        self.instance_head = (nn.Linear(cfg.features.feature_dim, cfg.num_classes)
+                              if cfg.instance_weight > 0 else None)
+
+    @property
+    def uses_evidence(self) -> bool:
+        """True when training adds the evidence losses (an instance head exists)."""
+        return self.instance_head is not None
 
     # ------------------------------------------------------------------ stage 1: scores
     def score(self, lowres: torch.Tensor, cell_mask: torch.Tensor) -> torch.Tensor:
@@ -425,6 +467,32 @@ class FoveateModel(nn.Module):
     def forward(self, patches: torch.Tensor, positions: torch.Tensor,
                 slot_weights: torch.Tensor | None = None) -> torch.Tensor:
         return self.classify(patches, positions, slot_weights)
+
+    def evidence_losses(self, features: torch.Tensor, cell_scores: torch.Tensor,
+                        target: int) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+        """The evidence losses of one slide (see :mod:`operators.evidence`).
+
+        Args:
+            features: ``[M, D]`` features of the read patches (selected slots and exploration cells).
+            cell_scores: ``[M]`` the scorer's normalised scores of those cells (differentiable).
+            target: the slide's class index.
+
+        Returns:
+            ``(losses, info)``: ``{"instance": w_i * L_inst, "rank": w_r * L_rank}`` (weighted, to be added to
+            the loss as they are) and floats for logging (mean confidence of the read patches).
+        """
+        if self.instance_head is None:
+            raise RuntimeError("evidence_losses needs model.instance_weight > 0 (no instance head)")
+        if features.dim() != 2 or cell_scores.shape != features.shape[:1]:
+            raise ValueError(f"features must be [M, D] and cell_scores [M], got {tuple(features.shape)} and "
+                             f"{tuple(cell_scores.shape)}")
+        logits = self.instance_head(features)
+        losses = {"instance": self.cfg.instance_weight * instance_loss(logits, target)}
+        conf = instance_confidence(logits.detach())
+        if self.cfg.rank_weight > 0:
+            losses["rank"] = self.cfg.rank_weight * evidence_rank_loss(cell_scores, conf,
+                                                                       temperature=self.cfg.rank_temperature)
+        return losses, {"instance_confidence": float(conf.mean())}
 
     def aux_losses(self, selection: Selection) -> dict[str, torch.Tensor]:
         """Terms to add to the loss: ``{"entropy": -entropy_weight * mean H}`` for attention sampling."""

@@ -9,6 +9,7 @@ re-run reuses the slides and stores already there (synth is deterministic, inges
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import time
@@ -30,7 +31,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default=str(REPO_CONFIGS / "demo.yaml"), help="training config (default configs/demo.yaml)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="training config override (repeatable)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic slides (default 0)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of everything random: the synthetic slides, the validation split, the model's "
+                        "initialisation and the selection noise (default 0)")
 
 
 def _stage(name: str, argv: list[str]) -> None:
@@ -68,11 +70,19 @@ def demo(workdir: str | Path = "foveate-demo", *, count: int = 32, size: str = "
     timings: dict[str, float] = {}
 
     t0 = time.monotonic()
+    made_with = {"count": count, "size": str(size), "seed": seed}
+    record = wd / "demo_slides.json"
     if (slides / "labels.csv").is_file():
+        if record.is_file():
+            previous = json.loads(record.read_text())
+            if previous != made_with:
+                raise ValueError(f"{wd} holds demo slides made with {previous}, not {made_with}: use another "
+                                 f"--workdir for other demo slides (or delete {slides} and {stores})")
         log.info("demo: reusing synthetic slides in %s", slides)
     else:
         _stage("synth", ["synth", str(slides), "--count", str(count), "--size", size, "--format", "mixed",
                          "--seed", str(seed)])
+        record.write_text(json.dumps(made_with))
     timings["synth"] = time.monotonic() - t0
 
     started = init_ray(num_cpus=max(2, workers))  # one Ray for all stages (each command reuses it)
@@ -82,7 +92,8 @@ def demo(workdir: str | Path = "foveate-demo", *, count: int = 32, size: str = "
         timings["ingest"] = time.monotonic() - t0
 
         t0 = time.monotonic()
-        ov = [f"data.stores={stores}", "data.labels=manifest", *overrides]
+        # the demo's seed drives everything random: the slides, the split, the initialisation and the selection noise
+        ov = [f"data.stores={stores}", "data.labels=manifest", f"seed={seed}", f"data.seed={seed}", *overrides]
         if epochs is not None:
             ov.append(f"optim.epochs={epochs}")
         cfg = load_config(TrainConfig, config, ov)

@@ -26,3 +26,6 @@ def test_demo_end_to_end_tiny(tmp_path):
     s2 = demo(tmp_path / "demo", count=6, size="2048", epochs=1, workers=2,
               overrides=["model.num_samples=8", "model.k=2"])
     assert s2["run_id"] != s["run_id"] and s2["slides_scored"] == 6
+    # other demo slides (another seed) in the same folder: a clear error, nothing reused silently
+    with pytest.raises(ValueError, match="another --workdir"):
+        demo(tmp_path / "demo", count=6, size="2048", epochs=1, workers=2, seed=1)

@@ -266,6 +266,7 @@ class SlideInput:
     lowres_u8: torch.Tensor
     cell_mask: torch.Tensor
     reader: PatchReader
+    strata: tuple[int, torch.Tensor] | None = None
 
     @property
     def lowres(self) -> torch.Tensor:
@@ -381,8 +382,77 @@ def gather_patches(slide: SlideInput, selection: Selection, *, device: torch.dev
     return patches, positions, int(cells.numel())
 
 
+def cell_strata(lowres: torch.Tensor, grid_shape: tuple[int, int], num_strata: int,
+                iterations: int = 10) -> torch.Tensor:
+    """Group the grid cells by their low-resolution appearance (k-means on per-cell colour mean and std).
+
+    Exploration that draws a stratum uniformly, then a cell within it, reads visually rare cells (a few dark
+    spots, ink, a lesion) about as often as the common background, instead of in proportion to their area.
+    Deterministic (farthest-point initialisation from the cell nearest the mean appearance).
+
+    Args:
+        lowres: ``[3, h, w]`` float, covering the grid extent (:func:`lowres_input`).
+        grid_shape: ``(Gh, Gw)``.
+        num_strata: at most this many strata (fewer when the cells have fewer distinct appearances).
+        iterations: k-means iterations.
+
+    Returns:
+        ``[Gh * Gw]`` long stratum per cell (row-major).
+    """
+    gh, gw = grid_shape
+    x = lowres[None].to(torch.float64)
+    mean = F.adaptive_avg_pool2d(x, (gh, gw))[0]
+    sq = F.adaptive_avg_pool2d(x * x, (gh, gw))[0]
+    std = (sq - mean * mean).clamp_min(0).sqrt()
+    desc = torch.cat([mean, std]).reshape(6, -1).T  # [N, 6]
+    n = desc.shape[0]
+    k = max(1, min(int(num_strata), n))
+    centres = [int(((desc - desc.mean(0)) ** 2).sum(1).argmin())]
+    dist = ((desc - desc[centres[0]]) ** 2).sum(1)
+    while len(centres) < k and float(dist.max()) > 1e-12:
+        c = int(dist.argmax())
+        centres.append(c)
+        dist = torch.minimum(dist, ((desc - desc[c]) ** 2).sum(1))
+    cen = desc[centres].clone()
+    for _ in range(iterations):
+        assign = torch.cdist(desc, cen).argmin(1)
+        for j in range(cen.shape[0]):
+            members = desc[assign == j]
+            if members.numel():
+                cen[j] = members.mean(0)
+    return torch.cdist(desc, cen).argmin(1)
+
+
+def _explore_cells(scores: torch.Tensor, count: int, generator: torch.Generator | None,
+                   strata: torch.Tensor | None = None) -> torch.Tensor:
+    """``count`` distinct candidate cells (finite ``scores[N]``), all of them if fewer: uniformly, or with
+    ``strata[N]`` a stratum drawn uniformly among those with candidates left, then a cell within it."""
+    cand = torch.isfinite(scores)
+    if count <= 0:
+        return torch.nonzero(cand).flatten()[:0]
+    if int(cand.sum()) <= count:
+        return torch.nonzero(cand).flatten()
+    keys = torch.rand(scores.shape, generator=generator, device=scores.device)
+    if strata is None:
+        keys = torch.where(cand, keys, torch.full_like(keys, -1.0))
+        return keys.topk(count).indices
+    # rank within stratum by the random key; round r takes every stratum's r-th cell, in random stratum order
+    strata = strata.to(scores.device)
+    idx = torch.nonzero(cand).flatten()
+    st, kk = strata[idx], keys[idx]
+    order = torch.argsort(kk, descending=True)
+    idx, st = idx[order], st[order]
+    rank = torch.zeros_like(st)
+    for j in torch.unique(st).tolist():
+        sel = st == j
+        rank[sel] = torch.arange(int(sel.sum()), device=st.device)
+    skey = torch.rand(int(strata.max()) + 1, generator=generator, device=scores.device)
+    prio = rank.to(torch.float64) + skey[st].to(torch.float64) * 0.5  # round first, then random stratum order
+    return idx[torch.argsort(prio)[:count]]
+
+
 def forward_slide(model: FoveateModel, store_or_sample: Any, *, training: bool, sigma: float | None = None,
-                  generator: torch.Generator | None = None) -> ModelOutput:
+                  generator: torch.Generator | None = None, target: int | None = None) -> ModelOutput:
     """The whole chain for ONE slide: low-res input -> scores -> selection -> patch reading -> features ->
     logits.
 
@@ -394,6 +464,10 @@ def forward_slide(model: FoveateModel, store_or_sample: Any, *, training: bool, 
             train/eval mode (call ``model.train()`` / ``model.eval()`` yourself).
         sigma: perturbed top-k noise for this call (default ``model.cfg.sigma``).
         generator: RNG for the selection noise (on the model's device).
+        target: the slide's class index, in training only: with it, a model with an instance head
+            (``model.instance_weight > 0``) also reads ``model.explore_cells`` uniformly drawn candidate cells
+            and adds the evidence losses (``"instance"``, ``"rank"``; :mod:`operators.evidence`) to
+            ``aux_losses``. Ignored at inference.
 
     Returns:
         :class:`~operators.model.ModelOutput` (logits ``[1, C]``; add ``sum(out.aux_losses.values())`` to the
@@ -408,8 +482,30 @@ def forward_slide(model: FoveateModel, store_or_sample: Any, *, training: bool, 
     scores = model.score(slide.lowres[None].to(device=device, dtype=dtype), cell_mask[None].to(device))
     sel = model.select(scores, training=training, sigma=sigma, generator=generator)
     patches, positions, cells_read = gather_patches(slide, sel, device=device, dtype=dtype)
-    logits = model.classify(patches, positions, sel.slot_weights)
     cells = sel.primary[0]
+    aux_losses = model.aux_losses(sel)
+    extra_info: dict[str, float] = {}
+    if training and target is not None and model.uses_evidence:
+        k = patches.shape[1]
+        feats = model.embed(patches.flatten(0, 1))  # [K, D]
+        logits = model.aggregate(feats.view(1, k, -1), positions, sel.slot_weights)
+        strata = None
+        if model.cfg.explore_strata > 0:
+            if slide.strata is None or slide.strata[0] != model.cfg.explore_strata:
+                slide.strata = (model.cfg.explore_strata,
+                                cell_strata(slide.lowres, tuple(cell_mask.shape), model.cfg.explore_strata))
+            strata = slide.strata[1]
+        explore = _explore_cells(scores[0], model.cfg.explore_cells, generator, strata)
+        if explore.numel():
+            pix = slide.reader.read(explore.cpu()).to(device=device, dtype=dtype).div_(255.0)
+            feats = torch.cat([feats, model.embed(pix)])
+            cells_read += int(explore.numel())
+        read_cells = torch.cat([cells, explore])
+        ev_losses, extra_info = model.evidence_losses(feats, scores[0, read_cells], int(target))
+        aux_losses.update(ev_losses)
+        extra_info["explore_cells"] = float(explore.numel())
+    else:
+        logits = model.classify(patches, positions, sel.slot_weights)
     n_tissue = int(cell_mask.sum())
     info = {
         "num_cells": float(slide.grid.num_cells),
@@ -419,13 +515,14 @@ def forward_slide(model: FoveateModel, store_or_sample: Any, *, training: bool, 
     }
     if "kept_mass" in sel.aux:
         info["kept_mass"] = float(sel.aux["kept_mass"].mean())
+    info.update(extra_info)
     return ModelOutput(
         logits=logits,
         scores=scores[0],
         cell_indices=cells,
         coords_l0=slide.grid.cell_xy_l0(cells.cpu()),
         patch_scores=scores[0, cells],
-        aux_losses=model.aux_losses(sel),
+        aux_losses=aux_losses,
         selection=sel,
         info=info,
     )

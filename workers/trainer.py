@@ -311,11 +311,11 @@ class Trainer:
             self._stores[path] = SlideStore(path)
         return self._stores[path]
 
-    def _forward(self, store, *, training: bool, sigma: float):
+    def _forward(self, store, *, training: bool, sigma: float, target: int | None = None):
         from workers.patches import forward_slide
 
         return forward_slide(self.model, store, training=training, sigma=sigma,
-                             generator=self.generator if training else None)
+                             generator=self.generator if training else None, target=target)
 
     # ------------------------------------------------------------------ step
     def step(self, batch: Sequence[Any], result: EpochResult) -> dict[str, float]:
@@ -327,7 +327,7 @@ class Trainer:
         loss_sum, correct, patches = 0.0, 0, 0
         aux_sums: dict[str, float] = {}
         for rec in batch:
-            out = self._forward(self._store(rec.store), training=True, sigma=sigma)
+            out = self._forward(self._store(rec.store), training=True, sigma=sigma, target=rec.target)
             loss, parts = slide_loss(out, rec.target)
             (loss / len(batch)).backward()
             loss_sum += float(loss.detach())

@@ -1,0 +1,135 @@
+"""Evidence distillation (operators.evidence) and stratified exploration (workers.patches): float64 references,
+finite-difference gradients, and the behaviour the training relies on."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from operators.errors import ConfigError
+from operators.evidence import evidence_rank_loss, instance_confidence, instance_loss
+from operators.model import FoveateModel, ModelConfig
+from operators.resnet import ResNetConfig
+from operators.scorer import ScorerConfig
+from workers.patches import _explore_cells, cell_strata, forward_slide
+from workers.store import write_store_from_array
+
+torch.set_num_threads(1)
+
+
+def _rank_loss_reference(s, e, t):
+    num = den = 0.0
+    for i in range(len(s)):
+        for j in range(len(s)):
+            w = max(e[i] - e[j], 0.0)
+            num += w * math.log1p(math.exp(-(s[i] - s[j]) / t))
+            den += w
+    return num / den
+
+
+def test_rank_loss_matches_a_loop_reference_and_finite_differences():
+    g = torch.Generator().manual_seed(0)
+    s = torch.rand(7, generator=g, dtype=torch.float64, requires_grad=True)
+    e = torch.rand(7, generator=g, dtype=torch.float64)
+    loss = evidence_rank_loss(s, e, temperature=0.3)
+    assert float(loss.detach()) == pytest.approx(_rank_loss_reference(s.tolist(), e.tolist(), 0.3), rel=1e-12)
+    assert torch.autograd.gradcheck(lambda x: evidence_rank_loss(x, e, temperature=0.3), (s,), eps=1e-6, atol=1e-8)
+    # the targets are constants: no gradient reaches them
+    e2 = e.clone().requires_grad_(True)
+    evidence_rank_loss(s, e2, temperature=0.3).backward()
+    assert e2.grad is None
+
+
+def test_rank_loss_pushes_high_evidence_cells_up_and_is_zero_without_evidence_spread():
+    s = torch.tensor([0.2, 0.8, 0.5], dtype=torch.float64, requires_grad=True)
+    e = torch.tensor([1.0, 0.0, 0.0], dtype=torch.float64)
+    evidence_rank_loss(s, e, temperature=0.1).backward()
+    assert s.grad[0] < 0 < s.grad[1]  # gradient descent raises cell 0, lowers cell 1
+    assert s.grad[2] > 0
+    flat = evidence_rank_loss(s.detach().requires_grad_(True), torch.full((3,), 0.4, dtype=torch.float64))
+    assert float(flat) == 0.0
+    # correctly ordered with a wide margin: ~0
+    good = evidence_rank_loss(torch.tensor([1.0, 0.0], dtype=torch.float64), torch.tensor([1.0, 0.0], dtype=torch.float64),
+                              temperature=0.05)
+    assert float(good) < 1e-8
+
+
+def test_instance_confidence_and_loss_reference():
+    logits = torch.tensor([[0.0, 0.0], [10.0, -10.0], [1.0, 2.0]], dtype=torch.float64)
+    conf = instance_confidence(logits)
+    p = torch.softmax(logits, 1)
+    ref = 1 + (p * p.log()).sum(1) / math.log(2)
+    assert torch.allclose(conf, ref, atol=1e-12)
+    assert float(conf[0]) == pytest.approx(0.0, abs=1e-12) and float(conf[1]) > 0.999
+    assert float(instance_loss(logits, 1)) == pytest.approx(float(-torch.log_softmax(logits, 1)[:, 1].mean()), rel=1e-12)
+    with pytest.raises(ValueError, match="class index"):
+        instance_loss(logits, 2)
+    with pytest.raises(ValueError, match=r"\[M, C\]"):
+        instance_confidence(torch.zeros(3))
+    with pytest.raises(ValueError, match="temperature"):
+        evidence_rank_loss(torch.zeros(2), torch.zeros(2), temperature=0)
+    with pytest.raises(ValueError, match="shape"):
+        evidence_rank_loss(torch.zeros(2), torch.zeros(3))
+
+
+def test_config_validates_evidence_fields():
+    with pytest.raises(ConfigError, match="instance_weight"):
+        ModelConfig(rank_weight=0.1)
+    with pytest.raises(ConfigError, match="explore_cells"):
+        ModelConfig(explore_cells=-1)
+    with pytest.raises(ValueError, match="rank_temperature"):  # ConfigError is a ValueError
+        ModelConfig(instance_weight=1.0, rank_temperature=0.0)
+    assert FoveateModel(ModelConfig()).instance_head is None  # off by default: same parameters as before
+    assert FoveateModel(ModelConfig(instance_weight=1.0)).instance_head is not None
+
+
+def _image() -> np.ndarray:
+    rng = np.random.default_rng(0)
+    img = np.full((512, 512, 3), 240, np.uint8)
+    img[32:480, 32:480] = np.clip(np.array([200, 130, 185]) + rng.integers(-12, 12, (448, 448, 3)), 0, 255)
+    for y, x in [(96, 96), (320, 384)]:
+        img[y:y + 40, x:x + 40] = (60, 30, 100)  # two rare dark structures
+    return img
+
+
+def test_strata_isolate_rare_cells_and_stratified_exploration_reads_them_more_often():
+    img = torch.from_numpy(_image()).permute(2, 0, 1).float().div(255)
+    lowres = torch.nn.functional.interpolate(img[None], size=(64, 64), mode="area")[0]  # 1/8, grid 8x8 of 64 px
+    strata = cell_strata(lowres, (8, 8), 4)
+    dark = [1 * 8 + 1, 5 * 8 + 6]  # cells holding the structures
+    assert strata.shape == (64,) and len({int(strata[c]) for c in dark}) == 1
+    assert int((strata == strata[dark[0]]).sum()) <= 4  # a small stratum of its own
+    scores = torch.zeros(64, dtype=torch.float64)
+    scores[:8] = float("-inf")  # a non-candidate row is never drawn
+    g = torch.Generator().manual_seed(0)
+    hit_strat = hit_unif = 0
+    for _ in range(200):
+        a = _explore_cells(scores, 4, g, strata)
+        b = _explore_cells(scores, 4, g, None)
+        assert len(set(a.tolist())) == 4 and len(set(b.tolist())) == 4
+        assert all(c >= 8 for c in a.tolist() + b.tolist())
+        hit_strat += sum(c in dark[1:] for c in a.tolist())
+        hit_unif += sum(c in dark[1:] for c in b.tolist())
+    assert hit_strat > 3 * hit_unif
+    assert _explore_cells(scores, 100, g, strata).numel() == 56  # all candidates when fewer
+
+
+def test_forward_slide_adds_evidence_losses_only_in_training_with_a_target(tmp_path):
+    store = write_store_from_array(tmp_path / "s.zarr", _image(), tile_size=128, min_size=64)
+    cfg = ModelConfig(patch_size=64, scorer_downsample=8.0, k=4, num_samples=16, explore_cells=3, explore_strata=4,
+                      instance_weight=1.0, rank_weight=0.5, scorer=ScorerConfig(channels=8),
+                      features=ResNetConfig(widths=(8, 16), blocks=(1, 1), feature_dim=16))
+    torch.manual_seed(0)
+    model = FoveateModel(cfg)
+    g = torch.Generator().manual_seed(0)
+    out = forward_slide(model, store, training=True, sigma=0.1, generator=g, target=1)
+    assert set(out.aux_losses) == {"instance", "rank"} and out.info["explore_cells"] == 3
+    sum(out.aux_losses.values()).backward()
+    assert model.instance_head.weight.grad.abs().sum() > 0
+    assert sum(float(p.grad.abs().sum()) for p in model.scorer.parameters() if p.grad is not None) > 0
+    assert forward_slide(model, store, training=True, sigma=0.1, generator=g).aux_losses == {}
+    with torch.no_grad():
+        assert forward_slide(model, store, training=False, target=1).aux_losses == {}
