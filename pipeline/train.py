@@ -169,7 +169,7 @@ def train(config: TrainConfig, *, resume: bool = False, address: str | None = No
     """
     if not isinstance(config, TrainConfig):
         raise TypeError(f"config must be a TrainConfig, got {type(config).__name__}")
-    from pipeline.model_io import log_model, model_from_checkpoint, with_num_classes
+    from pipeline.model_io import log_model, model_from_checkpoint
     from pipeline.runtime import init_ray
     from pipeline.tracking import client_for, get_or_create_experiment, log_params, resolve_tracking_uri
 
@@ -178,7 +178,7 @@ def train(config: TrainConfig, *, resume: bool = False, address: str | None = No
     if config.model.num_classes != table.num_classes:
         log.info("model.num_classes: %d in the config, overridden from the data: %d", config.model.num_classes,
                  table.num_classes)
-    config = dataclasses.replace(config, model=with_num_classes(config.model, table.num_classes),
+    config = dataclasses.replace(config, model=dataclasses.replace(config.model, num_classes=table.num_classes),
                                  data=dataclasses.replace(config.data, classes=tuple(table.class_names)))
     log.info("model.num_classes = %d (classes %s)", config.model.num_classes, list(table.class_names))
     train_recs, val_recs = split_train_val(table.records, config.data.val_fraction, config.data.seed)

@@ -9,6 +9,8 @@
   on the CPU for a batch of slides at once, and writes a heatmap PNG of the scores over the thumbnail. Output
   per slide: a prediction row (see :data:`ROW_FIELDS`).
 
+Coordinates (cells, ``patches`` boxes, heatmap outlines) are level-0 pixels; the frames: :mod:`workers.frames`.
+
 Both catch errors per slide and return them as ``status="error"`` records, so one corrupt store never loses
 the rest of its batch. Both accept the model as a checkpoint dict (``operators.model_io.checkpoint_dict``, what
 the driver ships to actors so they never touch MLflow) or as a local checkpoint path.
