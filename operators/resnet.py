@@ -129,7 +129,7 @@ class ResNet(nn.Module):
     def feature_dim(self) -> int:
         return self.cfg.feature_dim
 
-    def train(self, mode: bool = True) -> "ResNet":
+    def train(self, mode: bool = True) -> ResNet:
         """Frozen networks stay in eval mode."""
         return super().train(mode and not self.cfg.frozen)
 

@@ -8,7 +8,8 @@ patch size and stride) with :func:`cell_pool`, cells outside tissue are excluded
 
 Frame convention: the low-res input covers exactly the grid extent
 ``[0, (Gw-1)*stride + patch_size) x [0, (Gh-1)*stride + patch_size)`` level-0 pixels (white where the grid
-overhangs the slide), at any resolution; ``workers.patches.lowres_input`` produces it.
+overhangs the slide), at any resolution; ``workers.patches.lowres_input`` produces it. All frames are defined
+once, in ``workers/frames.py``.
 """
 
 from __future__ import annotations

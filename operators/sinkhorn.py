@@ -66,7 +66,7 @@ def _solve_tau(s2: torch.Tensor, k: float, epsilon: float, max_iter: int, tol: f
     done = torch.zeros(bsz, dtype=torch.bool, device=s2.device)
     it = 0
     s2e = s2 / epsilon
-    for it in range(1, max_iter + 1):
+    for it in range(1, max_iter + 1):  # noqa: B007 - `it` is read after the loop (iterations used)
         z = torch.sub(s2e, (tau / epsilon).unsqueeze(1))
         log_s, log_ns, log_h = _log_odds(z)
         phi = log_s - log_ns - target  # > 0: too much mass on the upper anchor -> raise tau

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import math
+
 import torch
 
 from operators._checks import check_k, check_nonneg, check_positive, check_positive_int, check_scores, check_tensor

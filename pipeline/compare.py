@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import logging
 import math
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -87,7 +86,9 @@ def runs_table(experiment: str, *, tracking_uri: str | None = None, include_scor
 
     if not isinstance(experiment, str) or not experiment:
         raise ValueError(f"experiment must be a non-empty experiment name, got {experiment!r}")
-    uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or mlflow.get_tracking_uri()
+    from pipeline.tracking import resolve_tracking_uri
+
+    uri = resolve_tracking_uri(tracking_uri)
     client = mlflow.MlflowClient(tracking_uri=uri)
     exp = client.get_experiment_by_name(experiment)
     if exp is None:

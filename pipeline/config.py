@@ -1,130 +1,24 @@
 """Frozen dataclass configs loaded from YAML, with unknown keys rejected.
 
-Each component declares a small ``@dataclass(frozen=True)``; a run config nests them.
-:func:`from_dict` builds one from a mapping (recursively, rejecting unknown keys and
-checking scalar types), :func:`load_config` reads YAML and applies ``--set a.b=value``
-overrides, and :func:`to_dict` gives the resolved config back for logging.
+Each component declares a small ``@dataclass(frozen=True)`` that validates itself; a run config nests them.
+:func:`from_dict` builds one from a mapping and :func:`to_dict` gives it back (both from
+:mod:`operators.config`, re-exported here), :func:`load_config` reads YAML and applies ``--set a.b=value``
+overrides.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import types
-import typing
 from pathlib import Path
-from typing import Any, Mapping, TypeVar
+from typing import Any, TypeVar
 
 import yaml
 
-__all__ = ["ConfigError", "from_dict", "to_dict", "load_config", "apply_overrides", "parse_override"]
+from operators.config import ConfigError, from_dict, to_dict
+
+__all__ = ["ConfigError", "from_dict", "to_dict", "load_config", "apply_overrides", "parse_override",
+           "add_config_arguments", "config_from_cli"]
 
 T = TypeVar("T")
-
-
-from operators.errors import ConfigError  # noqa: E402  (defined at the bottom layer; re-exported here)
-
-
-def _type_name(tp: Any) -> str:
-    return getattr(tp, "__name__", None) or str(tp)
-
-
-def _coerce(value: Any, tp: Any, where: str) -> Any:
-    origin = typing.get_origin(tp)
-    args = typing.get_args(tp)
-    if tp is Any:
-        return value
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return _coerce(value, arg, where)
-            except ConfigError as exc:
-                errors.append(str(exc))
-        raise ConfigError(f"{where}: expected one of {[_type_name(a) for a in args]}, got {value!r}")
-    if origin is typing.Literal:
-        if value not in args:
-            raise ConfigError(f"{where}: expected one of {list(args)}, got {value!r}")
-        return value
-    if dataclasses.is_dataclass(tp):
-        if isinstance(value, tp):
-            return value
-        if not isinstance(value, Mapping):
-            raise ConfigError(f"{where}: expected a mapping for {tp.__name__}, got {type(value).__name__} {value!r}")
-        return from_dict(tp, value, _where=where)
-    if origin in (tuple, list):
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{where}: expected a list, got {type(value).__name__} {value!r}")
-        if origin is tuple and args and args[-1] is not Ellipsis:
-            if len(args) != len(value):
-                raise ConfigError(f"{where}: expected {len(args)} items, got {len(value)}: {value!r}")
-            return tuple(_coerce(v, a, f"{where}[{i}]") for i, (v, a) in enumerate(zip(args, value)))
-        item = args[0] if args else Any
-        seq = [_coerce(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
-        return tuple(seq) if origin is tuple else seq
-    if origin is dict:
-        if not isinstance(value, Mapping):
-            raise ConfigError(f"{where}: expected a mapping, got {type(value).__name__} {value!r}")
-        return dict(value)
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        raise ConfigError(f"{where}: expected true/false, got {value!r}")
-    if tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        raise ConfigError(f"{where}: expected an integer, got {type(value).__name__} {value!r}")
-    if tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        raise ConfigError(f"{where}: expected a number, got {type(value).__name__} {value!r}")
-    if tp is str:
-        if isinstance(value, str):
-            return value
-        raise ConfigError(f"{where}: expected a string, got {type(value).__name__} {value!r}")
-    if isinstance(tp, type) and not isinstance(value, tp):
-        raise ConfigError(f"{where}: expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
-    return value
-
-
-def from_dict(cls: type[T], data: Mapping[str, Any] | None, *, _where: str = "") -> T:
-    """Build the frozen dataclass ``cls`` from ``data``; unknown keys raise :class:`ConfigError`."""
-    data = dict(data or {})
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - set(fields))
-    if unknown:
-        prefix = f"{_where}." if _where else ""
-        raise ConfigError(
-            f"unknown config key(s) {[prefix + k for k in unknown]} for {cls.__name__}; "
-            f"allowed: {sorted(fields)}"
-        )
-    kwargs = {}
-    for name, value in data.items():
-        where = f"{_where}.{name}" if _where else name
-        kwargs[name] = _coerce(value, hints[name], where)
-    try:
-        return cls(**kwargs)
-    except TypeError as exc:  # missing required fields
-        raise ConfigError(f"{_where or cls.__name__}: {exc}") from None
-
-
-def to_dict(cfg: Any) -> dict[str, Any]:
-    """The resolved config as plain YAML-able data."""
-    def conv(v: Any) -> Any:
-        if dataclasses.is_dataclass(v):
-            return {f.name: conv(getattr(v, f.name)) for f in dataclasses.fields(v)}
-        if isinstance(v, (list, tuple)):
-            return [conv(x) for x in v]
-        if isinstance(v, dict):
-            return {k: conv(x) for k, x in v.items()}
-        if isinstance(v, Path):
-            return str(v)
-        return v
-    return conv(cfg)
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
@@ -158,7 +52,28 @@ def apply_overrides(data: dict[str, Any], overrides: list[str] | tuple[str, ...]
 
 def load_config(cls: type[T], path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> T:
     """Read YAML at ``path`` (or start empty), apply overrides, build ``cls``."""
+    return config_from_cli(cls, _Args(path, list(overrides)))
+
+
+class _Args:
+    def __init__(self, config: str | Path | None, overrides: list[str]):
+        self.config, self.overrides = config, overrides
+
+
+# ---------------------------------------------------------------------------------------------- command lines
+def add_config_arguments(parser: Any, example: str) -> None:
+    """``--config FILE.yaml`` and repeatable ``--set key=value`` (every command that has a config dataclass)."""
+    parser.add_argument("--config", help="YAML config (keys as in the command's config dataclass; see configs/)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help=f"override a config value, e.g. --set {example} (repeatable)")
+
+
+def config_from_cli(cls: type[T], args: Any, flags: dict[str, str] | None = None) -> T:
+    """Build ``cls`` from the command line: the ``--config`` YAML, then ``--set`` overrides, then the flags given
+    explicitly (``flags`` maps a config key, dotted for nested sections, to the argparse attribute holding it;
+    an attribute that is None was not given and leaves the key alone)."""
     data: dict[str, Any] = {}
+    path = getattr(args, "config", None)
     if path is not None:
         p = Path(path)
         if not p.is_file():
@@ -167,4 +82,14 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: list[st
         if not isinstance(loaded, dict):
             raise ConfigError(f"{p}: expected a YAML mapping at the top level, got {type(loaded).__name__}")
         data = loaded
-    return from_dict(cls, apply_overrides(data, overrides))
+    data = apply_overrides(data, list(getattr(args, "overrides", None) or ()))
+    for key, attr in (flags or {}).items():
+        value = getattr(args, attr, None)
+        if value is None:
+            continue
+        node = data
+        *parents, last = key.split(".")
+        for k in parents:
+            node = node.setdefault(k, {})
+        node[last] = list(value) if isinstance(value, tuple) else value
+    return from_dict(cls, data)

@@ -23,6 +23,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
+from operators.errors import ConfigError
 from workers.store import is_complete
 
 __all__ = [
@@ -63,6 +64,10 @@ class DataConfig:
     val_fraction: float = 0.25
     seed: int = 0
     classes: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.val_fraction < 1:
+            raise ConfigError(f"data.val_fraction: got {self.val_fraction!r}, must be in [0, 1)")
 
 
 @dataclass(frozen=True)

@@ -57,11 +57,13 @@ def demo(workdir: str | Path = "foveate-demo", *, count: int = 32, size: str = "
     import ray
 
     from pipeline.config import load_config
+    from pipeline.runtime import init_ray
+    from pipeline.tracking import resolve_tracking_uri
     from pipeline.train import TrainConfig, train
 
     wd = Path(workdir).expanduser().resolve()
     wd.mkdir(parents=True, exist_ok=True)
-    os.environ.setdefault("MLFLOW_TRACKING_URI", f"sqlite:///{wd / 'mlflow.db'}")
+    os.environ["MLFLOW_TRACKING_URI"] = resolve_tracking_uri(default_dir=wd)  # every stage below logs there
     slides, stores = wd / "slides", wd / "stores"
     compare_dir = wd / "compare"
     t_start = time.monotonic()
@@ -83,10 +85,7 @@ def demo(workdir: str | Path = "foveate-demo", *, count: int = 32, size: str = "
         record.write_text(json.dumps(made_with))
     timings["synth"] = time.monotonic() - t0
 
-    started = False
-    if not ray.is_initialized():
-        ray.init(num_cpus=max(2, workers), include_dashboard=False, log_to_driver=True, configure_logging=False)
-        started = True
+    started = init_ray(num_cpus=max(2, workers))  # one Ray for all stages (each command reuses it)
     try:
         t0 = time.monotonic()
         _stage("ingest", ["ingest", str(slides / "labels.csv"), "--out", str(stores), "--workers", str(workers)])
@@ -151,9 +150,9 @@ def run(args: argparse.Namespace) -> int:
         f"  model           {s['model_uri']}",
         f"  predictions     {s['predictions']}  ({s['slides_scored']} slides; accuracy over all slides "
         f"{s['score_accuracy_all_slides']:.2f}, train and validation together)",
-        f"  validation      " + (", ".join(f"{k}={v:.3f}" for k, v in sorted(s["val_metrics"].items())) or "n/a"),
+        "  validation      " + (", ".join(f"{k}={v:.3f}" for k, v in sorted(s["val_metrics"].items())) or "n/a"),
         f"  comparison      {s['compare']}",
-        f"  seconds         " + ", ".join(f"{k} {v}" for k, v in s["seconds"].items()),
+        "  seconds         " + ", ".join(f"{k} {v}" for k, v in s["seconds"].items()),
         "",
         "Look at it:",
         f"  .venv/bin/mlflow ui --backend-store-uri {backend} --host 127.0.0.1 --port 5000",

@@ -21,53 +21,100 @@ import shutil
 import sys
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
+from operators.errors import ConfigError
+from pipeline import __version__
+from pipeline.config import add_config_arguments, config_from_cli
+from pipeline.ingest_inputs import discover_inputs
+from pipeline.ingest_manifest import merge_manifest
 from pipeline.progress import Progress
-from workers.ingest_inputs import SlideInput, discover_inputs
-from workers.ingest_manifest import merge_manifest
+from pipeline.runtime import ActorPool, init_ray, wait_done
+from workers.ingest_source import SlideFile
 from workers.tiler import CODECS, IngestOptions, Tiler
 
-__all__ = ["add_arguments", "run", "ingest", "IngestResult"]
+__all__ = ["add_arguments", "run", "ingest", "IngestConfig", "IngestResult"]
 
 log = logging.getLogger(__name__)
 
-_REPO_ROOT = str(Path(__file__).resolve().parents[1])
+@dataclass(frozen=True)
+class IngestConfig:
+    """Everything ``foveate ingest`` needs (``--config`` YAML / ``--set`` keys; the flags map onto them).
+
+    Attributes:
+        inputs: slide files, directories (searched recursively) or CSV manifests with a ``path`` column.
+        out: folder for ``<slide_id>.zarr`` stores and the manifest.
+        workers: tiler actors (None: the CPUs of the Ray cluster).
+        address: Ray cluster to join (None: in-process Ray, see ``pipeline.runtime.init_ray``).
+        overwrite: redo slides whose store is already complete.
+        max_task_retries: how often a task whose actor died is retried on a fresh actor.
+        options: how stores are written (:class:`workers.tiler.IngestOptions`).
+    """
+
+    inputs: tuple[str, ...] = ()
+    out: str = ""
+    workers: int | None = None
+    address: str | None = None
+    overwrite: bool = False
+    max_task_retries: int = 2
+    options: IngestOptions = field(default_factory=IngestOptions)
+
+    def __post_init__(self) -> None:
+        if not self.inputs:
+            raise ConfigError("inputs: name at least one slide file, directory or CSV manifest")
+        if not self.out:
+            raise ConfigError("out: the store folder is required (--out)")
+        if self.workers is not None and (isinstance(self.workers, bool) or self.workers < 1):
+            raise ConfigError(f"workers: got {self.workers!r}, must be a positive integer")
+        if self.max_task_retries < 0:
+            raise ConfigError(f"max_task_retries: got {self.max_task_retries!r}, must be >= 0")
+
+
+# CLI flag (argparse attribute) -> config key; flags not given leave the config's value
+_FLAGS = {"inputs": "inputs", "out": "out", "workers": "workers", "address": "address", "overwrite": "overwrite",
+          "options.tile_size": "tile_size", "options.codec": "codec", "options.jpeg_quality": "jpeg_quality",
+          "options.zstd_level": "zstd_level", "options.threads": "threads", "options.mpp": "mpp",
+          "options.min_size": "min_size", "options.region_tiles": "region_tiles",
+          "options.passthrough": "passthrough", "options.direct": "direct"}
 
 
 def add_arguments(p) -> None:
-    p.add_argument("inputs", nargs="+", metavar="INPUT",
+    p.add_argument("inputs", nargs="*", metavar="INPUT", default=None,
                    help="slide files, directories (searched recursively) or CSV manifests with a 'path' column")
-    p.add_argument("--out", required=True, metavar="STORE_DIR", help="folder for <slide_id>.zarr stores and the manifest")
+    p.add_argument("--out", metavar="STORE_DIR", help="folder for <slide_id>.zarr stores and the manifest (required)")
     p.add_argument("--workers", type=int, default=None, help="tiler actors (default: CPUs of the Ray cluster)")
     p.add_argument("--address", default=None,
                    help="Ray cluster to join ('auto' or host:port); default: start an in-process local Ray")
-    p.add_argument("--tile-size", type=int, default=256, help="chunk / tile side in pixels (default 256)")
-    p.add_argument("--codec", choices=CODECS, default="zstd",
+    p.add_argument("--tile-size", type=int, help="chunk / tile side in pixels (default 256)")
+    p.add_argument("--codec", choices=CODECS,
                    help="zstd: lossless (default); jpeg: one RGB JPEG per chunk, copying aligned source JPEG tiles as-is")
-    p.add_argument("--jpeg-quality", type=int, default=90, help="quality of JPEGs foveate encodes (default 90)")
-    p.add_argument("--zstd-level", type=int, default=1,
+    p.add_argument("--jpeg-quality", type=int, help="quality of JPEGs foveate encodes (default 90)")
+    p.add_argument("--zstd-level", type=int,
                    help="zstd level (default 1); negative levels (-1 ... -131072) are faster, with larger stores")
-    p.add_argument("--threads", type=int, default=1,
+    p.add_argument("--threads", type=int,
                    help="threads per tiler actor for JPEG decoding, zstd and reductions (default 1; each actor "
                         "still reserves one Ray CPU, so use >1 only when workers < CPUs)")
     p.add_argument("--mpp", type=float, default=None,
                    help="resample level 0 to this many microns per pixel (slides without mpp metadata then fail)")
-    p.add_argument("--min-size", type=int, default=1024, help="stop the pyramid at a level whose longer side is <= this")
-    p.add_argument("--region-tiles", type=int, default=8, help="regions are blocks of N x N chunks (power of two, default 8)")
-    p.add_argument("--no-passthrough", action="store_true", help="with --codec jpeg: always decode and re-encode")
-    p.add_argument("--no-direct", action="store_true", help="always read through OpenSlide read_region")
-    p.add_argument("--overwrite", action="store_true", help="redo slides whose store is already complete")
+    p.add_argument("--min-size", type=int, help="stop the pyramid at a level whose longer side is <= this (default 1024)")
+    p.add_argument("--region-tiles", type=int, help="regions are blocks of N x N chunks (power of two, default 8)")
+    p.add_argument("--no-passthrough", dest="passthrough", action="store_false", default=None,
+                   help="with --codec jpeg: always decode and re-encode")
+    p.add_argument("--no-direct", dest="direct", action="store_false", default=None,
+                   help="always read through OpenSlide read_region")
+    p.add_argument("--overwrite", action="store_true", default=None, help="redo slides whose store is already complete")
+    add_config_arguments(p, "options.codec=jpeg")
 
 
 def run(args) -> int:
-    opts = IngestOptions(tile_size=args.tile_size, codec=args.codec, jpeg_quality=args.jpeg_quality,
-                         zstd_level=args.zstd_level, mpp=args.mpp, min_size=args.min_size,
-                         region_tiles=args.region_tiles, passthrough=not args.no_passthrough, direct=not args.no_direct,
-                         threads=args.threads)
-    res = ingest(args.inputs, args.out, options=opts, workers=args.workers, address=args.address, overwrite=args.overwrite)
+    if not args.inputs:
+        args.inputs = None  # nargs="*" gives [] when none are given: leave the config's inputs
+    cfg = config_from_cli(IngestConfig, args, _FLAGS)
+    res = ingest(cfg.inputs, cfg.out, options=cfg.options, workers=cfg.workers, address=cfg.address,
+                 overwrite=cfg.overwrite, max_task_retries=cfg.max_task_retries)
     print(res.summary())
     return 1 if res.failed else 0
 
@@ -99,12 +146,11 @@ class _Task:
     slide: str  # slide_id
     kind: str  # plan | region | finalize
     payload: Any = None
-    attempts: int = 0
 
 
 @dataclass
 class _SlideState:
-    inp: SlideInput
+    inp: SlideFile
     t0: float = field(default_factory=time.perf_counter)
     store_path: str | None = None
     stages: list[list[Any]] = field(default_factory=list)
@@ -133,28 +179,16 @@ def _one_line(exc: BaseException) -> str:
     return msg if name == "SlideOpenError" else f"{name}: {msg}"
 
 
-def _init_ray(workers: int | None, address: str | None) -> tuple[bool, int]:
-    """Start (or join) Ray; returns (we_started_it, number of actors to use)."""
+def _actors(workers: int | None) -> int:
     import ray
 
-    started = False
-    if not ray.is_initialized():
-        if address:
-            # no runtime_env here: inside `ray job submit` the job's own (working_dir) must stay in force
-            ray.init(address=address, log_to_driver=True)
-        else:
-            n = workers or os.cpu_count() or 1
-            ray.init(num_cpus=n, include_dashboard=False, object_store_memory=128 * 1024**2,
-                     runtime_env={"env_vars": {"PYTHONPATH": _REPO_ROOT, "OMP_NUM_THREADS": "1"}},
-                     log_to_driver=True, configure_logging=False)
-        started = True
     cpus = int(ray.cluster_resources().get("CPU", 1))
-    return started, max(1, min(workers or cpus, cpus))
+    return max(1, min(workers or cpus, cpus))
 
 
 def ingest(inputs: Sequence[str | Path], out: str | Path, *, options: IngestOptions | None = None,
            workers: int | None = None, address: str | None = None, overwrite: bool = False,
-           max_task_retries: int = 2, fault_kill_at: int | None = None, progress: bool | None = None) -> IngestResult:
+           max_task_retries: int = 2, progress: bool | None = None, tiler_cls: type[Tiler] = Tiler) -> IngestResult:
     """Ingest slides into ``out``; see the module doc and ``foveate ingest --help``.
 
     Args:
@@ -165,7 +199,7 @@ def ingest(inputs: Sequence[str | Path], out: str | Path, *, options: IngestOpti
         address: Ray address to join; ``None`` starts a local Ray (or uses the one already initialised).
         overwrite: redo complete stores.
         max_task_retries: how often a task whose worker died is retried on a fresh actor.
-        fault_kill_at: test hook, see :class:`workers.tiler.Tiler`.
+        tiler_cls: the actor class (fault-injection tests pass a :class:`workers.tiler.Tiler` subclass).
         progress: show progress bars (default: when stderr is a terminal).
 
     Returns:
@@ -174,10 +208,8 @@ def ingest(inputs: Sequence[str | Path], out: str | Path, *, options: IngestOpti
     import ray
 
     options = options or IngestOptions()
-    if workers is not None and (not isinstance(workers, int) or workers < 1):
-        raise ValueError(f"workers must be a positive int, got {workers!r}")
-    if not inputs:
-        raise ValueError("inputs must name at least one file, directory or CSV manifest, got none")
+    IngestConfig(tuple(str(i) for i in inputs), str(out), workers=workers, address=address, overwrite=overwrite,
+                 max_task_retries=max_task_retries, options=options)  # validates
     t_start = time.perf_counter()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -196,10 +228,12 @@ def ingest(inputs: Sequence[str | Path], out: str | Path, *, options: IngestOpti
     pixels, cpu = 0, 0.0
     try:
         if states:
-            started, n_actors = _init_ray(workers, address)
+            started = init_ray(address, num_cpus=workers or os.cpu_count() or 1,
+                               object_store_memory=128 * 1024**2, env_vars={"OMP_NUM_THREADS": "1"})
+            n_actors = _actors(workers)
             try:
                 pixels, cpu = _schedule(states, queue, rows, out, options, n_actors, overwrite, max_task_retries,
-                                        fault_kill_at, progress)
+                                        progress, tiler_cls)
             finally:
                 if started:
                     ray.shutdown()
@@ -218,11 +252,11 @@ def _complete(spath: Path) -> bool:
     return is_complete(spath)
 
 
-def _base_row(inp: SlideInput) -> dict[str, Any]:
+def _base_row(inp: SlideFile) -> dict[str, Any]:
     return {"slide_id": inp.slide_id, "source": inp.source, **inp.carried}
 
 
-def _skipped_row(inp: SlideInput, spath: Path) -> dict[str, Any]:
+def _skipped_row(inp: SlideFile, spath: Path) -> dict[str, Any]:
     from workers.store import SlideStore
 
     row = {**_base_row(inp), "status": "skipped", "error": None, "store": str(spath), "seconds": 0.0}
@@ -232,26 +266,19 @@ def _skipped_row(inp: SlideInput, spath: Path) -> dict[str, Any]:
         row.update(width=m.level0_size[0], height=m.level0_size[1], mpp=m.mpp[0] if m.mpp else None,
                    mpp_missing=m.mpp is None, tissue_fraction=m.tissue_fraction, vendor=m.vendor, codec=m.codec,
                    levels=len(m.downsamples))
-    except Exception as exc:  # noqa: BLE001 - a skipped row without details is still a row
+    except Exception as exc:
         log.warning("%s: complete store but unreadable metadata: %s", spath, exc)
     return row
 
 
 def _schedule(states: dict[str, _SlideState], queue: deque, rows: dict, out: Path, options: IngestOptions,
-              n_actors: int, overwrite: bool, max_task_retries: int, fault_kill_at: int | None,
-              progress: bool | None) -> tuple[int, float]:
+              n_actors: int, overwrite: bool, max_task_retries: int, progress: bool | None,
+              tiler_cls: type[Tiler] = Tiler) -> tuple[int, float]:
     import ray
 
-    actor_cls = ray.remote(num_cpus=1, max_restarts=0)(Tiler)
-
-    def spawn():
-        return actor_cls.remote(str(out), options, fault_kill_at=fault_kill_at)
-
-    actors = [spawn() for _ in range(n_actors)]
-    last_slide: list[str | None] = [None] * n_actors
-    busy = [0] * n_actors
-    depth = 2
-    inflight: dict[Any, tuple[int, _Task, Any]] = {}
+    actor_cls = ray.remote(num_cpus=1, max_restarts=0)(tiler_cls)
+    pool = ActorPool(lambda: actor_cls.remote(str(out), options, version=__version__),
+                     n_actors, depth=2, max_task_retries=max_task_retries, name="tiler").start()
     pixels = 0
     cpu = 0.0
     slide_bar = Progress(len(states), "slides", unit="slide", enable=progress)
@@ -261,8 +288,9 @@ def _schedule(states: dict[str, _SlideState], queue: deque, rows: dict, out: Pat
     def pick(i: int) -> _Task | None:
         if not queue:
             return None
+        last = pool.last_task[i]
         for j, t in enumerate(queue):  # prefer the slide this actor has open
-            if t.slide == last_slide[i] and t.kind == "region":
+            if last is not None and t.slide == last.slide and t.kind == "region":
                 del queue[j]
                 return t
             if j > 64:
@@ -273,14 +301,11 @@ def _schedule(states: dict[str, _SlideState], queue: deque, rows: dict, out: Pat
         st = states[t.slide]
         if t.kind == "plan":
             st.t0 = time.perf_counter()
-            ref = actors[i].plan.remote(t.payload, overwrite=overwrite)
+            pool.submit(i, "plan", t.payload, overwrite=overwrite, task=t)
         elif t.kind == "region":
-            ref = actors[i].write_region.remote(st.store_path, t.payload)
+            pool.submit(i, "write_region", st.store_path, t.payload, task=t)
         else:
-            ref = actors[i].finalize.remote(st.store_path)
-        inflight[ref] = (i, t, actors[i])
-        busy[i] += 1
-        last_slide[i] = t.slide
+            pool.submit(i, "finalize", st.store_path, task=t)
 
     def fail(slide: str, error: str, *, remove_store: bool) -> None:
         st = states[slide]
@@ -309,97 +334,89 @@ def _schedule(states: dict[str, _SlideState], queue: deque, rows: dict, out: Pat
         queue.extend(_Task(slide, "region", r) for r in regs)
 
     try:
-        while queue or inflight:
+        while queue or len(pool):
             for i in range(n_actors):
-                while busy[i] < depth:
+                while pool.has_room(i):
                     t = pick(i)
                     if t is None:
                         break
                     submit(i, t)
-            if not inflight:
+            if not len(pool):
                 continue
-            ready, _ = ray.wait(list(inflight), num_returns=1)
-            ref = ready[0]
-            i, t, handle = inflight.pop(ref)
-            if handle is actors[i]:  # (not a task of an actor that was already replaced)
-                busy[i] -= 1
-            st = states[t.slide]
-            try:
-                result = ray.get(ref)
-            except ray.exceptions.RayActorError as exc:
-                if handle is actors[i]:
-                    log.warning("tiler actor %d died (%s); replacing it", i, type(exc).__name__)
-                    actors[i] = spawn()
-                    busy[i] = 0
-                # tasks queued on the dead actor fail too; each is retried on its own
-                t.attempts += 1
+            for done in wait_done(pool):
+                t = done.task
+                st = states[t.slide]
+                if done.actor_died:  # tasks queued on the dead actor fail too; each is retried on its own
+                    if st.done:
+                        continue
+                    if not done.retry:
+                        error = (f"worker died {pool.attempts(t)} times on {t.kind} "
+                                 f"{getattr(t.payload, 'key', '')}".rstrip() + " (store kept; re-run to resume)")
+                        if t.kind != "region":
+                            fail(t.slide, error, remove_store=False)
+                            continue
+                        # give up on this region but let the stage's other regions finish, so that a re-run
+                        # resumes from everything that could be written; the slide fails when the stage is over
+                        st.error = st.error or error
+                        st.outstanding -= 1
+                        if st.outstanding == 0:
+                            fail(t.slide, st.error, remove_store=False)
+                    else:
+                        queue.appendleft(t)
+                    continue
+                if done.error is not None:
+                    if not isinstance(done.error, ray.exceptions.RayTaskError):
+                        raise done.error
+                    if not st.done:
+                        from workers.ingest_source import SlideOpenError
+
+                        bad_input = isinstance(getattr(done.error, "cause", None), SlideOpenError)
+                        fail(t.slide, _one_line(done.error), remove_store=bad_input)
+                    continue
                 if st.done:
                     continue
-                if t.attempts > max_task_retries:
-                    error = (f"worker died {t.attempts} times on {t.kind} "
-                             f"{getattr(t.payload, 'key', '')}".rstrip() + " (store kept; re-run to resume)")
-                    if t.kind != "region":
-                        fail(t.slide, error, remove_store=False)
-                        continue
-                    # give up on this region but let the stage's other regions finish, so that a re-run
-                    # resumes from everything that could be written; the slide fails when the stage is over
-                    st.error = st.error or error
-                    st.outstanding -= 1
-                    if st.outstanding == 0:
-                        fail(t.slide, st.error, remove_store=False)
-                else:
-                    queue.appendleft(t)
-                continue
-            except ray.exceptions.RayTaskError as exc:
-                if not st.done:
-                    from workers.ingest_source import SlideOpenError
-
-                    bad_input = isinstance(getattr(exc, "cause", None), SlideOpenError)
-                    fail(t.slide, _one_line(exc), remove_store=bad_input)
-                continue
-            if st.done:
-                continue
-            if t.kind == "plan":
-                plan = result
-                st.store_path = plan.store_path
-                st.stages = plan.todo
-                st.regions = sum(len(s) for s in plan.stages)
-                st.resumed = plan.resumed_regions
-                st.mpp_missing = plan.info["mpp"] is None
-                if st.mpp_missing:
-                    log.warning("slide %s has no mpp metadata (flagged in the manifest)", t.slide)
-                n_tiles = sum(_tiles(plan.tile, r) for s in plan.stages for r in s)
-                total_tiles += n_tiles
-                tile_bar.set_total(total_tiles)
-                tile_bar.update(n_tiles - sum(_tiles(plan.tile, r) for s in plan.todo for r in s))
-                enqueue_stage(t.slide)
-            elif t.kind == "region":
-                tile_bar.update(result["tiles"])
-                cpu += result.get("cpu_seconds", 0.0)
-                st.outstanding -= 1
-                if st.outstanding == 0 and st.error:
-                    fail(t.slide, st.error, remove_store=False)
-                elif st.outstanding == 0:
-                    st.stage += 1
+                result = done.value
+                if t.kind == "plan":
+                    plan = result
+                    st.store_path = plan.store_path
+                    st.stages = plan.todo
+                    st.regions = sum(len(s) for s in plan.stages)
+                    st.resumed = plan.resumed_regions
+                    st.mpp_missing = plan.info["mpp"] is None
+                    if st.mpp_missing:
+                        log.warning("slide %s has no mpp metadata (flagged in the manifest)", t.slide)
+                    n_tiles = sum(_tiles(plan.tile, r) for s in plan.stages for r in s)
+                    total_tiles += n_tiles
+                    tile_bar.set_total(total_tiles)
+                    tile_bar.update(n_tiles - sum(_tiles(plan.tile, r) for s in plan.todo for r in s))
                     enqueue_stage(t.slide)
-            else:
-                st.done = True
-                rows[t.slide] = {**_base_row(st.inp), "status": "ok", "error": None,
-                                 "seconds": time.perf_counter() - st.t0, "mpp_missing": st.mpp_missing,
-                                 "regions": st.regions, "regions_resumed": st.resumed, "store": st.store_path, **result}
-                pixels += int(result["width"]) * int(result["height"])
-                cpu += result.get("cpu_seconds", 0.0)
-                slide_bar.update(1)
+                elif t.kind == "region":
+                    tile_bar.update(result["tiles"])
+                    cpu += result.get("cpu_seconds", 0.0)
+                    st.outstanding -= 1
+                    if st.outstanding == 0 and st.error:
+                        fail(t.slide, st.error, remove_store=False)
+                    elif st.outstanding == 0:
+                        st.stage += 1
+                        enqueue_stage(t.slide)
+                else:
+                    st.done = True
+                    rows[t.slide] = {**_base_row(st.inp), "status": "ok", "error": None,
+                                     "seconds": time.perf_counter() - st.t0, "mpp_missing": st.mpp_missing,
+                                     "regions": st.regions, "regions_resumed": st.resumed, "store": st.store_path,
+                                     **result}
+                    pixels += int(result["width"]) * int(result["height"])
+                    cpu += result.get("cpu_seconds", 0.0)
+                    slide_bar.update(1)
     finally:
-        for a in actors:
-            ray.kill(a)
+        pool.shutdown()
         tile_bar.close()
         slide_bar.close()
     return pixels, cpu
 
 
 def _tiles(t: int, r) -> int:
-    return -(-r.w // t) * -(-r.h // t)
+    return -(-r.box.width // t) * -(-r.box.height // t)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -59,7 +59,7 @@ class Progress:
         else:
             self._log()
 
-    def __enter__(self) -> "Progress":
+    def __enter__(self) -> Progress:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -1,4 +1,5 @@
-"""``foveate score``: batch-score an archive of slide stores with a trained model, on Ray.
+"""``foveate score``: batch-score an archive of slide stores with a trained model, on Ray (the job and the CLI;
+the stages are :mod:`pipeline.score_stages`, the output file :mod:`pipeline.predictions`).
 
 Two stages run as separate Ray actor pools (:mod:`workers.scoring`):
 
@@ -33,24 +34,23 @@ and the predictions file as an artifact.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
-import math
-import os
 import time
-from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ScoreResult", "list_stores", "read_predictions", "PredictionWriter", "score", "add_arguments", "run",
-           "CRASH_ENV"]
+from operators.errors import ConfigError
+from pipeline.config import add_config_arguments, config_from_cli
+from pipeline.predictions import PredictionWriter, list_stores, read_predictions
+from pipeline.runtime import init_ray
+from pipeline.score_stages import run_stages
+from pipeline.tracking import resolve_tracking_uri
+
+__all__ = ["ScoreConfig", "ScoreResult", "list_stores", "read_predictions", "PredictionWriter", "score", "add_arguments", "run"]
 
 log = logging.getLogger(__name__)
-
-# test hook: "scorer:<slide_id>:<marker path>" and/or "classifier:<slide_id>:<marker path>" (";"-separated) make
-# that stage's actor kill its own process once when it reaches that slide (see workers.scoring)
-CRASH_ENV = "FOVEATE_TEST_CRASH_ONCE"
-
 
 @dataclass
 class ScoreResult:
@@ -80,311 +80,54 @@ class ScoreResult:
         return "\n".join(lines)
 
 
-# ---------------------------------------------------------------------------------------------- inputs/outputs
-def list_stores(stores_dir: str | Path) -> list[tuple[str, str]]:
-    """``[(slide_id, store path)]`` of every ``*.zarr`` directory in ``stores_dir``, sorted by slide id
-    (complete or not: an incomplete store gets an error row)."""
-    root = Path(stores_dir)
-    if not root.is_dir():
-        raise FileNotFoundError(f"--stores: no such directory {str(root)!r}")
-    out = [(p.name[: -len(".zarr")], str(p.resolve())) for p in root.iterdir() if p.is_dir() and p.name.endswith(".zarr")]
-    return sorted(out)
-
-
-def _schema(prob_columns: list[str]):
-    import pyarrow as pa
-
-    patch = pa.struct([("x", pa.int64()), ("y", pa.int64()), ("w", pa.int64()), ("h", pa.int64()),
-                       ("score", pa.float64())])
-    fields = [("slide_id", pa.string()), ("status", pa.string()), ("error", pa.string()),
-              ("prediction", pa.string()), ("probability", pa.float64()),
-              ("probabilities", pa.map_(pa.string(), pa.float64())), ("patches", pa.list_(patch)),
-              ("heatmap", pa.string()), ("seconds", pa.float64()), ("store", pa.string()), ("model", pa.string()),
-              ("scored_at", pa.string())]
-    fields += [(c, pa.float64()) for c in prob_columns]
-    return pa.schema(fields)
-
-
-def _prob_column(name: str) -> str:
-    return f"prob_{name}"
-
-
-def read_predictions(path: str | Path) -> list[dict[str, Any]]:
-    """The rows of an existing predictions file (``[]`` if there is none)."""
-    import pyarrow.parquet as pq
-
-    path = Path(path)
-    if not path.exists():
-        return []
-    try:
-        table = pq.read_table(path)
-    except Exception as exc:  # noqa: BLE001
-        raise ValueError(f"--out {str(path)!r} exists but is not a readable predictions file ({exc}); move it away "
-                         f"or choose another --out") from exc
-    if "slide_id" not in table.column_names or "status" not in table.column_names:
-        raise ValueError(f"--out {str(path)!r} is not a foveate predictions file (no slide_id/status columns)")
-    rows = table.to_pylist()
-    for r in rows:  # map columns come back as lists of (key, value) pairs
-        if isinstance(r.get("probabilities"), list):
-            r["probabilities"] = dict(r["probabilities"])
-    return rows
-
-
-class PredictionWriter:
-    """Holds the rows (one per slide id) and rewrites the Parquet file atomically.
-
-    Args:
-        path: the output file.
-        rows: rows to start from (e.g. those of an earlier run that are kept).
-        flush_every_s: :meth:`add` rewrites the file when at least this long has passed since the last write.
-    """
-
-    def __init__(self, path: str | Path, rows: list[dict[str, Any]] = (), *, flush_every_s: float = 2.0):
-        self.path = Path(path)
-        self.rows: dict[str, dict[str, Any]] = {}
-        for r in rows:
-            self.rows[r["slide_id"]] = r
-        self.flush_every_s = float(flush_every_s)
-        self._last = 0.0
-        self._dirty = False
-        self.writes = 0
-
-    def add(self, row: dict[str, Any]) -> None:
-        self.rows[row["slide_id"]] = row
-        self._dirty = True
-        if time.monotonic() - self._last >= self.flush_every_s:
-            self.flush()
-
-    def table(self):
-        """The rows as a pyarrow Table (sorted by slide id)."""
-        import pyarrow as pa
-
-        rows = [self.rows[k] for k in sorted(self.rows)]
-        prob_cols = sorted({_prob_column(n) for r in rows for n in (r.get("probabilities") or {})})
-        out = []
-        for r in rows:
-            d = {k: r.get(k) for k in ("slide_id", "status", "error", "prediction", "probability", "heatmap",
-                                        "seconds", "store", "model", "scored_at")}
-            probs = r.get("probabilities") or {}
-            d["probabilities"] = list(probs.items())
-            d["patches"] = list(r.get("patches") or [])
-            for c in prob_cols:
-                d[c] = None
-            for name, v in probs.items():
-                d[_prob_column(name)] = float(v)
-            out.append(d)
-        return pa.Table.from_pylist(out, schema=_schema(prob_cols))
-
-    def flush(self, force: bool = False) -> None:
-        """Rewrite the file (temp file, fsync, rename) if anything changed (or ``force``)."""
-        import pyarrow.parquet as pq
-
-        if not (self._dirty or force):
-            return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
-        pq.write_table(self.table(), tmp)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)
-        self._last = time.monotonic()
-        self._dirty = False
-        self.writes += 1
-
-
-# ---------------------------------------------------------------------------------------------- Ray glue
-def _crash_hook(stage: str) -> tuple[str, str] | None:
-    """The test hook for ``stage`` from ``$FOVEATE_TEST_CRASH_ONCE`` (``;``-separated specs)."""
-    text = os.environ.get(CRASH_ENV, "")
-    for spec in filter(None, text.split(";")):
-        parts = spec.split(":", 2)
-        if len(parts) != 3 or parts[0] not in ("scorer", "classifier"):
-            raise ValueError(f"{CRASH_ENV} must be 'scorer|classifier:<slide_id>:<marker path>[;...]', got {text!r}")
-        if parts[0] == stage:
-            return parts[1], parts[2]
-    return None
-
-
-def _init_ray(address: str | None, num_cpus: int | None) -> bool:
-    """Start or join Ray; True when this call started it (so we shut it down)."""
-    import ray
-
-    if ray.is_initialized():
-        return False
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    kwargs: dict[str, Any] = {"log_to_driver": True}
-    if address is None and os.environ.get("RAY_ADDRESS", "").startswith(("http://", "https://")):
-        # a job-submission address (from `eval "$(infra/local/up.sh)"`) is not one ray.init() can join
-        log.info("RAY_ADDRESS %s is a job-submission address; starting an in-process Ray instead "
-                 "(use `ray job submit` to run on that cluster)", os.environ.pop("RAY_ADDRESS"))
-    if address is None and not os.environ.get("RAY_ADDRESS"):
-        kwargs.update(include_dashboard=False, num_cpus=num_cpus)
-    ray.init(address=address, **kwargs)
-    return True
-
-
-@dataclass
-class _Pool:
-    """Actors of one stage with their in-flight call counts; dead actors are replaced."""
-
-    make: Any
-    size: int
-    actors: list = field(default_factory=list)
-    load: list = field(default_factory=list)
-    replaced: int = 0
-
-    def start(self) -> None:
-        self.actors = [self.make() for _ in range(self.size)]
-        self.load = [0] * self.size
-
-    def free(self, limit: int) -> int | None:
-        i = min(range(self.size), key=lambda j: self.load[j])
-        return i if self.load[i] < limit else None
-
-    def replace(self, i: int) -> None:
-        import ray
-
-        if self.replaced >= 3 * self.size:
-            raise RuntimeError(f"scoring actors keep dying ({self.replaced} replaced); see the Ray logs")
-        try:
-            ray.kill(self.actors[i], no_restart=True)
-        except Exception:  # noqa: BLE001 - already gone
-            pass
-        self.actors[i] = self.make()
-        self.load[i] = 0
-        self.replaced += 1
-
-
-def _run_pipeline(todo: list[tuple[str, str]], ckpt_ref: Any, *, model_name: str, heatmap_dir: Path | None,
-                  writer: PredictionWriter, workers: int | None, scorer_workers: int | None, batch_size: int,
-                  max_in_flight: int, max_restarts: int, max_task_retries: int, progress) -> tuple[str, int, int, int]:
-    """Drive the two actor pools over ``todo``; returns (scorer device, ok rows, error rows, retried calls)."""
-    import ray
-    from ray.exceptions import GetTimeoutError, RayActorError, RayError
-
-    from workers.scoring import ClassifierWorker, ScorerWorker, error_row
-
-    resources = ray.cluster_resources()
-    gpus = int(resources.get("GPU", 0))
-    n_scorers = scorer_workers or max(1, gpus)
-    total_cpus = float(resources.get("CPU", 1))
-    if workers is None:  # the CPUs the scorers leave, at least one, at most one per slide batch
-        workers = max(1, min(int(total_cpus) - (0 if gpus else n_scorers), math.ceil(len(todo) / batch_size)))
-    cpu_actors = workers + (0 if gpus else n_scorers)
-    cpus_each = min(1.0, total_cpus / max(cpu_actors, 1))  # never ask for more CPUs than the cluster has
-    threads = max(1, int(cpus_each))
-    opts = {"max_restarts": max_restarts, "max_task_retries": max_task_retries}
-    if gpus:
-        scorer_cls = ray.remote(num_gpus=min(1.0, gpus / n_scorers), num_cpus=0, **opts)(ScorerWorker)
-        device = "cuda"
-    else:
-        scorer_cls = ray.remote(num_cpus=cpus_each, **opts)(ScorerWorker)
-        device = "cpu"
-    classifier_cls = ray.remote(num_cpus=cpus_each, **opts)(ClassifierWorker)
-    scorers = _Pool(lambda: scorer_cls.remote(ckpt_ref, device=device, threads=threads,
-                                              crash_once=_crash_hook("scorer")), n_scorers)
-    classifiers = _Pool(lambda: classifier_cls.remote(ckpt_ref, heatmap_dir=str(heatmap_dir) if heatmap_dir else None,
-                                                      model_name=model_name, threads=threads,
-                                                      crash_once=_crash_hook("classifier")), workers)
-    scorers.start()
-    classifiers.start()
-    log.info("scoring %d slide(s): %d scorer actor(s) on %s, %d classifier actor(s), batch %d", len(todo), n_scorers,
-             device, workers, batch_size)
-
-    pending: deque[list[tuple[str, str]]] = deque(todo[i:i + batch_size] for i in range(0, len(todo), batch_size))
-    waiting: deque[dict[str, Any]] = deque()  # scored slides waiting for a classifier
-    in_flight: dict[Any, tuple[str, int, list]] = {}  # ref -> (stage, actor index, work)
-    backlog_limit = max(2 * batch_size * workers * max_in_flight, batch_size)
-    ok = failed = retried = 0
-
-    def record(row: dict[str, Any]) -> None:
-        nonlocal ok, failed
-        writer.add(row)
-        if row["status"] == "ok":
-            ok += 1
-        else:
-            failed += 1
-        progress.update(1)
-
-    solo: deque[dict[str, Any]] = deque()  # classifier items re-run one by one after a failed call
-
-    def on_failure(stage: str, pool: _Pool, i: int, work: list, exc: BaseException) -> None:
-        nonlocal retried
-        retried += 1
-        log.warning("%s call on %d slide(s) failed after Ray's retries: %s", stage, len(work), exc)
-        if isinstance(exc, RayActorError):
-            pool.replace(i)
-        if len(work) > 1:  # split, so only the slide that fails gets an error row
-            for w in reversed(work):
-                if stage == "scorer":
-                    pending.appendleft([w])
-                else:
-                    solo.appendleft(w)
-            return
-        sid, store = (work[0][0], work[0][1]) if stage == "scorer" else (work[0]["slide_id"], work[0]["store"])
-        record(error_row(sid, store, f"{stage} worker failed: {type(exc).__name__}: {exc}"[:2000], model=model_name))
-
-    while pending or waiting or solo or in_flight:
-        while waiting or solo:  # classifiers first: drain before scoring more
-            i = classifiers.free(max_in_flight)
-            if i is None:
-                break
-            items = [solo.popleft()] if solo else [waiting.popleft() for _ in range(min(batch_size, len(waiting)))]
-            ref = classifiers.actors[i].classify_batch.remote(items)
-            in_flight[ref] = ("classifier", i, items)
-            classifiers.load[i] += 1
-        queued = len(waiting) + len(solo) + sum(len(w) for s, _, w in in_flight.values() if s == "scorer")
-        while pending and queued < backlog_limit:  # backpressure: bounded backlog ahead of the classifiers
-            i = scorers.free(max_in_flight)
-            if i is None:
-                break
-            batch = pending.popleft()
-            ref = scorers.actors[i].score_batch.remote(batch)
-            in_flight[ref] = ("scorer", i, batch)
-            scorers.load[i] += 1
-            queued += len(batch)
-        if not in_flight:
-            continue
-        ready, _ = ray.wait(list(in_flight), num_returns=1, timeout=30.0)
-        for ref in ready:
-            stage, i, work = in_flight.pop(ref)
-            pool = scorers if stage == "scorer" else classifiers
-            pool.load[i] = max(0, pool.load[i] - 1)
-            try:
-                results = ray.get(ref)
-            except (RayError, GetTimeoutError) as exc:
-                on_failure(stage, pool, i, work, exc)
-                continue
-            if stage == "scorer":
-                for item in results:
-                    if item["status"] == "ok":
-                        waiting.append(item)
-                    else:
-                        record(error_row(item["slide_id"], item["store"], item["error"], model=model_name,
-                                         seconds=item.get("seconds", 0.0)))
-            else:
-                for row in results:
-                    record(row)
-    for pool in (scorers, classifiers):
-        for a in pool.actors:
-            try:
-                ray.kill(a, no_restart=True)
-            except Exception:  # noqa: BLE001
-                pass
-    return device, ok, failed, retried
-
-
 # ---------------------------------------------------------------------------------------------- the job
-def _check_int(name: str, value: Any, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+@dataclass(frozen=True)
+class ScoreConfig:
+    """Everything ``foveate score`` needs (``--config`` YAML / ``--set`` keys; the flags map onto them; see
+    :func:`score` for each field). Validates itself (``ConfigError``)."""
+
+    model: str
+    stores: str
+    out: str
+    workers: int | None = None
+    scorer_workers: int | None = None
+    address: str | None = None
+    batch_size: int = 4
+    max_in_flight: int = 2
+    heatmaps: bool = True
+    experiment: str | None = "foveate-score"
+    tracking_uri: str | None = None
+    max_restarts: int = 3
+    max_task_retries: int = 3
+    flush_every_s: float = 2.0
+    num_cpus: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model:
+            raise ConfigError(f"--model must be an MLflow model URI or a checkpoint path, got {self.model!r}")
+        for name, value, minimum in (("--workers", self.workers, 1), ("--scorer-workers", self.scorer_workers, 1),
+                                     ("--batch-size", self.batch_size, 1), ("--max-in-flight", self.max_in_flight, 1),
+                                     ("max_restarts", self.max_restarts, 0),
+                                     ("max_task_retries", self.max_task_retries, 0), ("num_cpus", self.num_cpus, 1)):
+            if value is None and name in ("--workers", "--scorer-workers", "num_cpus"):
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise ConfigError(f"{name} must be an integer >= {minimum}, got {value!r}")
+        if not str(self.out).endswith(".parquet"):
+            raise ConfigError(f"--out must be a .parquet file, got {self.out!r}")
+
+
+# CLI flag (argparse attribute) -> config key
+_FLAGS = {k: k for k in ("model", "stores", "out", "workers", "scorer_workers", "address", "batch_size",
+                         "max_in_flight", "heatmaps", "experiment", "tracking_uri")}
 
 
 def score(model: str, stores: str | Path, out: str | Path, *, workers: int | None = None,
           scorer_workers: int | None = None,
           address: str | None = None, batch_size: int = 4, max_in_flight: int = 2, heatmaps: bool = True,
           experiment: str | None = "foveate-score", tracking_uri: str | None = None, max_restarts: int = 3,
-          max_task_retries: int = 3, flush_every_s: float = 2.0, num_cpus: int | None = None) -> ScoreResult:
+          max_task_retries: int = 3, flush_every_s: float = 2.0, num_cpus: int | None = None,
+          scorer_cls: type | None = None, classifier_cls: type | None = None) -> ScoreResult:
     """Score every store in ``stores`` with ``model`` and write one row per slide to ``out``.
 
     Args:
@@ -404,22 +147,17 @@ def score(model: str, stores: str | Path, out: str | Path, *, workers: int | Non
         max_restarts, max_task_retries: Ray fault tolerance of the actors.
         flush_every_s: minimum seconds between rewrites of ``out`` while running.
         num_cpus: CPUs of an in-process Ray (default: all).
+        scorer_cls, classifier_cls: the actor classes (default ``workers.scoring.ScorerWorker`` /
+            ``ClassifierWorker``; fault-injection tests pass subclasses).
     """
     from pipeline.progress import Progress
 
-    if not isinstance(model, (str, Path)) or not str(model):
-        raise ValueError(f"--model must be an MLflow model URI or a checkpoint path, got {model!r}")
-    if workers is not None:
-        _check_int("--workers", workers, 1)
-    if scorer_workers is not None:
-        _check_int("--scorer-workers", scorer_workers, 1)
-    _check_int("--batch-size", batch_size, 1)
-    _check_int("--max-in-flight", max_in_flight, 1)
-    _check_int("max_restarts", max_restarts, 0)
-    _check_int("max_task_retries", max_task_retries, 0)
+    ScoreConfig(model=str(model) if isinstance(model, (str, Path)) else model, stores=str(stores), out=str(out),
+                workers=workers, scorer_workers=scorer_workers, address=address, batch_size=batch_size,
+                max_in_flight=max_in_flight, heatmaps=heatmaps, experiment=experiment, tracking_uri=tracking_uri,
+                max_restarts=max_restarts, max_task_retries=max_task_retries, flush_every_s=flush_every_s,
+                num_cpus=num_cpus)  # validates
     out = Path(out).expanduser().resolve()
-    if out.suffix != ".parquet":
-        raise ValueError(f"--out must be a .parquet file, got {str(out)!r}")
     t0 = time.perf_counter()
     all_stores = list_stores(stores)
     if not all_stores:
@@ -434,7 +172,7 @@ def score(model: str, stores: str | Path, out: str | Path, *, workers: int | Non
     log.info("%d store(s) in %s: %d already scored in %s, %d to score", len(all_stores), stores, skipped, out,
              len(todo))
 
-    uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{out.parent / 'mlflow.db'}"
+    uri = resolve_tracking_uri(tracking_uri, default_dir=out.parent)
     run_id = None
     device, ok, failed, retried = "cpu", 0, 0, 0
     client = None
@@ -462,14 +200,15 @@ def score(model: str, stores: str | Path, out: str | Path, *, workers: int | Non
             del net
             import ray
 
-            started = _init_ray(address, num_cpus)
+            started = init_ray(address, num_cpus=num_cpus)
             try:
                 ckpt_ref = ray.put(ckpt)
                 with Progress(len(todo), "slides scored", unit="slide") as progress:
-                    device, ok, failed, retried = _run_pipeline(
+                    device, ok, failed, retried = run_stages(
                         todo, ckpt_ref, model_name=str(model), heatmap_dir=heatmap_dir, writer=writer, workers=workers,
                         scorer_workers=scorer_workers, batch_size=batch_size, max_in_flight=max_in_flight,
-                        max_restarts=max_restarts, max_task_retries=max_task_retries, progress=progress)
+                        max_restarts=max_restarts, max_task_retries=max_task_retries, progress=progress,
+                        scorer_cls=scorer_cls, classifier_cls=classifier_cls)
             finally:
                 writer.flush()
                 if started:
@@ -499,11 +238,11 @@ def score(model: str, stores: str | Path, out: str | Path, *, workers: int | Non
 
 # ---------------------------------------------------------------------------------------------- CLI
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True,
+    parser.add_argument("--model",
                         help="MLflow model URI (runs:/<run_id>, runs:/<run_id>/model, models:/<name>/<version>) or a "
-                             "local checkpoint (.pt) / MLflow model directory")
-    parser.add_argument("--stores", required=True, help="folder of <slide_id>.zarr stores (foveate ingest's STORE_DIR)")
-    parser.add_argument("--out", required=True, help="predictions file (.parquet); an existing one is resumed")
+                             "local checkpoint (.pt) / MLflow model directory (required)")
+    parser.add_argument("--stores", help="folder of <slide_id>.zarr stores (foveate ingest's STORE_DIR; required)")
+    parser.add_argument("--out", help="predictions file (.parquet); an existing one is resumed (required)")
     parser.add_argument("--workers", type=int, default=None,
                         help="CPU actors reading patches + features + aggregation (default: the cluster's CPUs not "
                              "used by CPU scorers, at least 1)")
@@ -511,19 +250,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="scorer actors (default: one per GPU of the cluster, else 1 on CPU)")
     parser.add_argument("--address", default=None, help="Ray address (default: RAY_ADDRESS / the job's cluster, else "
                                                         "an in-process Ray)")
-    parser.add_argument("--batch-size", type=int, default=4, help="slides per actor call (default 4)")
-    parser.add_argument("--max-in-flight", type=int, default=2, help="queued calls per actor (default 2)")
-    parser.add_argument("--no-heatmaps", action="store_true", help="do not write heatmap PNGs")
-    parser.add_argument("--experiment", default="foveate-score", help="MLflow experiment of the scoring run")
+    parser.add_argument("--batch-size", type=int, default=None, help="slides per actor call (default 4)")
+    parser.add_argument("--max-in-flight", type=int, default=None, help="queued calls per actor (default 2)")
+    parser.add_argument("--no-heatmaps", dest="heatmaps", action="store_false", default=None,
+                        help="do not write heatmap PNGs")
+    parser.add_argument("--experiment", default=None, help="MLflow experiment of the scoring run (default foveate-score)")
     parser.add_argument("--no-mlflow", action="store_true", help="do not log an MLflow run")
     parser.add_argument("--tracking-uri", default=None,
                         help="MLflow tracking URI (default $MLFLOW_TRACKING_URI, else sqlite:///<out dir>/mlflow.db)")
+    add_config_arguments(parser, "batch_size=8")
 
 
 def run(args: argparse.Namespace) -> int:
-    res = score(args.model, args.stores, args.out, workers=args.workers, scorer_workers=args.scorer_workers,
-                address=args.address, batch_size=args.batch_size, max_in_flight=args.max_in_flight,
-                heatmaps=not args.no_heatmaps, experiment=None if args.no_mlflow else args.experiment,
-                tracking_uri=args.tracking_uri)
+    cfg = config_from_cli(ScoreConfig, args, _FLAGS)
+    if args.no_mlflow:
+        cfg = dataclasses.replace(cfg, experiment=None)
+    res = score(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)})
     print(res.summary())
     return 0

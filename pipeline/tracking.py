@@ -11,10 +11,12 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 __all__ = [
+    "resolve_tracking_uri",
     "tracking_uri",
     "artifact_location_for",
     "client_for",
@@ -31,14 +33,27 @@ log = logging.getLogger(__name__)
 _MAX_PARAM_LEN = 6000
 
 
-def tracking_uri(workdir: str | Path = ".") -> str:
-    """``$MLFLOW_TRACKING_URI`` if set, else ``sqlite:///<abs workdir>/mlflow.db`` (the directory is created)."""
+def resolve_tracking_uri(explicit: str | None = None, *, default_dir: str | Path | None = None) -> str:
+    """The MLflow tracking URI every command uses: ``explicit`` (``--tracking-uri``) if given, else
+    ``$MLFLOW_TRACKING_URI``, else ``sqlite:///<abs default_dir>/mlflow.db`` (the directory is created), else
+    (no ``default_dir``) MLflow's own default."""
+    if explicit:
+        return str(explicit)
     env = os.environ.get("MLFLOW_TRACKING_URI", "").strip()
     if env:
         return env
-    wd = Path(workdir).expanduser().resolve()
-    wd.mkdir(parents=True, exist_ok=True)
-    return f"sqlite:///{wd / 'mlflow.db'}"
+    if default_dir is not None:
+        wd = Path(default_dir).expanduser().resolve()
+        wd.mkdir(parents=True, exist_ok=True)
+        return f"sqlite:///{wd / 'mlflow.db'}"
+    import mlflow
+
+    return mlflow.get_tracking_uri()
+
+
+def tracking_uri(workdir: str | Path = ".") -> str:
+    """``$MLFLOW_TRACKING_URI`` if set, else ``sqlite:///<abs workdir>/mlflow.db`` (:func:`resolve_tracking_uri`)."""
+    return resolve_tracking_uri(default_dir=workdir)
 
 
 def artifact_location_for(uri: str) -> str | None:

@@ -1,4 +1,9 @@
-"""Shared test fixtures.
+"""Shared test fixtures and markers.
+
+Markers (``pyproject.toml``): ``ray`` = uses an in-process Ray (every test using the :func:`ray_local` fixture
+gets it automatically); ``cluster`` = starts a real Ray head and MLflow server (``infra/local/up.sh``);
+``slow`` = takes more than ~30 s; ``gpu`` = needs CUDA. E.g. ``pytest -m "not ray and not cluster"`` runs the
+fast, Ray-free part.
 
 Real OpenSlide fixtures come from ``$FOVEATE_OPENSLIDE_FIXTURES`` (default ``../shared/fixtures/openslide``
 beside the clone); tests needing them skip with a clear reason where the folder is absent.
@@ -29,3 +34,22 @@ def openslide_fixtures() -> Path:
 def _mlflow_tracking_uri(tmp_path, monkeypatch):
     """Never let a test write ./mlflow.db: point MLflow at a per-test sqlite file unless a test overrides it."""
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    """One in-process Ray per test module (2 CPUs, small object store, the source tree on the workers'
+    PYTHONPATH, one OpenMP thread per worker), shut down after the module."""
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=80 * 1024**2, configure_logging=False,
+             log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}})
+    yield
+    ray.shutdown()
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if "ray_local" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.ray)

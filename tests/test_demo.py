@@ -7,6 +7,7 @@ from pipeline.demo import demo
 
 
 @pytest.mark.slow
+@pytest.mark.ray
 def test_demo_end_to_end_tiny(tmp_path):
     s = demo(tmp_path / "demo", count=6, size="2048", epochs=1, workers=2,
              overrides=["model.num_samples=8", "model.k=2"])

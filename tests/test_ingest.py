@@ -12,11 +12,21 @@ import numpy as np
 import pytest
 import zarr
 
+from pipeline.ingest_inputs import discover_inputs, make_slide_id
 from workers.codecs import JpegRGBCodec, decode_jpeg_chunk, encode_jpeg_chunk, merge_jpeg_tables
-from workers.ingest_inputs import discover_inputs, make_slide_id
 from workers.ingest_source import SlideOpenError, SlideSource, composite_on_white
-from workers.store import SlideStore, downsample2x, is_complete
+from workers.store import SlideStore, is_complete
 from workers.tiler import PROGRESS_DIR, IngestOptions, Tiler
+
+
+def downsample2x_reference(rgb_chw: np.ndarray) -> np.ndarray:
+    """2x2 mean (rounded half up) of a (c, h, w) uint8 array, odd edges padded by edge replication (numpy)."""
+    c, h, w = rgb_chw.shape
+    if h % 2 or w % 2:
+        rgb_chw = np.pad(rgb_chw, ((0, 0), (0, h % 2), (0, w % 2)), mode="edge")
+    x = rgb_chw.astype(np.uint16)
+    s = x[:, 0::2, 0::2] + x[:, 1::2, 0::2] + x[:, 0::2, 1::2] + x[:, 1::2, 1::2]
+    return ((s + 2) // 4).astype(np.uint8)
 
 
 def openslide_reference(path, level=0, box=None):
@@ -37,7 +47,7 @@ def openslide_reference(path, level=0, box=None):
 def reference_pyramid(level0_hwc, n):
     out, lv = [level0_hwc], np.moveaxis(level0_hwc, -1, 0)
     for _ in range(n - 1):
-        lv = downsample2x(lv)
+        lv = downsample2x_reference(lv)
         out.append(np.moveaxis(lv, 0, -1))
     return out
 
@@ -109,11 +119,11 @@ def test_direct_reader_equals_openslide_on_unaligned_boxes(synth_slides):
 
 
 @pytest.mark.parametrize("h,w", [(64, 64), (63, 37), (1, 1), (5, 2)])
-def test_reduce2x_equals_reference_downsample(h, w):
-    from workers.tiler import reduce2x
+def test_downsample2x_equals_reference(h, w):
+    from workers.pyramid import downsample2x
 
     rgb = np.random.default_rng(h * w).integers(0, 256, (h, w, 3), dtype=np.uint8)
-    np.testing.assert_array_equal(reduce2x(rgb), np.moveaxis(downsample2x(np.moveaxis(rgb, -1, 0)), 0, -1))
+    np.testing.assert_array_equal(downsample2x(rgb), np.moveaxis(downsample2x_reference(np.moveaxis(rgb, -1, 0)), 0, -1))
 
 
 def test_composite_on_white_matches_pil():
@@ -202,7 +212,7 @@ def test_jpeg_passthrough_copies_source_tiles_bit_exactly(tmp_path, synth_slides
     np.testing.assert_array_equal(store.read_level(0), ref_os)  # what OpenSlide decodes
     np.testing.assert_array_equal(store.read_level(0), ref_tf)  # and what tifffile decodes
     np.testing.assert_array_equal(store.read_level(1), openslide_reference(path, level=1))  # source pyramid level
-    ref2 = np.moveaxis(downsample2x(np.moveaxis(store.read_level(1), -1, 0)), 0, -1).astype(int)
+    ref2 = np.moveaxis(downsample2x_reference(np.moveaxis(store.read_level(1), -1, 0)), 0, -1).astype(int)
     assert np.abs(store.read_level(2).astype(int) - ref2).mean() < 2
 
 
@@ -323,12 +333,12 @@ def test_all_white_region_writes_no_chunks_and_removes_stale_ones(tmp_path, synt
     t = Tiler(tmp_path / "s", IngestOptions(tile_size=256, min_size=256, region_tiles=2))
     plan = t.plan(inp)
     src = SlideSource.open(inp.path)
-    white = [r for r in plan.todo[0] if src.read_l0(r.x, r.y, r.w, r.h).min() == 255]
+    white = [r for r in plan.todo[0] if src.read_l0(*r.box).min() == 255]
     tissue = [r for r in plan.todo[0] if r not in white]
     src.close()
     assert white and tissue, "the synthetic slide should have background-only and tissue regions"
     r = white[0]
-    stale = [Path(plan.store_path) / str(lvl) / "c" / "0" / str((r.y >> j) // 256) / str((r.x >> j) // 256)
+    stale = [Path(plan.store_path) / str(lvl) / "c" / "0" / str((r.box.y >> j) // 256) / str((r.box.x >> j) // 256)
              for j, lvl in enumerate(r.out_levels)]
     for f in stale:  # e.g. left by a run over different pixels
         f.parent.mkdir(parents=True, exist_ok=True)

@@ -10,24 +10,10 @@ import numpy as np
 import pytest
 
 from pipeline.cli import main as cli_main
-from workers.ingest_inputs import discover_inputs
-from workers.ingest_manifest import read_manifest
+from pipeline.ingest_inputs import discover_inputs
+from pipeline.ingest_manifest import read_manifest
 from workers.store import SlideStore, is_complete
 from workers.tiler import PROGRESS_DIR, IngestOptions, Tiler
-
-pytestmark = pytest.mark.cluster
-
-
-@pytest.fixture(scope="module")
-def ray_local():
-    import ray
-
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    repo = str(Path(__file__).resolve().parents[1])
-    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=80 * 1024**2, configure_logging=False,
-             runtime_env={"env_vars": {"PYTHONPATH": repo, "OMP_NUM_THREADS": "1"}})
-    yield
-    ray.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +89,15 @@ def test_killed_actor_mid_slide_then_rerun_resumes_with_identical_arrays(ray_loc
     out = tmp_path / "stores"
     # run 1: every actor that writes stage-0 region 6 dies (os._exit) after writing part of it; the task is
     # retried once on a fresh actor, dies again, and the slide fails with its store kept for resuming
-    res = ingest([synth_svs], out, options=opts, workers=2, max_task_retries=1, fault_kill_at=6, progress=False)
+    class KilledMidRegion(Tiler):  # defined here: Ray ships it to the actors by value
+        def _level_written(self, region, level, pending):
+            if region.stage == 0 and region.index == 6:
+                for f in pending:
+                    f.result()
+                os._exit(1)
+
+    res = ingest([synth_svs], out, options=opts, workers=2, max_task_retries=1, progress=False,
+                 tiler_cls=KilledMidRegion)
     (row,) = res.rows
     assert row["status"] == "failed" and "worker died 2 times" in row["error"]
     (inp,) = discover_inputs([synth_svs])

@@ -116,7 +116,7 @@ def test_mist_loss_value_and_gradcheck():
     torch.testing.assert_close(val, want)
     for combine in ("max", "sum"):
         assert torch.autograd.gradcheck(
-            lambda a, b: mist_loss(a, b, sigma=1.3, combine=combine, detach_target=False), (hm, loc)
+            lambda a, b: mist_loss(a, b, sigma=1.3, combine=combine, detach_target=False), (hm, loc)  # noqa: B023 - called at once
         )
     # default: the locations are constants of the heatmap stage
     mist_loss(hm, loc, sigma=1.3).backward()

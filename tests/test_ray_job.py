@@ -1,5 +1,5 @@
 """`ray job submit` against a real local cluster: infra/local/up.sh (Ray head with token authentication +
-MLflow tracking server) -> synth -> ingest, train and score submitted as Ray jobs exactly as the README
+MLflow tracking server) -> synth -> ingest, train and score submitted as Ray jobs exactly as docs/commands.md
 shows -> the run in MLflow (through the server) with metrics and a logged model, one prediction row per
 slide -> infra/local/down.sh (always).
 """
@@ -39,7 +39,7 @@ def _free_ports(n: int) -> list[int]:
 
 def _run(cmd: list[str], env: dict[str, str], timeout: float, what: str) -> str:
     t0 = time.monotonic()
-    for attempt in range(2):
+    for _attempt in range(2):
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
         out = proc.stdout + proc.stderr
         # Ray hashes the working dir twice (upload, then the job's runtime_env); a file edited in between (a
@@ -126,7 +126,7 @@ def test_ingest_train_score_as_ray_jobs(cluster, tmp_path, monkeypatch):
     _run([sys.executable, "-m", "pipeline", "synth", str(synth), "--count", "4", "--size", "2000", "--seed", "0"],
          env, 120, "synth")
     submit = ["ray", "job", "submit", "--working-dir", ".", "--runtime-env", "configs/runtime_env.yaml", "--"]
-    # the README's commands (README.md, "ray job submit")
+    # the commands of docs/commands.md, "ray job submit"
     _run(submit + ["python", "-m", "pipeline", "ingest", str(synth / "labels.csv"), "--out", str(stores),
                    "--address", "auto"], env, 240, "ingest job")
     _run(submit + ["python", "-m", "pipeline", "train", "--config", "configs/demo.yaml",

@@ -7,6 +7,7 @@ inside, restarted by Ray), and hard top-k coordinates that equal the single-proc
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -15,7 +16,7 @@ import pandas as pd
 import pytest
 import torch
 
-from pipeline.score import CRASH_ENV, list_stores, read_predictions, score
+from pipeline.score import list_stores, read_predictions, score
 from workers.store import COMPLETE_MARKER, SlideStore, write_store_from_array
 
 GOOD = ["s0", "s1", "s2", "s3"]
@@ -68,13 +69,6 @@ def data(tmp_path_factory):
     return {"root": root, "stores": stores, "ckpt": ckpt, "model": model}
 
 
-@pytest.fixture(scope="module")
-def ray_local():
-    import ray
-
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 def _reference(model, store_path):
@@ -149,10 +143,28 @@ def test_score_with_killed_actors_errors_mlflow_and_resume(data, ray_local, tmp_
 
     out = tmp_path / "out" / "pred.parquet"
     m1, m2 = tmp_path / "scorer.crashed", tmp_path / "classifier.crashed"
-    monkeypatch.setenv(CRASH_ENV, f"scorer:s2:{m1};classifier:s1:{m2}")
+    # actor classes that kill their own process the first time they reach a slide (Ray ships them by value)
+    from workers.scoring import ClassifierWorker, ScorerWorker
+
+    def crash_once(slide_id: str, marker: Path) -> None:
+        if not marker.exists():
+            marker.write_text(f"pid {os.getpid()} crashed on {slide_id}\n")
+            os._exit(17)
+
+    class CrashingScorer(ScorerWorker):
+        def score_one(self, slide_id, store_path):
+            if slide_id == "s2":
+                crash_once(slide_id, m1)
+            return super().score_one(slide_id, store_path)
+
+    class CrashingClassifier(ClassifierWorker):
+        def classify_batch(self, items):
+            if any(i["slide_id"] == "s1" for i in items):
+                crash_once("s1", m2)
+            return super().classify_batch(items)
+
     res = score(f"runs:/{run_id}", data["stores"], out, workers=1, batch_size=2, experiment="scoring",
-                tracking_uri=uri)
-    monkeypatch.delenv(CRASH_ENV)
+                tracking_uri=uri, scorer_cls=CrashingScorer, classifier_cls=CrashingClassifier)
     assert m1.is_file() and m2.is_file()  # both actor processes really died mid-run
     t = res.table
     assert sorted(t["slide_id"]) == sorted(GOOD + list(BAD)) and t["slide_id"].is_unique

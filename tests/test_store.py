@@ -1,7 +1,8 @@
 import numpy as np
 import pytest
 
-from workers.store import SlideStore, downsample2x, pyramid_shapes, write_store_from_array
+from workers.pyramid import downsample2x
+from workers.store import SlideStore, pyramid_shapes, write_store_from_array
 
 
 def test_pyramid_shapes_power_of_two_down_to_min_size():
@@ -13,11 +14,11 @@ def test_pyramid_shapes_power_of_two_down_to_min_size():
 
 
 def test_downsample2x_is_rounded_mean_with_edge_padding():
-    a = np.arange(2 * 3 * 3, dtype=np.uint8).reshape(2, 3, 3)
+    a = np.arange(3 * 3 * 3, dtype=np.uint8).reshape(3, 3, 3)  # (h, w, c)
     d = downsample2x(a)
-    assert d.shape == (2, 2, 2)
-    assert d[0, 0, 0] == (0 + 1 + 3 + 4 + 2) // 4
-    assert d[0, 1, 1] == a[0, 2, 2]  # corner made of one replicated pixel
+    assert d.shape == (2, 2, 3)
+    assert d[0, 0, 0] == (a[0, 0, 0] + a[0, 1, 0] + a[1, 0, 0] + a[1, 1, 0] + 2) // 4
+    assert d[1, 1, 0] == a[2, 2, 0]  # corner made of one replicated pixel
 
 
 def test_store_read_region_matches_array_and_is_white_outside(tmp_path):

@@ -96,13 +96,13 @@ class JpegRGBCodec(ArrayBytesCodec):
         object.__setattr__(self, "colorspace", colorspace)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "JpegRGBCodec":
+    def from_dict(cls, data: dict[str, Any]) -> JpegRGBCodec:
         return cls(**(data.get("configuration") or {}))
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": CODEC_NAME, "configuration": {"quality": self.quality, "colorspace": self.colorspace}}
 
-    def validate(self, *, shape, dtype, chunk_grid) -> None:  # noqa: D102
+    def validate(self, *, shape, dtype, chunk_grid) -> None:
         chunk_shape = getattr(chunk_grid, "chunk_shape", None)
         if len(shape) != 3 or (chunk_shape is not None and chunk_shape[0] != 3):
             raise ValueError(f"{CODEC_NAME} needs (3, h, w) arrays with chunks (3, th, tw); got shape {shape} chunks {chunk_shape}")

@@ -16,19 +16,38 @@ from __future__ import annotations
 import hashlib
 import logging
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-__all__ = ["SlideSource", "SourceInfo", "SlideOpenError", "composite_on_white", "file_fingerprint"]
+__all__ = ["SlideFile", "SlideSource", "SourceInfo", "SlideOpenError", "composite_on_white", "file_fingerprint"]
 
 log = logging.getLogger(__name__)
 
 _JPEG = 7
 _DIRECT_COMPRESSIONS = {1, 5, 7, 8, 32946, 50000}  # none, LZW, JPEG, deflate, deflate, zstd
 _DIRECT_VENDORS = {"aperio", "generic-tiff"}
+
+
+@dataclass(frozen=True)
+class SlideFile:
+    """One slide file to ingest (found by ``pipeline.ingest_inputs``; what a tiler actor is given).
+
+    Attributes:
+        slide_id: store name (``<slide_id>.zarr``), see ``pipeline.ingest_inputs.make_slide_id``.
+        path: the file to open (for DICOM: one file of the series; OpenSlide finds the others).
+        source: what the manifest reports as source (the file, or the DICOM folder).
+        carried: extra CSV-manifest columns (e.g. ``label``) carried into the store manifest.
+        files: every file of the slide (several for DICOM).
+    """
+
+    slide_id: str
+    path: str
+    source: str
+    carried: dict[str, Any] = field(default_factory=dict)
+    files: tuple[str, ...] = ()
 
 
 class SlideOpenError(Exception):
@@ -92,7 +111,7 @@ class SlideSource:
 
     # ------------------------------------------------------------------ opening
     @classmethod
-    def open(cls, path: str | Path, *, files: tuple[str, ...] | None = None, allow_direct: bool = True) -> "SlideSource":
+    def open(cls, path: str | Path, *, files: tuple[str, ...] | None = None, allow_direct: bool = True) -> SlideSource:
         """Open ``path``; raises :class:`SlideOpenError` with a one-line reason for any bad input."""
         path = str(path)
         p = Path(path)
@@ -108,7 +127,7 @@ class SlideSource:
             osr = openslide.OpenSlide(path)
         except openslide.OpenSlideUnsupportedFormatError as exc:
             raise SlideOpenError(f"not a slide OpenSlide can open (unsupported format, truncated or not an image): {path}") from exc
-        except Exception as exc:  # noqa: BLE001 - OpenSlideError and friends
+        except Exception as exc:
             raise SlideOpenError(f"OpenSlide cannot open {path}: {_one_line(exc)}") from exc
         try:
             props = dict(osr.properties)
@@ -140,7 +159,7 @@ class SlideSource:
         except SlideOpenError:
             osr.close()
             raise
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             osr.close()
             raise SlideOpenError(f"cannot read {path}: {_one_line(exc)}") from exc
 
@@ -264,7 +283,7 @@ class SlideSource:
         x, y = (W - w) // 2, (H - h) // 2
         try:
             a = self._read_direct(0, x, y, w, h)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             log.debug("direct read failed: %s", exc)
             return False
         b = self.read_openslide(x, y, w, h)
@@ -278,7 +297,7 @@ def _direct_pages(path: str, osr: Any) -> tuple[Any, dict[int, Any], list]:
     jpeg_levels: list = [None] * osr.level_count
     try:
         tiff = tifffile.TiffFile(path)
-    except Exception:  # noqa: BLE001
+    except Exception:
         return None, {}, jpeg_levels
     pages: dict[int, Any] = {}
     try:
@@ -295,7 +314,7 @@ def _direct_pages(path: str, osr: Any) -> tuple[Any, dict[int, Any], list]:
             pages[lvl] = p
             if p.compression == _JPEG:
                 jpeg_levels[lvl] = (p.tilewidth, p.tilelength, "rgb" if p.photometric == 2 else "ycbcr")
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         log.debug("tifffile could not index %s: %s", path, exc)
         tiff.close()
         return None, {}, [None] * osr.level_count

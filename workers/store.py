@@ -16,9 +16,9 @@ Layout of ``STORE_DIR/<slide_id>.zarr``::
                               (Older stores have a single label level ``0``; readers handle both.)
     foveate_complete.json     completion marker, written last; a store without it is incomplete
 
-Coordinates: everything public is in level-0 pixels, ``(x, y)`` and ``(width, height)`` as
-OpenSlide uses them. Arrays are channel-first ``(c, y, x)`` as NGFF requires; :meth:`SlideStore.read_region`
-returns channel-last ``(h, w, 3)`` uint8 like a PIL image.
+Coordinates: everything public is in level-0 pixels (the frames are defined once, in :mod:`workers.frames`).
+Arrays are channel-first ``(c, y, x)`` as NGFF requires; :meth:`SlideStore.read_region` returns channel-last
+``(h, w, 3)`` uint8 like a PIL image.
 """
 
 from __future__ import annotations
@@ -33,6 +33,8 @@ from typing import Any
 import numpy as np
 import zarr
 
+from workers.pyramid import downsample2x, pyramid_shapes  # (pyramid_shapes re-exported)
+
 __all__ = [
     "COMPLETE_MARKER",
     "StoreMeta",
@@ -41,9 +43,11 @@ __all__ = [
     "pyramid_shapes",
     "ngff_multiscales",
     "register_codecs",
-    "downsample2x",
     "write_store_from_array",
+    "write_store_metadata",
+    "mark_complete",
     "write_tissue_labels",
+    "installed_version",
 ]
 
 COMPLETE_MARKER = "foveate_complete.json"
@@ -87,7 +91,7 @@ class StoreMeta:
         return d
 
     @classmethod
-    def from_json(cls, d: dict[str, Any]) -> "StoreMeta":
+    def from_json(cls, d: dict[str, Any]) -> StoreMeta:
         d = dict(d)
         d["level0_size"] = tuple(d["level0_size"])
         d["downsamples"] = tuple(float(x) for x in d["downsamples"])
@@ -98,22 +102,6 @@ class StoreMeta:
         extra = dict(d.pop("extra", {}) or {})
         extra.update({k: v for k, v in d.items() if k not in known})
         return cls(**{k: v for k, v in d.items() if k in known}, extra=extra)
-
-
-def pyramid_shapes(level0_size: tuple[int, int], *, min_size: int = 1024) -> list[tuple[int, tuple[int, int]]]:
-    """Power-of-two pyramid: ``[(downsample, (width, height)), ...]`` from level 0 down to the
-    first level whose longer side is at most ``min_size`` (so the smallest is about 1-2k px for
-    ``min_size=1024``). Sizes round up (``ceil``), matching a 2x2 mean with edge padding."""
-    w, h = int(level0_size[0]), int(level0_size[1])
-    if w < 1 or h < 1:
-        raise ValueError(f"level0_size must be positive (width, height), got {level0_size!r}")
-    out = [(1, (w, h))]
-    ds = 1
-    while max(w, h) > min_size:
-        ds *= 2
-        w, h = math.ceil(w / 2), math.ceil(h / 2)
-        out.append((ds, (w, h)))
-    return out
 
 
 def ngff_multiscales(name: str, downsamples: list[float] | tuple[float, ...], mpp: tuple[float, float] | None,
@@ -239,26 +227,56 @@ class SlideStore:
         return f"SlideStore({str(self.path)!r}, levels={self.level_dimensions})"
 
 
-def downsample2x(rgb_chw: np.ndarray) -> np.ndarray:
-    """2x2 mean (rounded half up) of a (c, h, w) uint8 array; odd edges are padded by edge replication."""
-    c, h, w = rgb_chw.shape
-    if h % 2 or w % 2:
-        rgb_chw = np.pad(rgb_chw, ((0, 0), (0, h % 2), (0, w % 2)), mode="edge")
-    x = rgb_chw.astype(np.uint16)
-    s = x[:, 0::2, 0::2] + x[:, 1::2, 0::2] + x[:, 0::2, 1::2] + x[:, 1::2, 1::2]
-    return ((s + 2) // 4).astype(np.uint8)
+def installed_version() -> str:
+    """The installed ``foveate`` distribution's version (what a store records when its writer was not given
+    one; the commands pass ``pipeline.__version__`` down)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("foveate")
+    except metadata.PackageNotFoundError:  # a source tree (ray job --working-dir)
+        return "0.1.0"
+
+
+def write_store_metadata(group: Any, *, slide_id: str, source: str, vendor: str, level_shapes: list[tuple[int, int]],
+                         downsamples: list[float] | tuple[float, ...], mpp: tuple[float, float] | None, tile_size: int,
+                         codec: str, version: str, source_mpp: tuple[float, float] | None = None, fingerprint: str = "",
+                         extra: dict[str, Any] | None = None) -> StoreMeta:
+    """Finish a store whose image levels are written: the tissue mask (from the smallest level) as NGFF labels,
+    and the NGFF ``multiscales`` and foveate metadata as group attributes. Returns the metadata (then
+    :func:`mark_complete`)."""
+    from workers.tissue import tissue_mask
+
+    last = len(level_shapes) - 1
+    low = np.asarray(group[str(last)][...])
+    mask = tissue_mask(np.ascontiguousarray(np.moveaxis(low, 0, -1)))
+    write_tissue_labels(group, mask, [tuple(x) for x in level_shapes], list(downsamples), mpp)
+    meta = StoreMeta(slide_id=slide_id, source=source, vendor=vendor, level0_size=tuple(level_shapes[0]),
+                     tile_size=tile_size, downsamples=tuple(float(d) for d in downsamples), mpp=mpp,
+                     source_mpp=source_mpp, fingerprint=fingerprint, codec=codec, foveate_version=version,
+                     tissue_downsample=float(downsamples[last]), tissue_fraction=float(mask.mean()),
+                     extra=dict(extra or {}))
+    group.attrs.update({"ome": {"version": "0.5", "multiscales": ngff_multiscales(slide_id, list(downsamples), mpp)},
+                        "foveate": meta.to_json()})
+    return meta
+
+
+def mark_complete(path: str | Path, slide_id: str, levels: int, **fields: Any) -> None:
+    """Write the completion marker (atomically; last: a store with it is complete)."""
+    path = Path(path)
+    tmp = path / f".{COMPLETE_MARKER}.tmp{os.getpid()}"
+    tmp.write_text(json.dumps({"slide_id": slide_id, "levels": int(levels), **fields}, indent=1))
+    os.replace(tmp, path / COMPLETE_MARKER)
 
 
 def write_store_from_array(path: str | Path, rgb: np.ndarray, *, slide_id: str | None = None,
                            mpp: tuple[float, float] | None = (0.5, 0.5), tile_size: int = 256,
-                           min_size: int = 1024, source: str = "<array>", extra: dict[str, Any] | None = None) -> "SlideStore":
+                           min_size: int = 1024, source: str = "<array>", extra: dict[str, Any] | None = None,
+                           version: str | None = None) -> SlideStore:
     """Write an in-memory (h, w, 3) uint8 image as a complete store (zstd, power-of-two pyramid).
 
     For tests and small synthetic data; archives go through ``foveate ingest``.
     """
-    from pipeline import __version__
-    from workers.tissue import tissue_mask
-
     if rgb.ndim != 3 or rgb.shape[2] != 3 or rgb.dtype != np.uint8:
         raise ValueError(f"rgb must be (h, w, 3) uint8, got {rgb.shape} {rgb.dtype}")
     path = Path(path)
@@ -267,23 +285,18 @@ def write_store_from_array(path: str | Path, rgb: np.ndarray, *, slide_id: str |
     shapes = pyramid_shapes((w, h), min_size=min_size)
     downsamples = tuple(float(ds) for ds, _ in shapes)
     group = zarr.open_group(str(path), mode="w", zarr_format=3)
-    level = np.ascontiguousarray(np.moveaxis(rgb, -1, 0))
+    level = np.ascontiguousarray(rgb)
     compressors = [zarr.codecs.ZstdCodec(level=3)]
-    for i, (ds, (lw, lh)) in enumerate(shapes):
+    for i, (_, (lw, lh)) in enumerate(shapes):
         if i:
-            level = downsample2x(level)[:, :lh, :lw]
-        a = group.create_array(str(i), shape=level.shape, chunks=(3, tile_size, tile_size), dtype="uint8",
+            level = downsample2x(level)[:lh, :lw]
+        a = group.create_array(str(i), shape=(3, lh, lw), chunks=(3, tile_size, tile_size), dtype="uint8",
                                compressors=compressors, fill_value=255, dimension_names=("c", "y", "x"))
-        a[...] = level
-    mask = tissue_mask(np.moveaxis(level, 0, -1))
-    tissue_ds = float(downsamples[-1])
-    write_tissue_labels(group, mask, [(w_, h_) for _, (w_, h_) in shapes], downsamples, mpp)
-    meta = StoreMeta(slide_id=slide_id, source=source, vendor="array", level0_size=(w, h), tile_size=tile_size,
-                     downsamples=downsamples, mpp=mpp, source_mpp=mpp, codec="zstd", foveate_version=__version__,
-                     tissue_downsample=tissue_ds, tissue_fraction=float(mask.mean()), extra=dict(extra or {}))
-    group.attrs.update({"ome": {"version": "0.5", "multiscales": ngff_multiscales(slide_id, downsamples, mpp)},
-                        "foveate": meta.to_json()})
-    (path / COMPLETE_MARKER).write_text(json.dumps({"slide_id": slide_id, "levels": len(downsamples)}))
+        a[...] = np.moveaxis(level, -1, 0)
+    write_store_metadata(group, slide_id=slide_id, source=source, vendor="array", level_shapes=[s for _, s in shapes],
+                         downsamples=downsamples, mpp=mpp, source_mpp=mpp, tile_size=tile_size, codec="zstd",
+                         version=version or installed_version(), extra=extra)
+    mark_complete(path, slide_id, len(downsamples))
     return SlideStore(path)
 
 

@@ -6,8 +6,9 @@ One row per input slide; a re-run updates the rows of the slides it saw and keep
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 __all__ = ["MANIFEST_COLUMNS", "merge_manifest", "read_manifest"]
 

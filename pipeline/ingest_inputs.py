@@ -1,4 +1,5 @@
-"""Ingest inputs: turn files, directories and CSV manifests into one :class:`SlideInput` per slide.
+"""Ingest inputs (driver side): turn files, directories and CSV manifests into one
+:class:`workers.ingest_source.SlideFile` per slide.
 
 slide_id rule (deterministic, filesystem-safe, unique): ``<stem>-<h8>`` where ``stem`` is the file name
 without its extension (for a DICOM slide: the folder name), reduced to ``[A-Za-z0-9._-]`` and at most 48
@@ -12,34 +13,17 @@ import csv
 import hashlib
 import logging
 import re
-from dataclasses import dataclass, field
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
-__all__ = ["SLIDE_EXTENSIONS", "SlideInput", "discover_inputs", "make_slide_id"]
+from workers.ingest_source import SlideFile
+
+__all__ = ["SLIDE_EXTENSIONS", "SlideFile", "discover_inputs", "make_slide_id"]
 
 log = logging.getLogger(__name__)
 
 SLIDE_EXTENSIONS = (".svs", ".tif", ".tiff", ".ndpi", ".vms", ".vmu", ".scn", ".mrxs", ".bif", ".svslide", ".dcm", ".qptiff")
-
-
-@dataclass(frozen=True)
-class SlideInput:
-    """One slide to ingest.
-
-    Attributes:
-        slide_id: store name (``<slide_id>.zarr``), see the module doc.
-        path: the file to open (for DICOM: one file of the series; OpenSlide finds the others).
-        source: what the manifest reports as source (the file, or the DICOM folder).
-        carried: extra CSV-manifest columns (e.g. ``label``) carried into the store manifest.
-        files: every file of the slide (several for DICOM).
-    """
-
-    slide_id: str
-    path: str
-    source: str
-    carried: dict[str, Any] = field(default_factory=dict)
-    files: tuple[str, ...] = ()
 
 
 def make_slide_id(stem: str, key: str) -> str:
@@ -48,14 +32,14 @@ def make_slide_id(stem: str, key: str) -> str:
     return f"{safe}-{hashlib.sha1(key.encode()).hexdigest()[:8]}"
 
 
-def _file_input(path: Path, carried: dict[str, Any] | None = None) -> SlideInput:
+def _file_input(path: Path, carried: dict[str, Any] | None = None) -> SlideFile:
     ap = str(path.absolute())
     stem = path.name
     for ext in SLIDE_EXTENSIONS:
         if stem.lower().endswith(ext):
             stem = stem[: -len(ext)]
             break
-    return SlideInput(make_slide_id(stem, ap), ap, ap, dict(carried or {}), (ap,))
+    return SlideFile(make_slide_id(stem, ap), ap, ap, dict(carried or {}), (ap,))
 
 
 def _dicom_series_key(path: Path) -> str:
@@ -65,11 +49,11 @@ def _dicom_series_key(path: Path) -> str:
 
         with openslide.OpenSlide(str(path)) as s:
             return s.properties.get("dicom.SeriesInstanceUID") or s.properties.get("openslide.quickhash-1", "")
-    except Exception:  # noqa: BLE001 - an unopenable file becomes its own (failing) slide
+    except Exception:
         return ""
 
 
-def _dicom_inputs(files: list[Path], carried: dict[str, Any] | None = None) -> list[SlideInput]:
+def _dicom_inputs(files: list[Path], carried: dict[str, Any] | None = None) -> list[SlideFile]:
     """Group the .dcm files of one folder by series: one whole-slide image (all its levels) per series."""
     groups: dict[str, list[Path]] = {}
     for f in sorted(files):
@@ -82,14 +66,14 @@ def _dicom_inputs(files: list[Path], carried: dict[str, Any] | None = None) -> l
             out.append(_file_input(fs[0], carried))
             continue
         sid = make_slide_id(folder.name, f"{folder}#{key}")
-        out.append(SlideInput(sid, str(fs[0].absolute()), str(folder), dict(carried or {}),
+        out.append(SlideFile(sid, str(fs[0].absolute()), str(folder), dict(carried or {}),
                               tuple(str(f.absolute()) for f in fs)))
     return out
 
 
-def _walk(directory: Path) -> list[SlideInput]:
+def _walk(directory: Path) -> list[SlideFile]:
     by_folder_dcm: dict[Path, list[Path]] = {}
-    out: list[SlideInput] = []
+    out: list[SlideFile] = []
     for f in sorted(directory.rglob("*")):
         if not f.is_file() or not f.name.lower().endswith(SLIDE_EXTENSIONS):
             continue
@@ -102,7 +86,7 @@ def _walk(directory: Path) -> list[SlideInput]:
     return out
 
 
-def _read_csv_manifest(path: Path) -> list[SlideInput]:
+def _read_csv_manifest(path: Path) -> list[SlideFile]:
     with open(path, newline="") as fh:
         rows = list(csv.DictReader(fh))
     if not rows or "path" not in rows[0]:
@@ -114,7 +98,7 @@ def _read_csv_manifest(path: Path) -> list[SlideInput]:
             p = path.parent / p
         carried = {k: v for k, v in row.items() if k != "path" and k is not None}
         if p.is_dir():
-            out.extend(SlideInput(i.slide_id, i.path, i.source, carried, i.files) for i in _walk(p))
+            out.extend(SlideFile(i.slide_id, i.path, i.source, carried, i.files) for i in _walk(p))
         elif p.suffix.lower() == ".dcm" and p.is_file():
             out.extend(_dicom_inputs([p], carried))
         else:
@@ -122,14 +106,14 @@ def _read_csv_manifest(path: Path) -> list[SlideInput]:
     return out
 
 
-def discover_inputs(inputs: Iterable[str | Path]) -> list[SlideInput]:
+def discover_inputs(inputs: Iterable[str | Path]) -> list[SlideFile]:
     """Expand INPUT arguments (files, directories searched recursively, CSV manifests with a ``path`` column).
 
     Missing paths are kept (as inputs that will fail with a clear reason), so every argument gets a
     manifest row. Duplicates (same slide_id) are dropped, first one wins. Explicit DICOM files of one
     series given separately are merged into one slide.
     """
-    out: list[SlideInput] = []
+    out: list[SlideFile] = []
     dcm_explicit: dict[Path, list[Path]] = {}
     for raw in inputs:
         p = Path(raw)

@@ -1,0 +1,131 @@
+"""Checkpoints of trained foveate models: plain dicts of tensors and plain values (no MLflow here).
+
+A checkpoint (``*.pt``) is a dict that ``torch.load(path, weights_only=True)`` reads::
+
+    {"format": "foveate-model/1",
+     "state_dict": {name: tensor, ...},        # FoveateModel.state_dict()
+     "model_config": {...},                    # operators.model.ModelConfig as a plain dict
+     "class_names": ["benign", "tumour"],      # class index -> name
+     "train_config": {...} or None,            # the full resolved TrainConfig, for the record
+     "metadata": {...}}                        # e.g. run id, epoch
+
+Both the driver (``pipeline.model_io`` adds MLflow logging and loading by URI) and the actors
+(``workers.scoring``, ``pipeline.train_loop``) use this module; the model is always rebuilt from the
+checkpoint (code is never unpickled).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from operators.config import from_dict, to_dict
+
+__all__ = [
+    "CHECKPOINT_FORMAT",
+    "CHECKPOINT_NAME",
+    "checkpoint_dict",
+    "save_checkpoint",
+    "model_from_checkpoint",
+    "load_checkpoint",
+    "load_local",
+    "find_checkpoint",
+    "build_model",
+    "with_num_classes",
+]
+
+CHECKPOINT_FORMAT = "foveate-model/1"
+CHECKPOINT_NAME = "model.pt"
+_NUM_CLASSES_FIELDS = ("num_classes", "n_classes")
+
+
+def with_num_classes(model_config: Any, num_classes: int) -> Any:
+    """``model_config`` with its number-of-classes field set to ``num_classes``."""
+    names = {f.name for f in dataclasses.fields(model_config)}
+    for field in _NUM_CLASSES_FIELDS:
+        if field in names:
+            return dataclasses.replace(model_config, **{field: int(num_classes)})
+    raise TypeError(f"{type(model_config).__name__} has none of the fields {_NUM_CLASSES_FIELDS}")
+
+
+def build_model(model_config: Any):
+    """A fresh ``FoveateModel`` from a ``ModelConfig`` or its plain-dict form."""
+    from operators.model import FoveateModel, ModelConfig
+
+    if isinstance(model_config, Mapping):
+        model_config = from_dict(ModelConfig, model_config)
+    if not isinstance(model_config, ModelConfig):
+        raise TypeError(f"model_config must be a ModelConfig or a mapping, got {type(model_config).__name__}")
+    return FoveateModel(model_config), model_config
+
+
+def checkpoint_dict(model: torch.nn.Module, model_config: Any, class_names: list[str] | tuple[str, ...], *,
+                    train_config: Mapping[str, Any] | None = None,
+                    metadata: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The checkpoint content (tensors on CPU, everything else plain)."""
+    return {
+        "format": CHECKPOINT_FORMAT,
+        "state_dict": {k: v.detach().cpu() for k, v in model.state_dict().items()},
+        "model_config": to_dict(model_config),
+        "class_names": [str(c) for c in class_names],
+        "train_config": to_dict(dict(train_config)) if train_config is not None else None,
+        "metadata": to_dict(dict(metadata or {})),
+    }
+
+
+def save_checkpoint(path: str | Path, model: torch.nn.Module, model_config: Any,
+                    class_names: list[str] | tuple[str, ...], **kwargs: Any) -> Path:
+    """Write :func:`checkpoint_dict` to ``path`` (atomically); returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(checkpoint_dict(model, model_config, class_names, **kwargs), tmp)
+    tmp.replace(path)
+    return path
+
+
+def model_from_checkpoint(ckpt: Mapping[str, Any]):
+    """``(model in eval mode, ModelConfig, class_names)`` from a loaded checkpoint dict."""
+    if not isinstance(ckpt, Mapping) or ckpt.get("format") != CHECKPOINT_FORMAT:
+        got = ckpt.get("format") if isinstance(ckpt, Mapping) else type(ckpt).__name__
+        raise ValueError(f"not a foveate model checkpoint (format {got!r}, expected {CHECKPOINT_FORMAT!r})")
+    model, cfg = build_model(ckpt["model_config"])
+    model.load_state_dict(ckpt["state_dict"])
+    model.eval()
+    return model, cfg, list(ckpt["class_names"])
+
+
+def load_checkpoint(path: str | Path, *, map_location: str | torch.device = "cpu"):
+    """``(model, ModelConfig, class_names)`` from a checkpoint file, read with ``weights_only=True``."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no model checkpoint at {path}")
+    ckpt = torch.load(path, map_location=map_location, weights_only=True)
+    return model_from_checkpoint(ckpt)
+
+
+def find_checkpoint(root: Path) -> Path | None:
+    if root.is_file():
+        return root
+    for candidate in (root / "extra_files" / CHECKPOINT_NAME, root / "checkpoint" / CHECKPOINT_NAME, root / CHECKPOINT_NAME):
+        if candidate.is_file():
+            return candidate
+    found = sorted(root.rglob(CHECKPOINT_NAME))
+    return found[0] if found else None
+
+
+def load_local(path: str | Path, *, map_location: str | torch.device = "cpu"):
+    """``(model, ModelConfig, class_names)`` from a local checkpoint file or a directory holding one (e.g. a
+    downloaded MLflow model)."""
+    text = str(path)
+    local = Path(text).expanduser()
+    if not local.exists():
+        raise FileNotFoundError(f"model {text!r}: no such checkpoint file or model directory")
+    ckpt = find_checkpoint(local)
+    if ckpt is None:
+        raise ValueError(f"model {text!r}: no {CHECKPOINT_NAME} in this directory")
+    return load_checkpoint(ckpt, map_location=map_location)

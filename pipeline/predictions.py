@@ -1,0 +1,128 @@
+"""The predictions file of ``foveate score``: its Parquet schema, reading it back, and the writer.
+
+One row per slide (columns :data:`workers.scoring.ROW_FIELDS` plus ``prob_<class>`` per class): ``slide_id``,
+``status`` (``ok``/``error``), ``error``, ``prediction`` (class name), ``probability`` (of the predicted class),
+``probabilities`` (class -> probability), ``patches`` (the K chosen patches: level-0 ``x, y, w, h`` and their
+``score``, see :mod:`workers.frames`), ``heatmap`` (PNG path), ``seconds``, ``store``, ``model``, ``scored_at``.
+:class:`PredictionWriter` rewrites the file atomically (temp file + fsync + rename) as rows arrive.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+__all__ = ["list_stores", "read_predictions", "PredictionWriter", "schema", "prob_column"]
+
+
+def list_stores(stores_dir: str | Path) -> list[tuple[str, str]]:
+    """``[(slide_id, store path)]`` of every ``*.zarr`` directory in ``stores_dir``, sorted by slide id
+    (complete or not: an incomplete store gets an error row)."""
+    root = Path(stores_dir)
+    if not root.is_dir():
+        raise FileNotFoundError(f"--stores: no such directory {str(root)!r}")
+    out = [(p.name[: -len(".zarr")], str(p.resolve())) for p in root.iterdir() if p.is_dir() and p.name.endswith(".zarr")]
+    return sorted(out)
+
+
+def schema(prob_columns: list[str]):
+    import pyarrow as pa
+
+    patch = pa.struct([("x", pa.int64()), ("y", pa.int64()), ("w", pa.int64()), ("h", pa.int64()),
+                       ("score", pa.float64())])
+    fields = [("slide_id", pa.string()), ("status", pa.string()), ("error", pa.string()),
+              ("prediction", pa.string()), ("probability", pa.float64()),
+              ("probabilities", pa.map_(pa.string(), pa.float64())), ("patches", pa.list_(patch)),
+              ("heatmap", pa.string()), ("seconds", pa.float64()), ("store", pa.string()), ("model", pa.string()),
+              ("scored_at", pa.string())]
+    fields += [(c, pa.float64()) for c in prob_columns]
+    return pa.schema(fields)
+
+
+def prob_column(name: str) -> str:
+    return f"prob_{name}"
+
+
+def read_predictions(path: str | Path) -> list[dict[str, Any]]:
+    """The rows of an existing predictions file (``[]`` if there is none)."""
+    import pyarrow.parquet as pq
+
+    path = Path(path)
+    if not path.exists():
+        return []
+    try:
+        table = pq.read_table(path)
+    except Exception as exc:
+        raise ValueError(f"--out {str(path)!r} exists but is not a readable predictions file ({exc}); move it away "
+                         f"or choose another --out") from exc
+    if "slide_id" not in table.column_names or "status" not in table.column_names:
+        raise ValueError(f"--out {str(path)!r} is not a foveate predictions file (no slide_id/status columns)")
+    rows = table.to_pylist()
+    for r in rows:  # map columns come back as lists of (key, value) pairs
+        if isinstance(r.get("probabilities"), list):
+            r["probabilities"] = dict(r["probabilities"])
+    return rows
+
+
+class PredictionWriter:
+    """Holds the rows (one per slide id) and rewrites the Parquet file atomically.
+
+    Args:
+        path: the output file.
+        rows: rows to start from (e.g. those of an earlier run that are kept).
+        flush_every_s: :meth:`add` rewrites the file when at least this long has passed since the last write.
+    """
+
+    def __init__(self, path: str | Path, rows: list[dict[str, Any]] = (), *, flush_every_s: float = 2.0):
+        self.path = Path(path)
+        self.rows: dict[str, dict[str, Any]] = {}
+        for r in rows:
+            self.rows[r["slide_id"]] = r
+        self.flush_every_s = float(flush_every_s)
+        self._last = 0.0
+        self._dirty = False
+        self.writes = 0
+
+    def add(self, row: dict[str, Any]) -> None:
+        self.rows[row["slide_id"]] = row
+        self._dirty = True
+        if time.monotonic() - self._last >= self.flush_every_s:
+            self.flush()
+
+    def table(self):
+        """The rows as a pyarrow Table (sorted by slide id)."""
+        import pyarrow as pa
+
+        rows = [self.rows[k] for k in sorted(self.rows)]
+        prob_cols = sorted({prob_column(n) for r in rows for n in (r.get("probabilities") or {})})
+        out = []
+        for r in rows:
+            d = {k: r.get(k) for k in ("slide_id", "status", "error", "prediction", "probability", "heatmap",
+                                        "seconds", "store", "model", "scored_at")}
+            probs = r.get("probabilities") or {}
+            d["probabilities"] = list(probs.items())
+            d["patches"] = list(r.get("patches") or [])
+            for c in prob_cols:
+                d[c] = None
+            for name, v in probs.items():
+                d[prob_column(name)] = float(v)
+            out.append(d)
+        return pa.Table.from_pylist(out, schema=schema(prob_cols))
+
+    def flush(self, force: bool = False) -> None:
+        """Rewrite the file (temp file, fsync, rename) if anything changed (or ``force``)."""
+        import pyarrow.parquet as pq
+
+        if not (self._dirty or force):
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+        pq.write_table(self.table(), tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)
+        self._last = time.monotonic()
+        self._dirty = False
+        self.writes += 1

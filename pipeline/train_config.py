@@ -1,0 +1,83 @@
+"""``foveate train``'s config: :class:`TrainConfig` (YAML sections = fields; unknown keys are errors).
+
+Each section validates itself in ``__post_init__`` and raises ``ConfigError``: ``model``
+(``operators.model.ModelConfig``), ``optim`` and ``schedule`` (``workers.trainer``), ``data``
+(``pipeline.data``), ``tracking`` (here). :class:`TrainConfig` checks only its own fields.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from operators.errors import ConfigError
+from operators.model import ModelConfig
+from pipeline.data import DataConfig
+from workers.trainer import OptimConfig, ScheduleConfig
+
+__all__ = ["OptimConfig", "ScheduleConfig", "TrackingConfig", "TrainConfig"]
+
+
+def _check(name: str, value: object, ok: bool, allowed: str) -> None:
+    if not ok:
+        raise ConfigError(f"{name}: got {value!r}, must be {allowed}")
+
+
+@dataclass(frozen=True)
+class TrackingConfig:
+    """MLflow experiment/run names and what to log.
+
+    Attributes:
+        experiment: MLflow experiment name.
+        run_name: run name (and run directory name); default ``<experiment>-<UTC timestamp>``.
+        artifact_slides: validation slides that get a heatmap and a patch gallery.
+        log_every: log step metrics every this many optimizer steps.
+    """
+
+    experiment: str = "foveate"
+    run_name: str | None = None
+    artifact_slides: int = 2
+    log_every: int = 1
+
+    def __post_init__(self) -> None:
+        _check("tracking.artifact_slides", self.artifact_slides, self.artifact_slides >= 0, ">= 0")
+        _check("tracking.log_every", self.log_every, self.log_every >= 1, ">= 1")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything ``foveate train`` needs.
+
+    Attributes:
+        data: slides, labels, split.
+        model: the model (``operators.model.ModelConfig``; its number of classes is set from the data, and
+            ``foveate train`` logs when that changes the configured value).
+        optim: optimiser, schedule, loss weights.
+        schedule: selection perturbation schedule.
+        tracking: MLflow names.
+        workers: Ray Train workers.
+        use_gpu: None = use GPUs when the cluster has them.
+        threads: torch threads per worker (0 = one per CPU Ray gives the worker).
+        cpus_per_worker: CPUs each worker reserves.
+        seed: model initialisation and selection noise.
+        workdir: run directories and (without ``MLFLOW_TRACKING_URI``) the sqlite tracking store.
+        max_failures: worker-group restarts Ray Train makes from the latest checkpoint after a crash.
+    """
+
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    workers: int = 1
+    use_gpu: bool | None = None
+    threads: int = 0
+    cpus_per_worker: int = 1
+    seed: int = 0
+    workdir: str = "runs"
+    max_failures: int = 0
+
+    def __post_init__(self) -> None:
+        _check("workers", self.workers, self.workers >= 1, ">= 1")
+        _check("threads", self.threads, self.threads >= 0, ">= 0")
+        _check("cpus_per_worker", self.cpus_per_worker, self.cpus_per_worker >= 1, ">= 1")
+        _check("max_failures", self.max_failures, self.max_failures >= -1, ">= -1 (-1 = unlimited)")

@@ -1,0 +1,95 @@
+"""The Ray Train worker function: a thin wrapper of :class:`workers.trainer.Trainer`.
+
+Per worker: read the rank and world size from Ray Train, build a :class:`~workers.trainer.Trainer` with a
+``torch.distributed`` collective (gradients all-reduced, step statistics summed), resume it from Ray Train's
+latest checkpoint, and per epoch train on this worker's shard (``pipeline.data.shard``), evaluate its
+validation shard, log metrics to MLflow from rank 0, and report a checkpoint (``train_state.pt`` = the
+trainer's state, ``model.pt`` = a model checkpoint, ``operators.model_io``) with ``ray.train.report``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pipeline.config import from_dict, to_dict
+from pipeline.data import SlideRecord, shard
+from pipeline.train_config import TrainConfig
+
+__all__ = ["WORKER_STATE", "MODEL_FILE", "train_loop_per_worker"]
+
+log = logging.getLogger(__name__)
+
+WORKER_STATE = "train_state.pt"
+MODEL_FILE = "model.pt"
+
+
+def _records(rows: list[list[Any]]) -> list[SlideRecord]:
+    return [SlideRecord(*r) for r in rows]
+
+
+def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
+    """Runs inside each Ray Train worker. ``loop_config``: ``config`` (the resolved :class:`TrainConfig` as a
+    dict), ``train``/``val`` (slide records as rows), ``class_names``, ``tracking_uri``, ``run_id``, and
+    optionally ``after_epoch`` (a callable ``f(epoch)`` run on every worker after each epoch's checkpoint:
+    fault-injection tests pass one that raises)."""
+    import ray.train
+    import ray.train.torch
+    import torch.distributed as dist
+
+    from operators.model_io import checkpoint_dict
+    from pipeline.tracking import client_for, log_metrics
+    from workers.trainer import LocalCollective, TorchDistCollective, Trainer
+
+    cfg: TrainConfig = from_dict(TrainConfig, loop_config["config"])
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    torch.set_num_threads(cfg.threads or cfg.cpus_per_worker)
+    device = ray.train.torch.get_device() if cfg.use_gpu is not False else torch.device("cpu")
+    distributed = world > 1 and dist.is_available() and dist.is_initialized()
+    collective = TorchDistCollective(rank, world) if distributed else LocalCollective(rank, world)
+    train_records = _records(loop_config["train"])
+    val_records = _records(loop_config["val"])
+    class_names = list(loop_config["class_names"])
+    run_id = loop_config["run_id"]
+    after_epoch = loop_config.get("after_epoch")
+
+    client = client_for(loop_config["tracking_uri"]) if rank == 0 else None
+    on_step = (lambda metrics, step: log_metrics(client, run_id, metrics, step=step)) if rank == 0 else None
+    trainer = Trainer(cfg.model, cfg.optim, cfg.schedule, slides_per_epoch=math.ceil(len(train_records) / world),
+                      seed=cfg.seed, device=device, collective=collective, on_step=on_step,
+                      log_every=cfg.tracking.log_every)
+
+    ckpt = ray.train.get_checkpoint()
+    if ckpt is not None:
+        with ckpt.as_directory() as d:
+            trainer.load_state_dict(torch.load(Path(d) / WORKER_STATE, map_location="cpu", weights_only=True))
+        log.info("rank %d: resumed from epoch %d, step %d", rank, trainer.epoch, trainer.global_step)
+
+    while trainer.epoch < cfg.optim.epochs:
+        epoch = trainer.epoch
+        metrics = trainer.run_epoch(shard(train_records, rank, world, epoch=epoch, seed=cfg.data.seed),
+                                    shard(val_records, rank, world))
+        if rank == 0:
+            log_metrics(client, run_id, metrics, step=trainer.epoch)
+            log.info("epoch %d: %s", trainer.epoch, ", ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
+
+        # checkpoint: every rank gathers the generator states, rank 0 writes, every rank reports
+        state = trainer.state_dict()
+        with tempfile.TemporaryDirectory(prefix="foveate-ckpt-") as tmp:
+            checkpoint = None
+            if rank == 0:
+                torch.save(state, Path(tmp) / WORKER_STATE)
+                torch.save(checkpoint_dict(trainer.model, cfg.model, class_names, train_config=to_dict(cfg),
+                                           metadata={"run_id": run_id, "epoch": trainer.epoch,
+                                                     "global_step": trainer.global_step}),
+                           Path(tmp) / MODEL_FILE)
+                checkpoint = ray.train.Checkpoint.from_directory(tmp)
+            ray.train.report({k: float(v) for k, v in metrics.items()}, checkpoint=checkpoint)
+        if after_epoch is not None:
+            after_epoch(trainer.epoch)

@@ -1,0 +1,451 @@
+"""The training core as a plain class: :class:`Trainer` (no Ray, no MLflow).
+
+One slide per forward (B=1) through ``workers.patches.forward_slide``; gradient accumulation over
+``optim.accumulate`` slides; gradient clipping; AdamW with linear warm-up then a cosine schedule
+(:func:`lr_factor`); the perturbation scale sigma of the selection decaying linearly from
+``schedule.sigma_start`` to ``schedule.sigma_end`` over all optimizer steps (:func:`sigma_at`; 0 at the end:
+Cordonnier et al. 2021). The per-slide loss is cross-entropy plus every entry of the model's
+``ModelOutput.aux_losses`` added as is (:func:`slide_loss`; e.g. the attention-sampling entropy
+regulariser ``-model.entropy_weight * H``).
+
+Several workers cooperate through a :class:`Collective` (identical start, averaged gradients, summed step
+statistics, gathered predictions). :class:`LocalCollective` is one process; :class:`TorchDistCollective`
+uses an initialised ``torch.distributed`` process group (what Ray Train sets up; the model's stages are called
+directly, so DDP's forward hooks do not apply and gradients are all-reduced explicitly).
+``pipeline.train_loop.train_loop_per_worker`` wraps a :class:`Trainer` for Ray Train (rank-0 MLflow
+logging, checkpoint reporting); a benchmark drives one in-process with the same numerics::
+
+    trainer = Trainer(cfg.model, cfg.optim, cfg.schedule, slides_per_epoch=len(train), seed=cfg.seed)
+    for epoch in range(cfg.optim.epochs):
+        metrics = trainer.run_epoch(shard(train, 0, 1, epoch=epoch, seed=cfg.data.seed), val)
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import resource
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from operators.errors import ConfigError
+from workers.metrics import classification_metrics
+
+__all__ = [
+    "OptimConfig",
+    "ScheduleConfig",
+    "Collective",
+    "LocalCollective",
+    "TorchDistCollective",
+    "EpochResult",
+    "EvalResult",
+    "Trainer",
+    "lr_factor",
+    "sigma_at",
+    "slide_loss",
+    "num_patches",
+]
+
+log = logging.getLogger(__name__)
+
+
+def _check(name: str, value: Any, ok: bool, allowed: str) -> None:
+    if not ok:
+        raise ConfigError(f"{name}: got {value!r}, must be {allowed}")
+
+
+# ---------------------------------------------------------------------------------------------- configs
+@dataclass(frozen=True)
+class OptimConfig:
+    """Optimiser and loss.
+
+    Attributes:
+        lr: peak learning rate of AdamW.
+        weight_decay: AdamW weight decay.
+        epochs: passes over the training slides.
+        grad_clip: max global gradient norm (0 = no clipping).
+        accumulate: slides per optimizer step on each worker (one slide per forward, B=1).
+        warmup: linear warm-up optimizer steps before the cosine decay.
+        min_lr_ratio: the cosine schedule ends at ``lr * min_lr_ratio``.
+
+    The attention-sampling entropy regulariser's weight is ``model.entropy_weight``: the model returns the
+    term (``-entropy_weight * H``) in ``ModelOutput.aux_losses`` and the trainer adds every aux loss as is.
+    """
+
+    lr: float = 1e-3
+    weight_decay: float = 1e-4
+    epochs: int = 10
+    grad_clip: float = 1.0
+    accumulate: int = 1
+    warmup: int = 0
+    min_lr_ratio: float = 0.0
+
+    def __post_init__(self) -> None:
+        _check("optim.epochs", self.epochs, self.epochs >= 1, ">= 1")
+        _check("optim.accumulate", self.accumulate, self.accumulate >= 1, ">= 1")
+        _check("optim.lr", self.lr, self.lr > 0, "> 0")
+        _check("optim.grad_clip", self.grad_clip, self.grad_clip >= 0, ">= 0 (0 = off)")
+        _check("optim.warmup", self.warmup, self.warmup >= 0, ">= 0")
+        _check("optim.min_lr_ratio", self.min_lr_ratio, 0 <= self.min_lr_ratio <= 1, "in [0, 1]")
+
+
+@dataclass(frozen=True)
+class ScheduleConfig:
+    """Perturbation scale of the selection operator: linear from ``sigma_start`` to ``sigma_end`` over training."""
+
+    sigma_start: float = 0.05
+    sigma_end: float = 0.0
+
+    def __post_init__(self) -> None:
+        _check("schedule.sigma_start", self.sigma_start, self.sigma_start >= 0, ">= 0")
+        _check("schedule.sigma_end", self.sigma_end, self.sigma_end >= 0, ">= 0")
+
+
+# ---------------------------------------------------------------------------------------------- schedules
+def sigma_at(step: int, total_steps: int, start: float, end: float) -> float:
+    """Linear decay of the perturbation scale: ``start`` at step 0, ``end`` at the last step."""
+    if total_steps <= 1:
+        return float(start)
+    t = min(max(step, 0), total_steps - 1) / (total_steps - 1)
+    return float(start + (end - start) * t)
+
+
+def lr_factor(step: int, total_steps: int, warmup: int, min_ratio: float = 0.0) -> float:
+    """Multiplier of the peak LR: linear warm-up over ``warmup`` steps, then cosine to ``min_ratio``."""
+    if warmup > 0 and step < warmup:
+        return (step + 1) / warmup
+    span = max(total_steps - warmup, 1)
+    t = min(max(step - warmup, 0), span) / span
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * t))
+
+
+# ---------------------------------------------------------------------------------------------- loss
+def slide_loss(out, target: int) -> tuple[torch.Tensor, dict[str, float]]:
+    """Cross-entropy plus the model's auxiliary loss terms (``out.aux_losses``, added as they are) of one
+    slide's forward; returns (loss, {"ce": ..., aux name: ...} as floats)."""
+    logits = out.logits.reshape(1, -1)
+    ce = torch.nn.functional.cross_entropy(logits, torch.tensor([target], device=logits.device))
+    loss = ce
+    parts = {"ce": float(ce.detach())}
+    for name, value in (out.aux_losses or {}).items():
+        v = value.sum()
+        parts[name] = float(v.detach())
+        loss = loss + v
+    return loss, parts
+
+
+def num_patches(out) -> int:
+    """Full-resolution patches this forward read (distinct cells; K for hard selection)."""
+    return int(out.info.get("cells_read", out.coords_l0.shape[0]))
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux: KiB
+
+
+# ---------------------------------------------------------------------------------------------- collectives
+class Collective(Protocol):
+    """How the workers of one training cooperate (rank ``rank`` of ``world``)."""
+
+    rank: int
+    world: int
+
+    def broadcast_module(self, module: torch.nn.Module) -> None: ...
+    def allreduce_grads(self, params: list[torch.nn.Parameter]) -> None: ...
+    def reduce_step_stats(self, stats: torch.Tensor) -> torch.Tensor: ...
+    def all_gather(self, obj: Any) -> list[Any]: ...
+    def stats_device(self, device: torch.device) -> torch.device | str: ...
+
+
+@dataclass
+class LocalCollective:
+    """No communication (one process; ``rank``/``world`` only choose the shard)."""
+
+    rank: int = 0
+    world: int = 1
+
+    def broadcast_module(self, module: torch.nn.Module) -> None:
+        pass
+
+    def allreduce_grads(self, params: list[torch.nn.Parameter]) -> None:
+        pass
+
+    def reduce_step_stats(self, stats: torch.Tensor) -> torch.Tensor:
+        return stats
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        return [obj]
+
+    def stats_device(self, device: torch.device) -> torch.device | str:
+        return "cpu"
+
+
+@dataclass
+class TorchDistCollective:
+    """An initialised ``torch.distributed`` process group (gloo on CPU, nccl on CUDA)."""
+
+    rank: int
+    world: int
+
+    def broadcast_module(self, module: torch.nn.Module) -> None:
+        import torch.distributed as dist
+
+        for t in list(module.parameters()) + list(module.buffers()):
+            dist.broadcast(t.data, src=0)
+
+    def allreduce_grads(self, params: list[torch.nn.Parameter]) -> None:
+        """Average gradients over workers in one flat all-reduce (missing grads count as zeros)."""
+        import torch.distributed as dist
+
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat)
+        flat /= self.world
+        offset = 0
+        for p, g in zip(params, grads):
+            n = g.numel()
+            p.grad = flat[offset:offset + n].view_as(p).clone()
+            offset += n
+
+    def reduce_step_stats(self, stats: torch.Tensor) -> torch.Tensor:
+        """``[loss, n, correct, patches, seconds]``: the first four summed, the seconds the slowest worker's."""
+        import torch.distributed as dist
+
+        summed = stats.clone()
+        dist.all_reduce(summed)
+        longest = stats[4:5].clone()
+        dist.all_reduce(longest, op=dist.ReduceOp.MAX)
+        return torch.cat([summed[:4], longest])
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        import torch.distributed as dist
+
+        out: list[Any] = [None] * self.world
+        dist.all_gather_object(out, obj)
+        return out
+
+    def stats_device(self, device: torch.device) -> torch.device | str:
+        return device  # nccl reduces CUDA tensors only
+
+
+# ---------------------------------------------------------------------------------------------- trainer
+@dataclass
+class EpochResult:
+    """One training epoch on this worker (loss/n/patches/step time summed over all workers)."""
+
+    targets: list[int] = field(default_factory=list)
+    probs: list[list[float]] = field(default_factory=list)
+    loss: float = 0.0
+    n: int = 0
+    patches: int = 0
+    step_seconds: float = 0.0
+    started: float = 0.0  # time.perf_counter() at the start
+
+
+@dataclass
+class EvalResult:
+    """Hard-selection predictions of some slides: targets, class probabilities, summed CE loss, patches read."""
+
+    targets: list[int]
+    probs: list[list[float]]
+    loss: float
+    patches: int
+
+
+StepCallback = Callable[[dict[str, float], int], None]
+
+
+class Trainer:
+    """Model, optimiser, LR and sigma schedules and the selection-noise generator of one training worker.
+
+    Args:
+        model_config: ``operators.model.ModelConfig`` (``num_classes`` already set from the data).
+        optim, schedule: see :class:`OptimConfig`, :class:`ScheduleConfig`.
+        slides_per_epoch: slides this worker trains on per epoch (its shard's length); fixes the steps per
+            epoch and so the schedules.
+        seed: model initialisation (``torch.manual_seed``) and selection noise (``seed * 1000 + rank``).
+        device: where the model runs.
+        collective: how workers cooperate (default :class:`LocalCollective`).
+        on_step: called as ``on_step(metrics, global_step)`` every ``log_every`` optimizer steps and at the end
+            of each epoch (pass it on one rank only to log once).
+        log_every: see ``on_step``.
+    """
+
+    def __init__(self, model_config: Any, optim: OptimConfig, schedule: ScheduleConfig, *, slides_per_epoch: int,
+                 seed: int = 0, device: str | torch.device = "cpu", collective: Collective | None = None,
+                 on_step: StepCallback | None = None, log_every: int = 1):
+        from operators.model import FoveateModel
+
+        self.optim_cfg, self.schedule = optim, schedule
+        self.collective = collective if collective is not None else LocalCollective()
+        self.rank, self.world = self.collective.rank, self.collective.world
+        self.device = torch.device(device)
+        self.on_step, self.log_every = on_step, int(log_every)
+
+        torch.manual_seed(seed)
+        self.model = FoveateModel(model_config).to(self.device)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.collective.broadcast_module(self.model)  # identical start on every worker
+        self.optimizer = torch.optim.AdamW(self.params, lr=optim.lr, weight_decay=optim.weight_decay)
+        self.steps_per_epoch = math.ceil(slides_per_epoch / optim.accumulate)
+        self.total_steps = self.steps_per_epoch * optim.epochs
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: lr_factor(s, self.total_steps, optim.warmup, optim.min_lr_ratio))
+        self.generator = torch.Generator(device=self.device)  # selection noise is drawn on the model's device
+        self.generator.manual_seed(seed * 1000 + self.rank)
+        self.epoch, self.global_step, self.train_seconds = 0, 0, 0.0
+        self._stores: dict[str, Any] = {}
+
+    # ------------------------------------------------------------------ slides
+    def _store(self, path: str):
+        from workers.store import SlideStore
+
+        if path not in self._stores:
+            self._stores[path] = SlideStore(path)
+        return self._stores[path]
+
+    def _forward(self, store, *, training: bool, sigma: float, target: int | None = None):
+        from workers.patches import forward_slide
+
+        return forward_slide(self.model, store, training=training, sigma=sigma,
+                             generator=self.generator if training else None, target=target)
+
+    # ------------------------------------------------------------------ step
+    def step(self, batch: Sequence[Any], result: EpochResult) -> dict[str, float]:
+        """One optimizer step on ``batch`` (records with ``.store`` and ``.target``); returns the step's
+        metrics (loss and accuracy over all workers, sigma, lr, grad norm, timings, aux losses)."""
+        t0 = time.perf_counter()
+        sigma = sigma_at(self.global_step, self.total_steps, self.schedule.sigma_start, self.schedule.sigma_end)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_sum, correct, patches = 0.0, 0, 0
+        aux_sums: dict[str, float] = {}
+        for rec in batch:
+            out = self._forward(self._store(rec.store), training=True, sigma=sigma, target=rec.target)
+            loss, parts = slide_loss(out, rec.target)
+            (loss / len(batch)).backward()
+            loss_sum += float(loss.detach())
+            for k, v in parts.items():
+                aux_sums[k] = aux_sums.get(k, 0.0) + v
+            prob = torch.softmax(out.logits.detach().reshape(1, -1).float(), -1)[0].cpu()
+            correct += int(int(prob.argmax()) == rec.target)
+            result.targets.append(rec.target)
+            result.probs.append(prob.tolist())
+            patches += num_patches(out)
+        self.collective.allreduce_grads(self.params)
+        grad_norm = float("nan")
+        if self.optim_cfg.grad_clip > 0:
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.optim_cfg.grad_clip))
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.global_step += 1
+        dt = time.perf_counter() - t0
+        stats = torch.tensor([loss_sum, len(batch), correct, patches, dt], dtype=torch.float64,
+                             device=self.collective.stats_device(self.device))
+        s_loss, s_n, s_correct, s_patches, s_dt = self.collective.reduce_step_stats(stats).cpu().tolist()
+        result.loss += s_loss
+        result.n += int(s_n)
+        result.patches += int(s_patches)
+        result.step_seconds += s_dt
+        metrics = {
+            "loss": s_loss / max(s_n, 1),
+            "accuracy": s_correct / max(s_n, 1),
+            "sigma": sigma,
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "seconds_per_step": s_dt,
+            "patches_per_second": s_patches / max(s_dt, 1e-9),
+        }
+        metrics.update({f"loss_{k}": v / max(len(batch), 1) for k, v in aux_sums.items()})
+        return metrics
+
+    def train_epoch(self, records: Sequence[Any]) -> EpochResult:
+        """One epoch over this worker's ``records`` (already sharded and shuffled), ``optim.accumulate``
+        slides per optimizer step."""
+        self.model.train()
+        result = EpochResult(started=time.perf_counter())
+        acc = self.optim_cfg.accumulate
+        for i in range(self.steps_per_epoch):
+            metrics = self.step(records[i * acc:(i + 1) * acc], result)
+            last = i == self.steps_per_epoch - 1
+            if self.on_step is not None and (self.global_step % self.log_every == 0 or last):
+                metrics["peak_memory_mb"] = peak_memory_mb(self.device)
+                self.on_step(metrics, self.global_step)
+                log.info("epoch %d step %d/%d loss %.4f sigma %.4f %.2fs/step", self.epoch + 1, i + 1,
+                         self.steps_per_epoch, metrics["loss"], metrics["sigma"], metrics["seconds_per_step"])
+        self.train_seconds += time.perf_counter() - result.started
+        self.epoch += 1
+        return result
+
+    # ------------------------------------------------------------------ evaluate
+    def evaluate(self, records: Sequence[Any]) -> EvalResult:
+        """Hard-selection predictions of ``records`` (eval mode, no gradients)."""
+        self.model.eval()
+        targets, probs, loss_sum, patches = [], [], 0.0, 0
+        with torch.no_grad():
+            for rec in records:
+                out = self._forward(self._store(rec.store), training=False, sigma=0.0)
+                logits = out.logits.reshape(1, -1).float()
+                loss_sum += float(torch.nn.functional.cross_entropy(
+                    logits, torch.tensor([rec.target], device=logits.device)))
+                probs.append(torch.softmax(logits, -1)[0].cpu().tolist())
+                targets.append(rec.target)
+                patches += num_patches(out)
+        return EvalResult(targets, probs, loss_sum, patches)
+
+    def run_epoch(self, train_records: Sequence[Any], val_records: Sequence[Any]) -> dict[str, float]:
+        """:meth:`train_epoch` then :meth:`evaluate` on this worker's validation shard; the epoch's metrics
+        over all workers (full on rank 0; only ``epoch`` and ``global_step`` on the others)."""
+        ep = self.train_epoch(train_records)
+        val = self.evaluate(val_records)
+        gathered = self.collective.all_gather({"train": (ep.targets, ep.probs),
+                                               "val": (val.targets, val.probs, val.loss, val.patches)})
+        metrics: dict[str, float] = {"epoch": self.epoch, "global_step": self.global_step}
+        if self.rank == 0:
+            tt = [t for g in gathered for t in g["train"][0]]
+            tp = [p for g in gathered for p in g["train"][1]]
+            metrics["epoch_train_loss"] = ep.loss / max(ep.n, 1)
+            metrics.update(classification_metrics(tt, np.array(tp), prefix="epoch_train_"))
+            vt = [t for g in gathered for t in g["val"][0]]
+            vp = [p for g in gathered for p in g["val"][1]]
+            if vt:
+                metrics["val_loss"] = sum(g["val"][2] for g in gathered) / len(vt)
+                metrics.update(classification_metrics(vt, np.array(vp), prefix="val_"))
+            metrics["epoch_seconds"] = time.perf_counter() - ep.started
+            metrics["epoch_patches_per_second"] = ep.patches / max(ep.step_seconds, 1e-9)
+            metrics["epoch_seconds_per_step"] = ep.step_seconds / max(self.steps_per_epoch, 1)
+            metrics["epoch_peak_memory_mb"] = peak_memory_mb(self.device)
+            metrics["train_seconds"] = self.train_seconds
+        return metrics
+
+    # ------------------------------------------------------------------ checkpoint
+    def state_dict(self) -> dict[str, Any]:
+        """Everything to continue training: model, optimiser, scheduler, counters and every worker's generator
+        state (``generators[rank]``; gathered, so every rank must call this)."""
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "epoch": self.epoch,
+            "global_step": self.global_step,
+            "train_seconds": self.train_seconds,
+            "generators": self.collective.all_gather(self.generator.get_state()),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from :meth:`state_dict` (this rank's generator state where it was saved)."""
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.epoch, self.global_step = int(state["epoch"]), int(state["global_step"])
+        self.train_seconds = float(state.get("train_seconds", 0.0))
+        gen_states = state.get("generators") or []
+        if self.rank < len(gen_states):
+            self.generator.set_state(gen_states[self.rank])
