@@ -33,8 +33,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
+import numpy as np
+import torch
 
 SELECTION = {
     "perturbed_transformer": "perturbed top-k + transformer",
@@ -149,8 +149,8 @@ def run_baseline(name: str, train_recs, test_recs, model_cfg, epochs: int, max_t
             return prepare_slide(rec.store, model_cfg).lowres[None], rec.target
 
         model = LowresCNN()
-        fwd = lambda m, x, rng: m(x)  # noqa: E731
-        fwd_eval = lambda m, x: m(x)  # noqa: E731
+        fwd = lambda m, x, rng: m(x)
+        fwd_eval = lambda m, x: m(x)
         lr = 3e-3
     else:
         def item(rec):

@@ -11,7 +11,6 @@ Usage: python benchmarks/selection_hits.py --config attention_sampling --stores 
 """
 import argparse
 import json
-import math
 import os
 import sys
 import time
@@ -19,19 +18,19 @@ from pathlib import Path
 
 ROOT = os.environ.get("ROOT", str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, ROOT)
-import dataclasses  # noqa: E402
+import dataclasses
 
-import numpy as np  # noqa: E402
-import pandas as pd  # noqa: E402
-import torch  # noqa: E402
+import numpy as np
+import pandas as pd
+import torch
 
 torch.set_num_threads(1)
-from pipeline.config import load_config  # noqa: E402
-from pipeline.data import build_slide_table, shard, split_train_val  # noqa: E402
-from pipeline.train import TrainConfig  # noqa: E402
-from workers.metrics import classification_metrics  # noqa: E402
-from workers.patches import forward_slide  # noqa: E402
-from workers.trainer import Trainer  # noqa: E402
+from pipeline.config import load_config
+from pipeline.data import build_slide_table, shard, split_train_val
+from pipeline.train import TrainConfig
+from workers.metrics import classification_metrics
+from workers.patches import forward_slide
+from workers.trainer import Trainer
 
 
 def structure_boxes(stores: str) -> dict[str, list[dict]]:

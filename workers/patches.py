@@ -65,7 +65,7 @@ class PatchGrid:
     shape: tuple[int, int]
 
     @classmethod
-    def from_size(cls, level0_size: tuple[int, int], patch_size: int, stride: int | None = None) -> "PatchGrid":
+    def from_size(cls, level0_size: tuple[int, int], patch_size: int, stride: int | None = None) -> PatchGrid:
         """The grid covering a slide of ``level0_size = (width, height)``."""
         if isinstance(patch_size, bool) or not isinstance(patch_size, int) or patch_size < 1:
             raise ValueError(f"patch_size must be a positive int (level-0 pixels), got {patch_size!r}")
@@ -82,7 +82,7 @@ class PatchGrid:
         return cls((w, h), patch_size, stride, (count(h), count(w)))
 
     @classmethod
-    def from_store(cls, store: SlideStore, patch_size: int, stride: int | None = None) -> "PatchGrid":
+    def from_store(cls, store: SlideStore, patch_size: int, stride: int | None = None) -> PatchGrid:
         """The grid covering ``store``'s level 0."""
         return cls.from_size(store.dimensions, patch_size, stride)
 
@@ -278,7 +278,7 @@ class SlideInput:
         return self.store.slide_id
 
 
-_CACHE: "OrderedDict[tuple, SlideInput]" = OrderedDict()
+_CACHE: OrderedDict[tuple, SlideInput] = OrderedDict()
 _CACHE_LOCK = threading.Lock()
 _CACHE_MAX_BYTES = 512 * 2**20
 
