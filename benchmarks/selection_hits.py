@@ -59,6 +59,8 @@ def main() -> None:
     p.add_argument("--stores", required=True)
     p.add_argument("--seed", type=int, default=0, help="split seed (data.seed)")
     p.add_argument("--val-fraction", type=float, default=0.3)
+    p.add_argument("--soft-eval", action="store_true",
+                   help="also the held-out accuracy with the training-time (soft/sampled) selection at sigma_start")
     a = p.parse_args()
     path = a.config if a.config.endswith(".yaml") else f"{ROOT}/configs/{a.config}.yaml"
     cfg = load_config(TrainConfig, path, [f"data.stores={a.stores}", "data.labels=manifest",
@@ -95,12 +97,24 @@ def main() -> None:
                     ys.append(rec.target)
                     hits.append(hit_rate(out.coords_l0, boxes.get(str(Path(rec.store).resolve()), []), patch))
                 res[name] = (classification_metrics(ys, np.array(probs)), float(np.mean(hits)))
+        soft = ""
+        if a.soft_eval:  # the training-time (soft / sampled) selection at the start sigma, without gradients
+            probs, ys = [], []
+            gen = torch.Generator().manual_seed(12345)
+            with torch.no_grad():
+                for rec in te:
+                    out = forward_slide(model, trainer._store(rec.store), training=True,
+                                        sigma=cfg.schedule.sigma_start, generator=gen)
+                    probs.append(torch.softmax(out.logits.reshape(1, -1).float(), -1)[0].numpy())
+                    ys.append(rec.target)
+            soft_acc = classification_metrics(ys, np.array(probs))["accuracy"]
+            soft = f"soft acc {soft_acc:.2f} "
         ce = np.mean(aux.get("loss_ce", [ep.loss / max(ep.n, 1)]))
         extra = " ".join(f"{k[5:]} {np.mean(v):.3f}" for k, v in aux.items() if k != "loss_ce")
         m, th = res["test"]
         print(f"ep {trainer.epoch:2d} ce {ce:.3f} Hrel 0.000 trainhit {res['train'][1]:.2f} testhit {th:.2f} "
               f"|g_scorer| 0 |g| {np.median(grad):.3g} test acc {m['accuracy']:.2f} auc {m['auc']:.2f} "
-              f"t {time.time() - t0:.0f}s {extra}", flush=True)
+              f"{soft}t {time.time() - t0:.0f}s {extra}", flush=True)
     print(json.dumps({"train_seconds": trainer.train_seconds, "test_accuracy": m["accuracy"], "test_auc": m["auc"],
                       "test_hits": th}))
 
