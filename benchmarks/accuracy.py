@@ -79,10 +79,15 @@ class LowresCNN(torch.nn.Module):
         super().__init__()
         c = channels
         self.body = torch.nn.Sequential(
-            torch.nn.Conv2d(3, c, 3, padding=1), torch.nn.ReLU(),
-            torch.nn.Conv2d(c, c, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
-            torch.nn.Conv2d(c, 2 * c, 3, padding=1), torch.nn.ReLU(),
-            torch.nn.Conv2d(2 * c, 2 * c, 3, padding=1), torch.nn.ReLU(),
+            torch.nn.Conv2d(3, c, 3, padding=1),
+            torch.nn.ReLU(),
+            torch.nn.Conv2d(c, c, 3, padding=1),
+            torch.nn.ReLU(),
+            torch.nn.MaxPool2d(2),
+            torch.nn.Conv2d(c, 2 * c, 3, padding=1),
+            torch.nn.ReLU(),
+            torch.nn.Conv2d(2 * c, 2 * c, 3, padding=1),
+            torch.nn.ReLU(),
         )
         self.head = torch.nn.Linear(4 * c, num_classes)
 
@@ -102,12 +107,13 @@ class TilesMean(torch.nn.Module):
         self.head = torch.nn.Linear(features_cfg.feature_dim, num_classes)
 
     def forward(self, tiles: torch.Tensor, chunk: int = 128) -> torch.Tensor:
-        feats = torch.cat([self.features(tiles[i:i + chunk]) for i in range(0, len(tiles), chunk)])
+        feats = torch.cat([self.features(tiles[i : i + chunk]) for i in range(0, len(tiles), chunk)])
         return self.head(feats.mean(0, keepdim=True))
 
 
-def _fit_eval(model, train_items, test_items, epochs: int, lr: float, accumulate: int, seed: int,
-              forward_train, forward_eval) -> dict:
+def _fit_eval(
+    model, train_items, test_items, epochs: int, lr: float, accumulate: int, seed: int, forward_train, forward_eval
+) -> dict:
     from pipeline.train import classification_metrics
 
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=1e-4)
@@ -120,7 +126,7 @@ def _fit_eval(model, train_items, test_items, epochs: int, lr: float, accumulate
         order = rng.permutation(len(train_items))
         for s in range(0, len(order), accumulate):
             opt.zero_grad(set_to_none=True)
-            batch = order[s:s + accumulate]
+            batch = order[s : s + accumulate]
             for i in batch:
                 x, y = train_items[i]
                 loss = torch.nn.functional.cross_entropy(forward_train(model, x, rng), torch.tensor([y]))
@@ -145,6 +151,7 @@ def run_baseline(name: str, train_recs, test_recs, model_cfg, epochs: int, max_t
     torch.manual_seed(seed)
     t_load = time.perf_counter()
     if name == "lowres_cnn":
+
         def item(rec):
             return prepare_slide(rec.store, model_cfg).lowres[None], rec.target
 
@@ -153,6 +160,7 @@ def run_baseline(name: str, train_recs, test_recs, model_cfg, epochs: int, max_t
         fwd_eval = lambda m, x: m(x)
         lr = 3e-3
     else:
+
         def item(rec):
             si = prepare_slide(rec.store, model_cfg)
             cells = torch.nonzero(si.cell_mask.flatten()).flatten()
@@ -218,9 +226,17 @@ def main() -> int:
     try:
         stores = prepare_data(workdir, args.count, args.size, args.seed)
         data_s = time.perf_counter() - t0
-        common = [f"data.stores={stores}", "data.labels=manifest", f"data.val_fraction={args.test_fraction}",
-                  f"data.seed={args.seed}", f"optim.epochs={args.epochs}", "tracking.experiment=foveate-accuracy",
-                  f"workdir={workdir}", "threads=1", *args.overrides]
+        common = [
+            f"data.stores={stores}",
+            "data.labels=manifest",
+            f"data.val_fraction={args.test_fraction}",
+            f"data.seed={args.seed}",
+            f"optim.epochs={args.epochs}",
+            "tracking.experiment=foveate-accuracy",
+            f"workdir={workdir}",
+            "threads=1",
+            *args.overrides,
+        ]
         from pipeline.data import build_slide_table, split_train_val
         from pipeline.train import train
 
@@ -234,33 +250,58 @@ def main() -> int:
                 stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
                 res = train(load_cfg(name, [*common, f"tracking.run_name={name}-{stamp}"]))
                 m = res.metrics
-                row = {"model": name, "description": SELECTION[name], "test_accuracy": m.get("val_accuracy"),
-                       "test_auc": m.get("val_auc"), "train_seconds": m.get("train_seconds"),
-                       "mlflow_run_id": res.run_id}
+                row = {
+                    "model": name,
+                    "description": SELECTION[name],
+                    "test_accuracy": m.get("val_accuracy"),
+                    "test_auc": m.get("val_auc"),
+                    "train_seconds": m.get("train_seconds"),
+                    "mlflow_run_id": res.run_id,
+                }
             else:
-                row = {"model": name, "description": BASELINES[name],
-                       **run_baseline(name, train_recs, test_recs, base_cfg.model, args.epochs, args.max_tiles, args.seed)}
+                row = {
+                    "model": name,
+                    "description": BASELINES[name],
+                    **run_baseline(name, train_recs, test_recs, base_cfg.model, args.epochs, args.max_tiles, args.seed),
+                }
             row["wall_seconds"] = time.perf_counter() - t1
             rows.append(row)
-            print(f"{name}: test accuracy {row['test_accuracy']:.3f}, AUC {row['test_auc']:.3f}, "
-                  f"train {row['train_seconds']:.1f}s (wall {row['wall_seconds']:.1f}s)", flush=True)
+            print(
+                f"{name}: test accuracy {row['test_accuracy']:.3f}, AUC {row['test_auc']:.3f}, "
+                f"train {row['train_seconds']:.1f}s (wall {row['wall_seconds']:.1f}s)",
+                flush=True,
+            )
     finally:
         ray.shutdown()
     sel = [r["test_accuracy"] for r in rows if r["model"] in SELECTION]
     low = [r["test_accuracy"] for r in rows if r["model"] == "lowres_cnn"]
-    goals = {"selection_models_ge_0.90": bool(sel) and min(sel) >= 0.9, "lowres_cnn_le_0.60": bool(low) and low[0] <= 0.6}
+    goals = {
+        "selection_models_ge_0.90": bool(sel) and min(sel) >= 0.9,
+        "lowres_cnn_le_0.60": bool(low) and low[0] <= 0.6,
+    }
     print()
-    print(f"{len(train_recs)} train / {len(test_recs)} test slides ({args.count} x {args.size} px), {args.epochs} epochs")
+    print(
+        f"{len(train_recs)} train / {len(test_recs)} test slides ({args.count} x {args.size} px), {args.epochs} epochs"
+    )
     print(f"{'model':<24} {'test acc':>9} {'test AUC':>9} {'train s':>9} {'wall s':>8}")
     for r in rows:
-        print(f"{r['model']:<24} {r['test_accuracy']:>9.3f} {r['test_auc']:>9.3f} {r['train_seconds']:>9.1f} {r['wall_seconds']:>8.1f}")
+        print(
+            f"{r['model']:<24} {r['test_accuracy']:>9.3f} {r['test_auc']:>9.3f} {r['train_seconds']:>9.1f} {r['wall_seconds']:>8.1f}"
+        )
     print("goals:", ", ".join(f"{k}: {'met' if v else 'NOT met'}" for k, v in goals.items()))
     out = {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "machine": f"{platform.machine()} {os.cpu_count()} CPU(s), {platform.platform()}",
-        "torch": torch.__version__, "quick": args.quick, "count": args.count, "size": args.size,
-        "epochs": args.epochs, "train_slides": len(train_recs), "test_slides": len(test_recs),
-        "data_seconds": data_s, "rows": rows, "goals": goals,
+        "torch": torch.__version__,
+        "quick": args.quick,
+        "count": args.count,
+        "size": args.size,
+        "epochs": args.epochs,
+        "train_slides": len(train_recs),
+        "test_slides": len(test_recs),
+        "data_seconds": data_s,
+        "rows": rows,
+        "goals": goals,
     }
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(out, indent=2, default=float))

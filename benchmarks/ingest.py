@@ -88,8 +88,14 @@ def naive(path: Path, out: Path, fraction: float) -> dict:
     W, H = s.dimensions
     rows = max(256, int(H * fraction) // 256 * 256)
     rows = min(rows, H)
-    arr = zarr.create_array(str(out), shape=(3, rows, W), chunks=(3, 256, 256), dtype="uint8", fill_value=255,
-                            compressors=[zarr.codecs.ZstdCodec(level=1)])
+    arr = zarr.create_array(
+        str(out),
+        shape=(3, rows, W),
+        chunks=(3, 256, 256),
+        dtype="uint8",
+        fill_value=255,
+        compressors=[zarr.codecs.ZstdCodec(level=1)],
+    )
     B = 2048
     t, c = time.perf_counter(), time.process_time()
     for y in range(0, rows, B):
@@ -110,31 +116,59 @@ def run_ingest(path: Path, out: Path, workers: int, codec: str, *, threads: int 
     shutil.rmtree(out, ignore_errors=True)
     load0 = os.getloadavg()[0]
     t = time.perf_counter()
-    res = ingest([path], out, options=IngestOptions(codec=codec, threads=threads, zstd_level=zstd_level), workers=workers,
-                 overwrite=True, progress=False)
+    res = ingest(
+        [path],
+        out,
+        options=IngestOptions(codec=codec, threads=threads, zstd_level=zstd_level),
+        workers=workers,
+        overwrite=True,
+        progress=False,
+    )
     dt = time.perf_counter() - t
     (row,) = res.rows
     if row["status"] != "ok":
         raise RuntimeError(f"ingest failed: {row['error']}")
     mp = row["width"] * row["height"] / 1e6
     store = Path(row["store"])
-    return {"seconds": dt, "mp": mp, "mp_per_s": mp / dt, "workers": workers, "codec": row["codec"],
-            "cpu_seconds": res.cpu_seconds, "mp_per_cpu_s": mp / res.cpu_seconds if res.cpu_seconds else None,
-            "store_bytes": du(store), "levels": row["levels"], "threads": threads, "zstd_level": zstd_level,
-            "load_avg": [load0, os.getloadavg()[0]]}
+    return {
+        "seconds": dt,
+        "mp": mp,
+        "mp_per_s": mp / dt,
+        "workers": workers,
+        "codec": row["codec"],
+        "cpu_seconds": res.cpu_seconds,
+        "mp_per_cpu_s": mp / res.cpu_seconds if res.cpu_seconds else None,
+        "store_bytes": du(store),
+        "levels": row["levels"],
+        "threads": threads,
+        "zstd_level": zstd_level,
+        "load_avg": [load0, os.getloadavg()[0]],
+    }
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog=__doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--size", type=int, default=32768, help="slide side in pixels (default 32768 = 1.07 GP; >= 2000)")
     p.add_argument("--workers", default="1,2", help="comma-separated actor counts for the zstd runs (default 1,2)")
-    p.add_argument("--work-dir", default=str(REPO / "benchmarks" / "_work" / "ingest"),
-                   help="cache for the synthetic slide and scratch stores (default benchmarks/_work/ingest)")
-    p.add_argument("--naive-fraction", type=float, default=0.25, help="fraction of the slide's rows the naive loop does")
+    p.add_argument(
+        "--work-dir",
+        default=str(REPO / "benchmarks" / "_work" / "ingest"),
+        help="cache for the synthetic slide and scratch stores (default benchmarks/_work/ingest)",
+    )
+    p.add_argument(
+        "--naive-fraction", type=float, default=0.25, help="fraction of the slide's rows the naive loop does"
+    )
     p.add_argument("--skip-naive", action="store_true")
-    p.add_argument("--threads", default="1", help="comma-separated threads per actor; each T > 1 adds a 1-actor run (default 1)")
-    p.add_argument("--zstd-level", type=int, default=1, help="zstd level of the zstd runs (default 1, foveate's default)")
+    p.add_argument(
+        "--threads", default="1", help="comma-separated threads per actor; each T > 1 adds a 1-actor run (default 1)"
+    )
+    p.add_argument(
+        "--zstd-level", type=int, default=1, help="zstd level of the zstd runs (default 1, foveate's default)"
+    )
     p.add_argument("--json", default=None, help="write results here (default WORK_DIR/ingest_<size>.json)")
     p.add_argument("--keep-stores", action="store_true", help="keep the scratch stores")
     args = p.parse_args(argv)
@@ -152,10 +186,14 @@ def main(argv=None) -> int:
     src_bytes = du(slide)
     import ray
 
-    results: dict = {"size": args.size, "source": str(slide), "source_bytes": src_bytes,
-                     "machine": f"{platform.machine()} {os.cpu_count()} CPUs ({platform.processor() or 'cpu'}), shared",
-                     "command": "python benchmarks/ingest.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-                     "runs": {}}
+    results: dict = {
+        "size": args.size,
+        "source": str(slide),
+        "source_bytes": src_bytes,
+        "machine": f"{platform.machine()} {os.cpu_count()} CPUs ({platform.processor() or 'cpu'}), shared",
+        "command": "python benchmarks/ingest.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "runs": {},
+    }
     print("decode floor ...", flush=True)
     load0 = os.getloadavg()[0]
     results["runs"]["decode_floor"] = decode_floor(slide)
@@ -164,18 +202,25 @@ def main(argv=None) -> int:
         print("naive OpenSlide read_region -> zarr ...", flush=True)
         results["runs"]["naive"] = naive(slide, work / "naive.zarr", args.naive_fraction)
         shutil.rmtree(work / "naive.zarr", ignore_errors=True)
-    ray.init(num_cpus=max(workers + [1]), include_dashboard=False, object_store_memory=128 * 1024**2, configure_logging=False,
-             runtime_env={"env_vars": {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}})
+    ray.init(
+        num_cpus=max(workers + [1]),
+        include_dashboard=False,
+        object_store_memory=128 * 1024**2,
+        configure_logging=False,
+        runtime_env={"env_vars": {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}},
+    )
     try:
         for w in workers:
             print(f"foveate ingest zstd, {w} worker(s) ...", flush=True)
-            results["runs"][f"ingest_zstd_w{w}"] = run_ingest(slide, work / f"stores_zstd_w{w}", w, "zstd",
-                                                              zstd_level=args.zstd_level)
+            results["runs"][f"ingest_zstd_w{w}"] = run_ingest(
+                slide, work / f"stores_zstd_w{w}", w, "zstd", zstd_level=args.zstd_level
+            )
         for th in threads:
             if th > 1:
                 print(f"foveate ingest zstd, 1 worker x {th} threads ...", flush=True)
-                results["runs"][f"ingest_zstd_w1_t{th}"] = run_ingest(slide, work / f"stores_zstd_t{th}", 1, "zstd",
-                                                                      threads=th, zstd_level=args.zstd_level)
+                results["runs"][f"ingest_zstd_w1_t{th}"] = run_ingest(
+                    slide, work / f"stores_zstd_t{th}", 1, "zstd", threads=th, zstd_level=args.zstd_level
+                )
         print("foveate ingest jpeg passthrough, 1 worker ...", flush=True)
         results["runs"]["ingest_jpeg_passthrough"] = run_ingest(slide, work / "stores_jpeg", 1, "jpeg")
     finally:
@@ -190,7 +235,9 @@ def main(argv=None) -> int:
     if "ingest_zstd_w1" in runs:
         goals["lossless_per_worker_vs_floor"] = runs["ingest_zstd_w1"]["mp_per_s"] / floor
         # contention-robust variant: megapixels per CPU-second of the actors vs of the decode loop
-        goals["lossless_per_cpu_s_vs_floor"] = runs["ingest_zstd_w1"]["mp_per_cpu_s"] / runs["decode_floor"]["mp_per_cpu_s"]
+        goals["lossless_per_cpu_s_vs_floor"] = (
+            runs["ingest_zstd_w1"]["mp_per_cpu_s"] / runs["decode_floor"]["mp_per_cpu_s"]
+        )
     goals["passthrough_vs_floor"] = runs["ingest_jpeg_passthrough"]["mp_per_s"] / floor
     if "ingest_zstd_w1" in runs and "ingest_zstd_w2" in runs:
         goals["speedup_2_vs_1"] = runs["ingest_zstd_w2"]["mp_per_s"] / runs["ingest_zstd_w1"]["mp_per_s"]
@@ -201,7 +248,9 @@ def main(argv=None) -> int:
         "2 workers >= 1.7 x 1 worker": goals.get("speedup_2_vs_1", 0) >= 1.7,
     }
 
-    print(f"\nslide {args.size}x{args.size} ({args.size**2 / 1e9:.2f} GP), source {src_bytes / 1e6:.1f} MB; {results['machine']}")
+    print(
+        f"\nslide {args.size}x{args.size} ({args.size**2 / 1e9:.2f} GP), source {src_bytes / 1e6:.1f} MB; {results['machine']}"
+    )
     print("| run | MP/s (wall) | MP per CPU-s | seconds | MP | store MB | store / source | load avg |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for name, r in runs.items():

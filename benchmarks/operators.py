@@ -120,22 +120,31 @@ def worker(spec: dict) -> dict:
         """(forward closure, upstream gradient or None, scores) for one problem size."""
         scores = torch.randn(b, n, generator=gen, device=dev).requires_grad_(op != "hard_topk")
         if op == "perturbed_topk":
+
             def fwd():
-                return ops.perturbed_topk(scores, k, num_samples=spec["num_samples"], sigma=spec["sigma"], generator=gen)
+                return ops.perturbed_topk(
+                    scores, k, num_samples=spec["num_samples"], sigma=spec["sigma"], generator=gen
+                )
+
             grad_shape = (b, k, n)
         elif op == "perturbed_baseline":
             fn = _baseline_function()
 
             def fwd():
                 return fn.apply(scores, k, spec["num_samples"], spec["sigma"])
+
             grad_shape = (b, k, n)
         elif op == "lapsum_topk":
+
             def fwd():
                 return ops.lapsum_topk(scores, k, alpha=spec["alpha"])
+
             grad_shape = (b, n)
         elif op == "sinkhorn_topk":
+
             def fwd():
                 return ops.sinkhorn_topk(scores, k, epsilon=spec["epsilon"], max_iter=200)
+
             grad_shape = (b, n)
         elif op == "attention_sample":
             attn = torch.softmax(scores.detach(), dim=1).requires_grad_(True)
@@ -144,10 +153,13 @@ def worker(spec: dict) -> dict:
             def fwd():
                 _, w = ops.attention_sample(attn, k, replace=False, generator=gen)
                 return (w * feats).sum(1)
+
             grad_shape = (b,)
         elif op == "hard_topk":
+
             def fwd():
                 return ops.hard_topk(scores, k)
+
             grad_shape = None
         else:
             raise ValueError(op)
@@ -208,8 +220,14 @@ def worker(spec: dict) -> dict:
         return {"status": "not implemented", "error": str(e)}
     fw = statistics.median(t[0] for t in times)
     bw = statistics.median(t[1] for t in times)
-    return {"status": "ok", "forward_ms": fw * 1e3, "backward_ms": bw * 1e3, "total_ms": (fw + bw) * 1e3,
-            "peak_mb": peak_mb, "timed_repeats": len(times)}
+    return {
+        "status": "ok",
+        "forward_ms": fw * 1e3,
+        "backward_ms": bw * 1e3,
+        "total_ms": (fw + bw) * 1e3,
+        "peak_mb": peak_mb,
+        "timed_repeats": len(times),
+    }
 
 
 # ----------------------------------------------------------------------------------------------- driver
@@ -217,8 +235,14 @@ def run_case(spec: dict, timeout: float) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS=str(spec["threads"]), PYTHONPATH=str(ROOT))
     t0 = time.perf_counter()
     try:
-        p = subprocess.run([sys.executable, __file__, "--worker", json.dumps(spec)], capture_output=True, text=True,
-                           timeout=timeout, env=env, cwd=ROOT)
+        p = subprocess.run(
+            [sys.executable, __file__, "--worker", json.dumps(spec)],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=env,
+            cwd=ROOT,
+        )
     except subprocess.TimeoutExpired:
         return {**spec, "status": f"timeout after {timeout:.0f} s"}
     if p.returncode != 0:
@@ -234,8 +258,10 @@ def _fmt(x, nd=1):
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| op | B | N | k | n | forward ms | backward ms | total ms | peak MB | note |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    lines = [
+        "| op | B | N | k | n | forward ms | backward ms | total ms | peak MB | note |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
     for r in rows:
         ok = r.get("status") == "ok"
         n_s = r["num_samples"] if r["op"].startswith("perturbed") else ""
@@ -260,24 +286,45 @@ def goals(rows: list[dict], lapsum_factor: float = 1.5) -> list[dict]:
     if ours and base:
         mem_ratio = base["peak_mb"] / max(ours["peak_mb"], 1e-9)
         time_ratio = base["total_ms"] / ours["total_ms"]
-        out.append({"goal": "paper case B=32 N=2028 k=10 n=500: peak memory >= 10x less than baseline",
-                    "value": f"{mem_ratio:.1f}x ({base['peak_mb']:.0f} MB vs {ours['peak_mb']:.0f} MB)", "met": mem_ratio >= 10})
-        out.append({"goal": "paper case: time >= 3x less than baseline",
-                    "value": f"{time_ratio:.1f}x ({base['total_ms']:.0f} ms vs {ours['total_ms']:.0f} ms)", "met": time_ratio >= 3})
+        out.append(
+            {
+                "goal": "paper case B=32 N=2028 k=10 n=500: peak memory >= 10x less than baseline",
+                "value": f"{mem_ratio:.1f}x ({base['peak_mb']:.0f} MB vs {ours['peak_mb']:.0f} MB)",
+                "met": mem_ratio >= 10,
+            }
+        )
+        out.append(
+            {
+                "goal": "paper case: time >= 3x less than baseline",
+                "value": f"{time_ratio:.1f}x ({base['total_ms']:.0f} ms vs {ours['total_ms']:.0f} ms)",
+                "met": time_ratio >= 3,
+            }
+        )
     pt = find("perturbed_topk", n=1_000_000, batch=1)
     if pt:
-        out.append({"goal": f"perturbed_topk N=1e6 k={pt['k']} n={pt['num_samples']} B=1 peak < 4 GB",
-                    "value": f"{pt['peak_mb']:.0f} MB", "met": pt["peak_mb"] < 4096})
+        out.append(
+            {
+                "goal": f"perturbed_topk N=1e6 k={pt['k']} n={pt['num_samples']} B=1 peak < 4 GB",
+                "value": f"{pt['peak_mb']:.0f} MB",
+                "met": pt["peak_mb"] < 4096,
+            }
+        )
     ls = find("lapsum_topk", n=1_000_000, batch=1)
     if ls:
         f_lim, b_lim = lapsum_factor * LAPSUM_CPP_MS["forward"], lapsum_factor * LAPSUM_CPP_MS["backward"]
-        out.append({"goal": f"lapsum_topk N=1e6 k={ls['k']} 1 row: forward <= {f_lim:.0f} ms, backward <= {b_lim:.0f} ms",
-                    "value": f"{ls['forward_ms']:.1f} ms / {ls['backward_ms']:.1f} ms",
-                    "met": ls["forward_ms"] <= f_lim and ls["backward_ms"] <= b_lim})
+        out.append(
+            {
+                "goal": f"lapsum_topk N=1e6 k={ls['k']} 1 row: forward <= {f_lim:.0f} ms, backward <= {b_lim:.0f} ms",
+                "value": f"{ls['forward_ms']:.1f} ms / {ls['backward_ms']:.1f} ms",
+                "met": ls["forward_ms"] <= f_lim and ls["backward_ms"] <= b_lim,
+            }
+        )
     sk = find("sinkhorn_topk", n=1_000_000)
     if sk:
         per_row = sk["total_ms"] / sk["batch"]
-        out.append({"goal": "sinkhorn_topk N=1e6 < 1 s per row (fwd+bwd)", "value": f"{per_row:.0f} ms", "met": per_row < 1000})
+        out.append(
+            {"goal": "sinkhorn_topk N=1e6 < 1 s per row (fwd+bwd)", "value": f"{per_row:.0f} ms", "met": per_row < 1000}
+        )
     return out
 
 
@@ -293,11 +340,17 @@ def main() -> int:
     p.add_argument("--alpha", type=float, default=0.1, help="LapSum scale")
     p.add_argument("--epsilon", type=float, default=0.01, help="Sinkhorn regularisation")
     p.add_argument("--sizes", default="2000,20000,200000,1000000")
-    p.add_argument("--ops", default="perturbed_topk,perturbed_baseline,lapsum_topk,sinkhorn_topk,attention_sample,hard_topk")
+    p.add_argument(
+        "--ops", default="perturbed_topk,perturbed_baseline,lapsum_topk,sinkhorn_topk,attention_sample,hard_topk"
+    )
     p.add_argument("--threads", type=int, default=1, help="torch threads (1: stable numbers on a shared machine)")
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--baseline-max-gb", type=float, default=8.0,
-                   help="skip the baseline where its estimated peak (3x its one-hot tensor) exceeds this")
+    p.add_argument(
+        "--baseline-max-gb",
+        type=float,
+        default=8.0,
+        help="skip the baseline where its estimated peak (3x its one-hot tensor) exceeds this",
+    )
     p.add_argument("--no-paper-case", action="store_true")
     p.add_argument("--timeout", type=float, default=900.0, help="per case, seconds")
     p.add_argument("--json", default=None, help="default benchmarks/results/operators_<device>[_quick].json")
@@ -316,16 +369,30 @@ def main() -> int:
     num_samples, repeats = args.num_samples, args.repeats
     if args.quick:
         sizes, num_samples, repeats = [s for s in sizes if s <= 20000] or [2000], 100, 2
-    common = {"device": args.device, "threads": args.threads, "sigma": args.sigma, "alpha": args.alpha,
-              "epsilon": args.epsilon, "repeats": repeats, "time_budget_s": 20.0}
+    common = {
+        "device": args.device,
+        "threads": args.threads,
+        "sigma": args.sigma,
+        "alpha": args.alpha,
+        "epsilon": args.epsilon,
+        "repeats": repeats,
+        "time_budget_s": 20.0,
+    }
     specs = []
     if not args.no_paper_case:
         for op in ("perturbed_topk", "perturbed_baseline"):
             specs.append({**common, "op": op, "batch": 32, "n": 2028, "k": 10, "num_samples": 500, "tag": "paper"})
     for n in sizes:
         for op in args.ops.split(","):
-            spec = {**common, "op": op, "batch": args.batch, "n": n, "k": min(args.k, n - 1), "num_samples": num_samples,
-                    "tag": "sweep"}
+            spec = {
+                **common,
+                "op": op,
+                "batch": args.batch,
+                "n": n,
+                "k": min(args.k, n - 1),
+                "num_samples": num_samples,
+                "tag": "sweep",
+            }
             if op == "perturbed_baseline":
                 gb = 3 * args.batch * num_samples * spec["k"] * n * 4 / 2**30  # measured peak ~2.9x the one-hot
                 if gb > args.baseline_max_gb:
@@ -340,23 +407,35 @@ def main() -> int:
             r = run_case(spec, args.timeout)
             rows.append(r)
         r = rows[-1]
-        print(f"  {r['op']:20s} B={r['batch']:<3d} N={r['n']:<8,d} k={r['k']:<3d}: "
-              + (f"fwd {r['forward_ms']:.1f} ms, bwd {r['backward_ms']:.1f} ms, peak {r['peak_mb']:.0f} MB"
-                 if r.get("status") == "ok" else r.get("status", "?")), flush=True)
+        print(
+            f"  {r['op']:20s} B={r['batch']:<3d} N={r['n']:<8,d} k={r['k']:<3d}: "
+            + (
+                f"fwd {r['forward_ms']:.1f} ms, bwd {r['backward_ms']:.1f} ms, peak {r['peak_mb']:.0f} MB"
+                if r.get("status") == "ok"
+                else r.get("status", "?")
+            ),
+            flush=True,
+        )
     g = goals(rows)
     import torch
 
-    meta = {"command": "python " + " ".join([os.path.relpath(__file__, ROOT)] + sys.argv[1:]),
-            "machine": f"{platform.machine()} {platform.processor() or ''} {os.cpu_count()} CPUs".strip(),
-            "torch": torch.__version__, "threads": args.threads, "device": args.device,
-            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "memory_method": "CPU: VmHWM-VmRSS in a fresh subprocess per case; CUDA: max_memory_allocated delta"}
+    meta = {
+        "command": "python " + " ".join([os.path.relpath(__file__, ROOT)] + sys.argv[1:]),
+        "machine": f"{platform.machine()} {platform.processor() or ''} {os.cpu_count()} CPUs".strip(),
+        "torch": torch.__version__,
+        "threads": args.threads,
+        "device": args.device,
+        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "memory_method": "CPU: VmHWM-VmRSS in a fresh subprocess per case; CUDA: max_memory_allocated delta",
+    }
     print()
     print(table(rows))
     print()
     for x in g:
         print(f"- {'MET' if x['met'] else 'NOT MET'}: {x['goal']}: {x['value']}")
-    out = Path(args.json or ROOT / "benchmarks" / "results" / f"operators_{args.device}{'_quick' if args.quick else ''}.json")
+    out = Path(
+        args.json or ROOT / "benchmarks" / "results" / f"operators_{args.device}{'_quick' if args.quick else ''}.json"
+    )
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"meta": meta, "rows": rows, "goals": g}, indent=1))
     print(f"\nwrote {out}")

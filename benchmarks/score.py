@@ -52,11 +52,30 @@ def main(argv: list[str] | None = None) -> int:
     slides, stores = work / f"synth_{args.size}_{args.count}", work / f"stores_{args.size}_{args.count}"
     py = sys.executable
     if not (slides / "labels.csv").is_file():
-        subprocess.run([py, "-m", "pipeline", "-q", "synth", str(slides), "--count", str(args.count), "--size",
-                        str(args.size), "--seed", "0"], check=True, cwd=REPO)
+        subprocess.run(
+            [
+                py,
+                "-m",
+                "pipeline",
+                "-q",
+                "synth",
+                str(slides),
+                "--count",
+                str(args.count),
+                "--size",
+                str(args.size),
+                "--seed",
+                "0",
+            ],
+            check=True,
+            cwd=REPO,
+        )
     if not (stores / "manifest.parquet").is_file():
-        subprocess.run([py, "-m", "pipeline", "-q", "ingest", str(slides / "labels.csv"), "--out", str(stores)],
-                       check=True, cwd=REPO)
+        subprocess.run(
+            [py, "-m", "pipeline", "-q", "ingest", str(slides / "labels.csv"), "--out", str(stores)],
+            check=True,
+            cwd=REPO,
+        )
     model_section = yaml.safe_load(Path(args.config).read_text())["model"]
     cfg = from_dict(ModelConfig, dict(model_section, num_classes=2))
     torch.manual_seed(0)
@@ -75,20 +94,45 @@ def main(argv: list[str] | None = None) -> int:
             res = score(str(ckpt), stores, out, workers=args.workers, batch_size=bs, experiment=None)
             wall = time.perf_counter() - t0
             ok = res.table[res.table["status"] == "ok"]
-            rows.append({"batch_size": bs, "slides": res.total, "ok": int(len(ok)), "wall_s": wall,
-                         "slides_per_s": res.total / wall, "compute_s_per_slide": float(ok["seconds"].mean()),
-                         "k": cfg.k, "patch_size": cfg.patch_size, "scorer_device": res.scorer_device})
+            rows.append(
+                {
+                    "batch_size": bs,
+                    "slides": res.total,
+                    "ok": int(len(ok)),
+                    "wall_s": wall,
+                    "slides_per_s": res.total / wall,
+                    "compute_s_per_slide": float(ok["seconds"].mean()),
+                    "k": cfg.k,
+                    "patch_size": cfg.patch_size,
+                    "scorer_device": res.scorer_device,
+                }
+            )
     finally:
         ray.shutdown()
-    print(f"{args.count} slides of {args.size}x{args.size}, model from {Path(args.config).name} (K={cfg.k}, "
-          f"patch {cfg.patch_size}), Ray with {cpus} CPUs")
+    print(
+        f"{args.count} slides of {args.size}x{args.size}, model from {Path(args.config).name} (K={cfg.k}, "
+        f"patch {cfg.patch_size}), Ray with {cpus} CPUs"
+    )
     print(f"{'batch':>5} {'slides':>6} {'ok':>4} {'wall s':>8} {'slides/s':>9} {'compute s/slide':>16}")
     for r in rows:
-        print(f"{r['batch_size']:>5} {r['slides']:>6} {r['ok']:>4} {r['wall_s']:>8.1f} {r['slides_per_s']:>9.3f} "
-              f"{r['compute_s_per_slide']:>16.3f}")
+        print(
+            f"{r['batch_size']:>5} {r['slides']:>6} {r['ok']:>4} {r['wall_s']:>8.1f} {r['slides_per_s']:>9.3f} "
+            f"{r['compute_s_per_slide']:>16.3f}"
+        )
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps({"machine": platform.platform(), "cpus": cpus, "count": args.count,
-                                           "size": args.size, "config": str(args.config), "rows": rows}, indent=2))
+    Path(args.json).write_text(
+        json.dumps(
+            {
+                "machine": platform.platform(),
+                "cpus": cpus,
+                "count": args.count,
+                "size": args.size,
+                "config": str(args.config),
+                "rows": rows,
+            },
+            indent=2,
+        )
+    )
     print(f"JSON: {args.json}")
     return 0
 

@@ -9,6 +9,7 @@ every auxiliary loss term (``loss_instance``, ``loss_rank`` for evidence distill
 Usage: python benchmarks/selection_hits.py --config attention_sampling --stores WORKDIR/stores [--seed SPLIT]
        [--epochs E] [--set key=value ...]     (``--set seed=S`` changes the initialisation, order and noise)
 """
+
 import argparse
 import json
 import os
@@ -46,8 +47,13 @@ def structure_boxes(stores: str) -> dict[str, list[dict]]:
 
 def hit_rate(coords, boxes, patch: int) -> float:
     """Fraction of patches (level-0 top-left ``coords[K, 2]``) overlapping any box."""
-    hits = [any(x < s["x"] + s["width"] and s["x"] < x + patch and y < s["y"] + s["height"] and s["y"] < y + patch
-                for s in boxes) for x, y in coords.tolist()]
+    hits = [
+        any(
+            x < s["x"] + s["width"] and s["x"] < x + patch and y < s["y"] + s["height"] and s["y"] < y + patch
+            for s in boxes
+        )
+        for x, y in coords.tolist()
+    ]
     return float(np.mean(hits)) if hits else 0.0
 
 
@@ -59,13 +65,25 @@ def main() -> None:
     p.add_argument("--stores", required=True)
     p.add_argument("--seed", type=int, default=0, help="split seed (data.seed)")
     p.add_argument("--val-fraction", type=float, default=0.3)
-    p.add_argument("--soft-eval", action="store_true",
-                   help="also the held-out accuracy with the training-time (soft/sampled) selection at sigma_start")
+    p.add_argument(
+        "--soft-eval",
+        action="store_true",
+        help="also the held-out accuracy with the training-time (soft/sampled) selection at sigma_start",
+    )
     a = p.parse_args()
     path = a.config if a.config.endswith(".yaml") else f"{ROOT}/configs/{a.config}.yaml"
-    cfg = load_config(TrainConfig, path, [f"data.stores={a.stores}", "data.labels=manifest",
-                                          f"data.val_fraction={a.val_fraction}", f"data.seed={a.seed}",
-                                          f"optim.epochs={a.epochs}", *a.set])
+    cfg = load_config(
+        TrainConfig,
+        path,
+        [
+            f"data.stores={a.stores}",
+            "data.labels=manifest",
+            f"data.val_fraction={a.val_fraction}",
+            f"data.seed={a.seed}",
+            f"optim.epochs={a.epochs}",
+            *a.set,
+        ],
+    )
     table = build_slide_table(cfg.data)
     tr, te = split_train_val(table.records, cfg.data.val_fraction, cfg.data.seed)
     boxes = structure_boxes(a.stores)
@@ -103,8 +121,9 @@ def main() -> None:
             gen = torch.Generator().manual_seed(12345)
             with torch.no_grad():
                 for rec in te:
-                    out = forward_slide(model, trainer._store(rec.store), training=True,
-                                        sigma=cfg.schedule.sigma_start, generator=gen)
+                    out = forward_slide(
+                        model, trainer._store(rec.store), training=True, sigma=cfg.schedule.sigma_start, generator=gen
+                    )
                     probs.append(torch.softmax(out.logits.reshape(1, -1).float(), -1)[0].numpy())
                     ys.append(rec.target)
             soft_acc = classification_metrics(ys, np.array(probs))["accuracy"]
@@ -112,11 +131,22 @@ def main() -> None:
         ce = np.mean(aux.get("loss_ce", [ep.loss / max(ep.n, 1)]))
         extra = " ".join(f"{k[5:]} {np.mean(v):.3f}" for k, v in aux.items() if k != "loss_ce")
         m, th = res["test"]
-        print(f"ep {trainer.epoch:2d} ce {ce:.3f} Hrel 0.000 trainhit {res['train'][1]:.2f} testhit {th:.2f} "
-              f"|g_scorer| 0 |g| {np.median(grad):.3g} test acc {m['accuracy']:.2f} auc {m['auc']:.2f} "
-              f"{soft}t {time.time() - t0:.0f}s {extra}", flush=True)
-    print(json.dumps({"train_seconds": trainer.train_seconds, "test_accuracy": m["accuracy"], "test_auc": m["auc"],
-                      "test_hits": th}))
+        print(
+            f"ep {trainer.epoch:2d} ce {ce:.3f} Hrel 0.000 trainhit {res['train'][1]:.2f} testhit {th:.2f} "
+            f"|g_scorer| 0 |g| {np.median(grad):.3g} test acc {m['accuracy']:.2f} auc {m['auc']:.2f} "
+            f"{soft}t {time.time() - t0:.0f}s {extra}",
+            flush=True,
+        )
+    print(
+        json.dumps(
+            {
+                "train_seconds": trainer.train_seconds,
+                "test_accuracy": m["accuracy"],
+                "test_auc": m["auc"],
+                "test_hits": th,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -62,7 +62,7 @@ def synthetic_image(size: int, seed: int = 0) -> np.ndarray:
     for _ in range(max(4, size // 256)):  # dark "nuclei" clusters
         x, y = rng.integers(0, size - 64, 2)
         if mask[y + 32, x + 32]:
-            img[y:y + 48, x:x + 48] = (110, 70, 150)
+            img[y : y + 48, x : x + 48] = (110, 70, 150)
     return img
 
 
@@ -99,8 +99,12 @@ def time_foveated(store, cfg, steps: int, seed: int = 0) -> dict:
         if i:
             times.append(dt)
             reads.append(out.info.get("cells_read", float("nan")))
-    return {"seconds_per_step": float(np.median(times)), "all": times, "cells_read": float(np.mean(reads)),
-            "grid_cells": out.info.get("num_cells")}
+    return {
+        "seconds_per_step": float(np.median(times)),
+        "all": times,
+        "cells_read": float(np.mean(reads)),
+        "grid_cells": out.info.get("num_cells"),
+    }
 
 
 def _features_and_head(cfg, seed: int = 0):
@@ -113,8 +117,9 @@ def _features_and_head(cfg, seed: int = 0):
     return net, head, opt
 
 
-def time_fullres_cnn(image: np.ndarray, cfg, steps: int, whole_max_mp: float, tile: int = 1024,
-                     tile_fraction: float = 1.0) -> dict:
+def time_fullres_cnn(
+    image: np.ndarray, cfg, steps: int, whole_max_mp: float, tile: int = 1024, tile_fraction: float = 1.0
+) -> dict:
     net, head, opt = _features_and_head(cfg)
     x = torch.from_numpy(image).permute(2, 0, 1)[None].to(torch.float32).div_(255.0)
     target = torch.tensor([1])
@@ -130,19 +135,27 @@ def time_fullres_cnn(image: np.ndarray, cfg, steps: int, whole_max_mp: float, ti
             opt.step()
             if i:
                 times.append(time.perf_counter() - t0)
-        return {"seconds_per_step": float(np.median(times)), "all": times, "mode": mode, "tiles_measured": 1, "tiles": 1}
+        return {
+            "seconds_per_step": float(np.median(times)),
+            "all": times,
+            "mode": mode,
+            "tiles_measured": 1,
+            "tiles": 1,
+        }
     H, W = image.shape[:2]
     boxes = [(y, xx) for y in range(0, H, tile) for xx in range(0, W, tile)]
     n_meas = max(1, int(round(len(boxes) * tile_fraction)))
     sel = boxes[:: max(1, len(boxes) // n_meas)][:n_meas]
     areas = torch.tensor([min(tile, H - y) * min(tile, W - xx) for y, xx in boxes], dtype=torch.float32)
     mode = f"tile-streamed {tile}x{tile}, pass 2 on {len(sel)}/{len(boxes)} tiles" + (
-        f", scaled x{len(boxes) / len(sel):.2f}" if len(sel) < len(boxes) else "")
+        f", scaled x{len(boxes) / len(sel):.2f}" if len(sel) < len(boxes) else ""
+    )
     for i in range(steps + 1):
         # pass 1 (not timed): pooled features of the whole image -> dL/d(pooled)
         with torch.no_grad():
-            pooled = sum(net(x[:, :, y:y + tile, xx:xx + tile]) * (a / areas.sum())
-                         for (y, xx), a in zip(boxes, areas))
+            pooled = sum(
+                net(x[:, :, y : y + tile, xx : xx + tile]) * (a / areas.sum()) for (y, xx), a in zip(boxes, areas)
+            )
         pooled = pooled.detach().requires_grad_(True)
         opt.zero_grad(set_to_none=True)
         t0 = time.perf_counter()
@@ -150,9 +163,9 @@ def time_fullres_cnn(image: np.ndarray, cfg, steps: int, whole_max_mp: float, ti
         loss.backward()
         g = pooled.grad
         t_tiles = time.perf_counter()
-        for (y, xx) in sel:
+        for y, xx in sel:
             a = min(tile, H - y) * min(tile, W - xx)
-            f = net(x[:, :, y:y + tile, xx:xx + tile]) * (a / float(areas.sum()))
+            f = net(x[:, :, y : y + tile, xx : xx + tile]) * (a / float(areas.sum()))
             f.backward(g)
         tile_time = (time.perf_counter() - t_tiles) * (len(boxes) / len(sel))
         t1 = time.perf_counter()
@@ -160,8 +173,13 @@ def time_fullres_cnn(image: np.ndarray, cfg, steps: int, whole_max_mp: float, ti
         dt = (t_tiles - t0) + tile_time + (time.perf_counter() - t1)
         if i:
             times.append(dt)
-    return {"seconds_per_step": float(np.median(times)), "all": times, "mode": mode, "tiles_measured": len(sel),
-            "tiles": len(boxes)}
+    return {
+        "seconds_per_step": float(np.median(times)),
+        "all": times,
+        "mode": mode,
+        "tiles_measured": len(sel),
+        "tiles": len(boxes),
+    }
 
 
 def main() -> int:
@@ -171,10 +189,14 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=3, help="timed steps per model (after one warm-up step)")
     p.add_argument("--whole-max-mp", type=float, default=4.0, help="largest image run through the CNN in one piece")
     p.add_argument("--tile-fraction", type=float, default=1.0, help="fraction of tiles timed in tile-streamed mode")
-    p.add_argument("--min-size", type=int, default=64,
-                   help="store pyramid down to this side, as `foveate ingest --min-size` (default 64, so a 1 MP "
-                        "store has a 1/16 level for the scorer; ingest's default 1024 would leave 1 MP slides "
-                        "with level 0 only)")
+    p.add_argument(
+        "--min-size",
+        type=int,
+        default=64,
+        help="store pyramid down to this side, as `foveate ingest --min-size` (default 64, so a 1 MP "
+        "store has a 1/16 level for the scorer; ingest's default 1024 would leave 1 MP slides "
+        "with level 0 only)",
+    )
     p.add_argument("--threads", type=int, default=1, help="torch threads for both models (default 1)")
     p.add_argument("--quick", action="store_true", help="1 timed step each; 64 MP CNN on 1/8 of the tiles, scaled")
     p.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "speedup.json"))
@@ -200,29 +222,47 @@ def main() -> int:
             fov = time_foveated(store, cfg, args.steps)
             cnn = time_fullres_cnn(img, cfg, args.steps, args.whole_max_mp, tile_fraction=args.tile_fraction)
             row = {
-                "size": size, "megapixels": size * size / 1e6, "k": args.k, "patch_size": cfg.patch_size,
-                "foveated_s_per_step": fov["seconds_per_step"], "foveated_steps": fov["all"],
-                "cells_read_per_step": fov["cells_read"], "grid_cells": fov["grid_cells"],
-                "cnn_s_per_step": cnn["seconds_per_step"], "cnn_steps": cnn["all"], "cnn_mode": cnn["mode"],
-                "cnn_level0_read_s": t_read, "store_write_s": t_write,
+                "size": size,
+                "megapixels": size * size / 1e6,
+                "k": args.k,
+                "patch_size": cfg.patch_size,
+                "foveated_s_per_step": fov["seconds_per_step"],
+                "foveated_steps": fov["all"],
+                "cells_read_per_step": fov["cells_read"],
+                "grid_cells": fov["grid_cells"],
+                "cnn_s_per_step": cnn["seconds_per_step"],
+                "cnn_steps": cnn["all"],
+                "cnn_mode": cnn["mode"],
+                "cnn_level0_read_s": t_read,
+                "store_write_s": t_write,
                 "speedup": cnn["seconds_per_step"] / fov["seconds_per_step"],
             }
             row["goal"] = 5.0 if size * size <= 1.5e6 else 50.0
             row["goal_met"] = row["speedup"] >= row["goal"]
             rows.append(row)
-            print(f"{size}x{size}: foveated {row['foveated_s_per_step']:.3f} s/step, CNN {row['cnn_s_per_step']:.2f} s/step "
-                  f"({row['cnn_mode']}), speedup {row['speedup']:.1f}x", flush=True)
+            print(
+                f"{size}x{size}: foveated {row['foveated_s_per_step']:.3f} s/step, CNN {row['cnn_s_per_step']:.2f} s/step "
+                f"({row['cnn_mode']}), speedup {row['speedup']:.1f}x",
+                flush=True,
+            )
             del img
     print()
-    print(f"{'image':>12} {'MP':>6} {'foveated s/step':>16} {'full-res CNN s/step':>20} {'speedup':>8} {'goal':>6}  CNN mode")
+    print(
+        f"{'image':>12} {'MP':>6} {'foveated s/step':>16} {'full-res CNN s/step':>20} {'speedup':>8} {'goal':>6}  CNN mode"
+    )
     for r in rows:
-        print(f"{r['size']:>5}x{r['size']:<6} {r['megapixels']:>6.1f} {r['foveated_s_per_step']:>16.3f} "
-              f"{r['cnn_s_per_step']:>20.2f} {r['speedup']:>7.1f}x {('>=' + str(int(r['goal'])) + 'x'):>6} "
-              f"{'met' if r['goal_met'] else 'NOT met'}; {r['cnn_mode']}")
+        print(
+            f"{r['size']:>5}x{r['size']:<6} {r['megapixels']:>6.1f} {r['foveated_s_per_step']:>16.3f} "
+            f"{r['cnn_s_per_step']:>20.2f} {r['speedup']:>7.1f}x {('>=' + str(int(r['goal'])) + 'x'):>6} "
+            f"{'met' if r['goal_met'] else 'NOT met'}; {r['cnn_mode']}"
+        )
     out = {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "machine": f"{platform.machine()} {os.cpu_count()} CPU(s), {platform.platform()}",
-        "torch": torch.__version__, "threads": args.threads, "quick": args.quick, "steps": args.steps,
+        "torch": torch.__version__,
+        "threads": args.threads,
+        "quick": args.quick,
+        "steps": args.steps,
         "rows": rows,
     }
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -40,14 +40,26 @@ def main() -> int:
         size_mb = path.stat().st_size / 2**20
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     mp = args.size * args.size / 1e6
-    res = {"size": args.size, "format": args.format, "megapixels": mp, "levels": len(info["levels"]),
-           "wall_s": round(wall, 2), "cpu_s": round(cpu, 2), "mp_per_s": round(mp / wall, 1),
-           "file_mb": round(size_mb, 1), "peak_rss_mb": round(rss, 1), "rss_after_imports_mb": round(rss0, 1),
-           "machine": f"{platform.machine()} {os.cpu_count()} cores", "python": platform.python_version()}
+    res = {
+        "size": args.size,
+        "format": args.format,
+        "megapixels": mp,
+        "levels": len(info["levels"]),
+        "wall_s": round(wall, 2),
+        "cpu_s": round(cpu, 2),
+        "mp_per_s": round(mp / wall, 1),
+        "file_mb": round(size_mb, 1),
+        "peak_rss_mb": round(rss, 1),
+        "rss_after_imports_mb": round(rss0, 1),
+        "machine": f"{platform.machine()} {os.cpu_count()} cores",
+        "python": platform.python_version(),
+    }
     print("| size | format | MP | levels | wall s | CPU s | MP/s | file MB | peak RSS MB |")
     print("|---|---|---|---|---|---|---|---|---|")
-    print(f"| {args.size} | {args.format} | {mp:.0f} | {res['levels']} | {wall:.1f} | {cpu:.1f} | {mp / wall:.1f} "
-          f"| {size_mb:.0f} | {rss:.0f} |")
+    print(
+        f"| {args.size} | {args.format} | {mp:.0f} | {res['levels']} | {wall:.1f} | {cpu:.1f} | {mp / wall:.1f} "
+        f"| {size_mb:.0f} | {rss:.0f} |"
+    )
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(res, indent=1) + "\n")
     return 0

@@ -64,8 +64,9 @@ class MeanAggregator(nn.Module):
         super().__init__()
         self.head = nn.Sequential(nn.Dropout(dropout), nn.Linear(dim, num_classes))
 
-    def forward(self, features: torch.Tensor, positions: torch.Tensor | None = None,
-                weights: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, features: torch.Tensor, positions: torch.Tensor | None = None, weights: torch.Tensor | None = None
+    ) -> torch.Tensor:
         _check(features, positions, weights)
         if weights is None:
             z = features.mean(1)
@@ -81,8 +82,9 @@ class MaxAggregator(nn.Module):
         super().__init__()
         self.head = nn.Sequential(nn.Dropout(dropout), nn.Linear(dim, num_classes))
 
-    def forward(self, features: torch.Tensor, positions: torch.Tensor | None = None,
-                weights: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, features: torch.Tensor, positions: torch.Tensor | None = None, weights: torch.Tensor | None = None
+    ) -> torch.Tensor:
         _check(features, positions, weights)
         return self.head(_scale(features, weights).amax(1))
 
@@ -101,8 +103,9 @@ class AttentionMILAggregator(nn.Module):
         self.head = nn.Sequential(nn.Dropout(dropout), nn.Linear(dim, num_classes))
         self.last_attention: torch.Tensor | None = None
 
-    def forward(self, features: torch.Tensor, positions: torch.Tensor | None = None,
-                weights: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, features: torch.Tensor, positions: torch.Tensor | None = None, weights: torch.Tensor | None = None
+    ) -> torch.Tensor:
         _check(features, positions, weights)
         h = _scale(features, weights)
         a = torch.tanh(self.V(h))
@@ -137,8 +140,18 @@ class TransformerAggregator(nn.Module):
             ``"cls"``: a learnt CLS token.
     """
 
-    def __init__(self, dim: int, num_classes: int, *, hidden: int = 128, layers: int = 2, heads: int = 4,
-                 num_frequencies: int = 8, dropout: float = 0.0, readout: str = "mean"):
+    def __init__(
+        self,
+        dim: int,
+        num_classes: int,
+        *,
+        hidden: int = 128,
+        layers: int = 2,
+        heads: int = 4,
+        num_frequencies: int = 8,
+        dropout: float = 0.0,
+        readout: str = "mean",
+    ):
         super().__init__()
         if readout not in ("mean", "cls"):
             raise ValueError(f"transformer readout must be 'mean' or 'cls', got {readout!r}")
@@ -150,14 +163,16 @@ class TransformerAggregator(nn.Module):
         self.pos = nn.Linear(4 * num_frequencies, hidden)
         self.cls = nn.Parameter(torch.zeros(1, 1, hidden))
         nn.init.normal_(self.cls, std=0.02)
-        layer = nn.TransformerEncoderLayer(hidden, heads, dim_feedforward=2 * hidden, dropout=dropout,
-                                           batch_first=True, norm_first=True)
+        layer = nn.TransformerEncoderLayer(
+            hidden, heads, dim_feedforward=2 * hidden, dropout=dropout, batch_first=True, norm_first=True
+        )
         self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
         self.norm = nn.LayerNorm(hidden)
         self.head = nn.Sequential(nn.Dropout(dropout), nn.Linear(hidden, num_classes))
 
-    def forward(self, features: torch.Tensor, positions: torch.Tensor | None = None,
-                weights: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, features: torch.Tensor, positions: torch.Tensor | None = None, weights: torch.Tensor | None = None
+    ) -> torch.Tensor:
         _check(features, positions, weights)
         if positions is None:
             raise ValueError("the transformer aggregator needs positions [B, K, 2]")
@@ -170,9 +185,19 @@ class TransformerAggregator(nn.Module):
         return self.head(self.norm(out[:, 0]))
 
 
-def build_aggregator(name: str, dim: int, num_classes: int, *, hidden: int = 128, gated: bool = True,
-                     layers: int = 2, heads: int = 4, num_frequencies: int = 8, dropout: float = 0.0,
-                     readout: str = "mean") -> nn.Module:
+def build_aggregator(
+    name: str,
+    dim: int,
+    num_classes: int,
+    *,
+    hidden: int = 128,
+    gated: bool = True,
+    layers: int = 2,
+    heads: int = 4,
+    num_frequencies: int = 8,
+    dropout: float = 0.0,
+    readout: str = "mean",
+) -> nn.Module:
     """The aggregator called ``name`` (one of :data:`AGGREGATORS`)."""
     if name == "mean":
         return MeanAggregator(dim, num_classes, dropout=dropout)
@@ -181,6 +206,14 @@ def build_aggregator(name: str, dim: int, num_classes: int, *, hidden: int = 128
     if name == "attention_mil":
         return AttentionMILAggregator(dim, num_classes, hidden=hidden, gated=gated, dropout=dropout)
     if name == "transformer":
-        return TransformerAggregator(dim, num_classes, hidden=hidden, layers=layers, heads=heads,
-                                     num_frequencies=num_frequencies, dropout=dropout, readout=readout)
+        return TransformerAggregator(
+            dim,
+            num_classes,
+            hidden=hidden,
+            layers=layers,
+            heads=heads,
+            num_frequencies=num_frequencies,
+            dropout=dropout,
+            readout=readout,
+        )
     raise ValueError(f"aggregator must be one of {list(AGGREGATORS)}, got {name!r}")

@@ -48,8 +48,13 @@ def _check_generator(generator: object, device: torch.device) -> None:
         raise ValueError(f"generator must live on the attention's device ({device}), got one on {generator.device}")
 
 
-def gumbel_noise(shape: torch.Size | tuple[int, ...], *, generator: torch.Generator | None = None,
-                 device: torch.device | str | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def gumbel_noise(
+    shape: torch.Size | tuple[int, ...],
+    *,
+    generator: torch.Generator | None = None,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
     """Standard Gumbel noise ``-log(-log U)``, ``U ~ Uniform(0, 1)`` clamped to ``[tiny, 1 - eps]`` (finite).
 
     Adding it to log-probabilities (or ``logits / T``) and taking the top k draws k indices without replacement
@@ -136,8 +141,12 @@ def attention_sample(
 
     if replace:
         with torch.no_grad():
-            idx = torch.multinomial(a.detach().float() if a.dtype in (torch.float16, torch.bfloat16) else a.detach(),
-                                    k, replacement=True, generator=generator)
+            idx = torch.multinomial(
+                a.detach().float() if a.dtype in (torch.float16, torch.bfloat16) else a.detach(),
+                k,
+                replacement=True,
+                generator=generator,
+            )
         a_s = a.gather(1, idx)
         return idx, _safe_ratio(a_s) / k
 

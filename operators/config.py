@@ -97,8 +97,7 @@ def from_dict(cls: type[T], data: Mapping[str, Any] | None, *, _where: str = "")
     if unknown:
         prefix = f"{_where}." if _where else ""
         raise ConfigError(
-            f"unknown config key(s) {[prefix + k for k in unknown]} for {cls.__name__}; "
-            f"allowed: {sorted(fields)}"
+            f"unknown config key(s) {[prefix + k for k in unknown]} for {cls.__name__}; allowed: {sorted(fields)}"
         )
     kwargs = {}
     for name, value in data.items():
@@ -112,6 +111,7 @@ def from_dict(cls: type[T], data: Mapping[str, Any] | None, *, _where: str = "")
 
 def to_dict(cfg: Any) -> dict[str, Any]:
     """The resolved config as plain YAML-able data."""
+
     def conv(v: Any) -> Any:
         if dataclasses.is_dataclass(v):
             return {f.name: conv(getattr(v, f.name)) for f in dataclasses.fields(v)}
@@ -122,4 +122,5 @@ def to_dict(cfg: Any) -> dict[str, Any]:
         if isinstance(v, Path):
             return str(v)
         return v
+
     return conv(cfg)

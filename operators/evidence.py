@@ -42,7 +42,9 @@ def instance_confidence(instance_logits: torch.Tensor) -> torch.Tensor:
         trained towards cells that are informative for *any* class.
     """
     if not isinstance(instance_logits, torch.Tensor) or instance_logits.dim() != 2 or instance_logits.shape[1] < 2:
-        raise ValueError(f"instance_logits must be [M, C] with C >= 2, got {getattr(instance_logits, 'shape', type(instance_logits))}")
+        raise ValueError(
+            f"instance_logits must be [M, C] with C >= 2, got {getattr(instance_logits, 'shape', type(instance_logits))}"
+        )
     logp = F.log_softmax(instance_logits, dim=1)
     ent = -(logp.exp() * logp).sum(1)
     return 1.0 - ent / math.log(instance_logits.shape[1])
@@ -59,7 +61,9 @@ def instance_loss(instance_logits: torch.Tensor, target: int | torch.Tensor) -> 
         scalar tensor.
     """
     if not isinstance(instance_logits, torch.Tensor) or instance_logits.dim() != 2:
-        raise ValueError(f"instance_logits must be [M, C], got {getattr(instance_logits, 'shape', type(instance_logits))}")
+        raise ValueError(
+            f"instance_logits must be [M, C], got {getattr(instance_logits, 'shape', type(instance_logits))}"
+        )
     t = int(target)
     if not 0 <= t < instance_logits.shape[1]:
         raise ValueError(f"target must be a class index in [0, {instance_logits.shape[1]}), got {t}")
@@ -86,8 +90,10 @@ def evidence_rank_loss(scores: torch.Tensor, evidence: torch.Tensor, *, temperat
     if not isinstance(scores, torch.Tensor) or scores.dim() != 1:
         raise ValueError(f"scores must be [M], got {getattr(scores, 'shape', type(scores))}")
     if not isinstance(evidence, torch.Tensor) or evidence.shape != scores.shape:
-        raise ValueError(f"evidence must have the shape of scores {tuple(scores.shape)}, got "
-                         f"{getattr(evidence, 'shape', type(evidence))}")
+        raise ValueError(
+            f"evidence must have the shape of scores {tuple(scores.shape)}, got "
+            f"{getattr(evidence, 'shape', type(evidence))}"
+        )
     if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
         raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
     e = evidence.detach().to(scores.dtype)

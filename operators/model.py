@@ -155,8 +155,17 @@ class ModelConfig:
             if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
                 raise ConfigError(f"model.{name} must be an int >= {minimum}, got {v!r}")
 
-        for name in ("patch_size", "k", "num_samples", "sinkhorn_max_iter", "max_support", "aggregator_hidden",
-                     "transformer_layers", "transformer_heads", "position_frequencies"):
+        for name in (
+            "patch_size",
+            "k",
+            "num_samples",
+            "sinkhorn_max_iter",
+            "max_support",
+            "aggregator_hidden",
+            "transformer_layers",
+            "transformer_heads",
+            "position_frequencies",
+        ):
             pos_int(name)
         pos_int("num_classes", 2)
         pos_int("mask_extra", 0)
@@ -166,8 +175,11 @@ class ModelConfig:
             raise ConfigError(f"model.patch_size must be >= 8 level-0 pixels, got {self.patch_size}")
         if self.stride is not None:
             pos_int("stride")
-        if not (isinstance(self.scorer_downsample, (int, float)) and math.isfinite(self.scorer_downsample)
-                and self.scorer_downsample >= 1):
+        if not (
+            isinstance(self.scorer_downsample, (int, float))
+            and math.isfinite(self.scorer_downsample)
+            and self.scorer_downsample >= 1
+        ):
             raise ConfigError(f"model.scorer_downsample must be a number >= 1, got {self.scorer_downsample!r}")
         if not (0.0 <= self.tissue_threshold <= 1.0):
             raise ConfigError(f"model.tissue_threshold must be in [0, 1], got {self.tissue_threshold!r}")
@@ -187,13 +199,18 @@ class ModelConfig:
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
                 raise ConfigError(f"model.{name} must be a finite number >= 0, got {v!r}")
-        if not (isinstance(self.rank_temperature, (int, float)) and math.isfinite(self.rank_temperature)
-                and self.rank_temperature > 0):
+        if not (
+            isinstance(self.rank_temperature, (int, float))
+            and math.isfinite(self.rank_temperature)
+            and self.rank_temperature > 0
+        ):
             raise ConfigError(f"model.rank_temperature must be a finite number > 0, got {self.rank_temperature!r}")
         if self.rank_weight > 0 and self.instance_weight <= 0:
-            raise ConfigError("model.rank_weight > 0 needs model.instance_weight > 0 (the rank targets are the "
-                              f"instance head's confidence, which only the instance loss trains); got "
-                              f"rank_weight={self.rank_weight}, instance_weight={self.instance_weight}")
+            raise ConfigError(
+                "model.rank_weight > 0 needs model.instance_weight > 0 (the rank targets are the "
+                f"instance head's confidence, which only the instance loss trains); got "
+                f"rank_weight={self.rank_weight}, instance_weight={self.instance_weight}"
+            )
         if self.transformer_readout not in ("mean", "cls"):
             raise ConfigError(f"model.transformer_readout must be 'mean' or 'cls', got {self.transformer_readout!r}")
         if not (isinstance(self.candidate_dropout, (int, float)) and 0.0 <= self.candidate_dropout < 1.0):
@@ -201,8 +218,10 @@ class ModelConfig:
         if not (0.0 <= self.dropout < 1.0):
             raise ConfigError(f"model.dropout must be in [0, 1), got {self.dropout!r}")
         if self.aggregator == "transformer" and self.aggregator_hidden % self.transformer_heads:
-            raise ConfigError(f"model.aggregator_hidden ({self.aggregator_hidden}) must be a multiple of "
-                             f"model.transformer_heads ({self.transformer_heads})")
+            raise ConfigError(
+                f"model.aggregator_hidden ({self.aggregator_hidden}) must be a multiple of "
+                f"model.transformer_heads ({self.transformer_heads})"
+            )
 
     @property
     def stride_l0(self) -> int:
@@ -284,14 +303,20 @@ class FoveateModel(nn.Module):
         self.cfg = cfg
         self.scorer = ScorerCNN(cfg.scorer)
         self.features = ResNet(cfg.features)
-        self.aggregator = build_aggregator(cfg.aggregator, cfg.features.feature_dim, cfg.num_classes,
-                                           hidden=cfg.aggregator_hidden, gated=cfg.gated,
-                                           layers=cfg.transformer_layers, heads=cfg.transformer_heads,
-                                           num_frequencies=cfg.position_frequencies, dropout=cfg.dropout,
-                                           readout=cfg.transformer_readout)
+        self.aggregator = build_aggregator(
+            cfg.aggregator,
+            cfg.features.feature_dim,
+            cfg.num_classes,
+            hidden=cfg.aggregator_hidden,
+            gated=cfg.gated,
+            layers=cfg.transformer_layers,
+            heads=cfg.transformer_heads,
+            num_frequencies=cfg.position_frequencies,
+            dropout=cfg.dropout,
+            readout=cfg.transformer_readout,
+        )
         # created only when used, so models without the evidence losses keep their parameters (and seeds)
-        self.instance_head = (nn.Linear(cfg.features.feature_dim, cfg.num_classes)
-                              if cfg.instance_weight > 0 else None)
+        self.instance_head = nn.Linear(cfg.features.feature_dim, cfg.num_classes) if cfg.instance_weight > 0 else None
 
     @property
     def uses_evidence(self) -> bool:
@@ -316,25 +341,42 @@ class FoveateModel(nn.Module):
         Raises:
             ValueError: wrong shapes, or a grid with fewer than ``k`` cells.
         """
-        if not isinstance(lowres, torch.Tensor) or lowres.dim() != 4 or lowres.shape[1] != 3 or not lowres.is_floating_point():
-            raise ValueError(f"lowres must be float [B, 3, h, w], got {getattr(lowres, 'shape', type(lowres))} "
-                             f"{getattr(lowres, 'dtype', '')}")
+        if (
+            not isinstance(lowres, torch.Tensor)
+            or lowres.dim() != 4
+            or lowres.shape[1] != 3
+            or not lowres.is_floating_point()
+        ):
+            raise ValueError(
+                f"lowres must be float [B, 3, h, w], got {getattr(lowres, 'shape', type(lowres))} "
+                f"{getattr(lowres, 'dtype', '')}"
+            )
         if not isinstance(cell_mask, torch.Tensor) or cell_mask.dim() != 3 or cell_mask.shape[0] != lowres.shape[0]:
-            raise ValueError(f"cell_mask must be bool [B, Gh, Gw] with B={lowres.shape[0]}, got "
-                             f"{getattr(cell_mask, 'shape', type(cell_mask))}")
+            raise ValueError(
+                f"cell_mask must be bool [B, Gh, Gw] with B={lowres.shape[0]}, got "
+                f"{getattr(cell_mask, 'shape', type(cell_mask))}"
+            )
         b, gh, gw = cell_mask.shape
         n = gh * gw
         if n < self.cfg.k:
-            raise ValueError(f"the grid has N={n} cells ({gh}x{gw}), fewer than model.k={self.cfg.k}; use a smaller "
-                             f"patch_size/stride or k")
+            raise ValueError(
+                f"the grid has N={n} cells ({gh}x{gw}), fewer than model.k={self.cfg.k}; use a smaller "
+                f"patch_size/stride or k"
+            )
         smap = self.scorer(lowres)
         raw = cell_pool(smap, (gh, gw), self.cfg.patch_size, self.cfg.stride_l0, mode=self.cfg.scorer.pool)[:, 0]
         cand = candidate_mask(cell_mask.reshape(b, n).to(device=raw.device, dtype=torch.bool), self.cfg.k)
         return minmax_normalise(raw, cand)
 
     # ------------------------------------------------------------------ stage 2: selection
-    def select(self, scores: torch.Tensor, *, training: bool, sigma: float | None = None,
-               generator: torch.Generator | None = None) -> Selection:
+    def select(
+        self,
+        scores: torch.Tensor,
+        *,
+        training: bool,
+        sigma: float | None = None,
+        generator: torch.Generator | None = None,
+    ) -> Selection:
         """Choose K cells per row among the candidates (finite scores).
 
         Args:
@@ -369,7 +411,9 @@ class FoveateModel(nn.Module):
         cand = torch.isfinite(scores)
         counts = cand.sum(1)
         if bool((counts < k).any()):
-            raise ValueError(f"every row needs at least k={k} candidate cells (finite scores), got counts {counts.tolist()}")
+            raise ValueError(
+                f"every row needs at least k={k} candidate cells (finite scores), got counts {counts.tolist()}"
+            )
         if training and cfg.candidate_dropout > 0:
             # drop candidates at random (rows keep at least k): the top-k of a random subset reaches cells the
             # scorer ranks lower, and the patches of a slide change from step to step
@@ -384,8 +428,9 @@ class FoveateModel(nn.Module):
         for b in range(scores.shape[0]):  # rows differ in their candidate count: select on the compacted row
             cidx = torch.nonzero(cand[b]).flatten()
             sc = scores[b, cidx].unsqueeze(0)  # [1, Nc], finite
-            rows.append(self._select_row(sc, cidx, training=training, sigma=sigma, generator=generator, topk=_topk,
-                                         num_read=m))
+            rows.append(
+                self._select_row(sc, cidx, training=training, sigma=sigma, generator=generator, topk=_topk, num_read=m)
+            )
         out = Selection(
             indices=torch.cat([r.indices for r in rows]),
             weights=torch.cat([r.weights for r in rows]),
@@ -394,8 +439,17 @@ class FoveateModel(nn.Module):
         )
         return out
 
-    def _select_row(self, sc: torch.Tensor, cidx: torch.Tensor, *, training: bool, sigma: float,
-                    generator: torch.Generator | None, topk, num_read: int) -> Selection:
+    def _select_row(
+        self,
+        sc: torch.Tensor,
+        cidx: torch.Tensor,
+        *,
+        training: bool,
+        sigma: float,
+        generator: torch.Generator | None,
+        topk,
+        num_read: int,
+    ) -> Selection:
         cfg = self.cfg
         k = cfg.k
         ones = sc.new_ones((1, k, 1))
@@ -412,8 +466,14 @@ class FoveateModel(nn.Module):
                 w = w / w.sum(1, keepdim=True)
             return Selection(cidx[idx].unsqueeze(-1), ones, w, {"attention_entropy": ent})
         if cfg.selector == "perturbed" and training:
-            y = topk.perturbed_topk(sc, k, num_samples=cfg.num_samples, sigma=sigma, generator=generator,
-                                  control_variate=cfg.control_variate)  # [1,K,Nc]
+            y = topk.perturbed_topk(
+                sc,
+                k,
+                num_samples=cfg.num_samples,
+                sigma=sigma,
+                generator=generator,
+                control_variate=cfg.control_variate,
+            )  # [1,K,Nc]
             idx, w, mass = cap_support(y, cfg.max_support)
             return Selection(cidx[idx], w, None, {"kept_mass": mass})
         if training and cfg.selector in ("sinkhorn", "lapsum") and sc.shape[1] > k:
@@ -422,8 +482,9 @@ class FoveateModel(nn.Module):
             if cfg.explore_temperature > 0:
                 from operators.attention_sampling import gumbel_noise
 
-                keys = keys / cfg.explore_temperature + gumbel_noise(sc.shape, generator=generator,
-                                                                     device=sc.device, dtype=sc.dtype)
+                keys = keys / cfg.explore_temperature + gumbel_noise(
+                    sc.shape, generator=generator, device=sc.device, dtype=sc.dtype
+                )
             idx = topk.hard_topk(keys, num_read)  # [1, num_read], sorted by position
             ones = sc.new_ones((1, num_read, 1))
         else:
@@ -449,14 +510,16 @@ class FoveateModel(nn.Module):
         return self.features(patches)
 
     # ------------------------------------------------------------------ stage 4: aggregation
-    def aggregate(self, features: torch.Tensor, positions: torch.Tensor,
-                  weights: torch.Tensor | None = None) -> torch.Tensor:
+    def aggregate(
+        self, features: torch.Tensor, positions: torch.Tensor, weights: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """``features[B, K, D]``, ``positions[B, K, 2]`` (patch centres / slide size, in [0, 1]) and optional
         ``weights[B, K]`` (:attr:`Selection.slot_weights`) -> ``logits[B, C]``."""
         return self.aggregator(features, positions, weights)
 
-    def classify(self, patches: torch.Tensor, positions: torch.Tensor,
-                 slot_weights: torch.Tensor | None = None) -> torch.Tensor:
+    def classify(
+        self, patches: torch.Tensor, positions: torch.Tensor, slot_weights: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """embed + aggregate: ``patches[B, K, 3, p, p]`` float in [0, 1] -> ``logits[B, C]``."""
         if not isinstance(patches, torch.Tensor) or patches.dim() != 5:
             raise ValueError(f"patches must be [B, K, 3, p, p], got {getattr(patches, 'shape', type(patches))}")
@@ -464,12 +527,14 @@ class FoveateModel(nn.Module):
         feats = self.embed(patches.flatten(0, 1)).view(b, k, -1)
         return self.aggregate(feats, positions, slot_weights)
 
-    def forward(self, patches: torch.Tensor, positions: torch.Tensor,
-                slot_weights: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, patches: torch.Tensor, positions: torch.Tensor, slot_weights: torch.Tensor | None = None
+    ) -> torch.Tensor:
         return self.classify(patches, positions, slot_weights)
 
-    def evidence_losses(self, features: torch.Tensor, cell_scores: torch.Tensor,
-                        target: int) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    def evidence_losses(
+        self, features: torch.Tensor, cell_scores: torch.Tensor, target: int
+    ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
         """The evidence losses of one slide (see :mod:`operators.evidence`).
 
         Args:
@@ -484,14 +549,17 @@ class FoveateModel(nn.Module):
         if self.instance_head is None:
             raise RuntimeError("evidence_losses needs model.instance_weight > 0 (no instance head)")
         if features.dim() != 2 or cell_scores.shape != features.shape[:1]:
-            raise ValueError(f"features must be [M, D] and cell_scores [M], got {tuple(features.shape)} and "
-                             f"{tuple(cell_scores.shape)}")
+            raise ValueError(
+                f"features must be [M, D] and cell_scores [M], got {tuple(features.shape)} and "
+                f"{tuple(cell_scores.shape)}"
+            )
         logits = self.instance_head(features)
         losses = {"instance": self.cfg.instance_weight * instance_loss(logits, target)}
         conf = instance_confidence(logits.detach())
         if self.cfg.rank_weight > 0:
-            losses["rank"] = self.cfg.rank_weight * evidence_rank_loss(cell_scores, conf,
-                                                                       temperature=self.cfg.rank_temperature)
+            losses["rank"] = self.cfg.rank_weight * evidence_rank_loss(
+                cell_scores, conf, temperature=self.cfg.rank_temperature
+            )
         return losses, {"instance_confidence": float(conf.mean())}
 
     def aux_losses(self, selection: Selection) -> dict[str, torch.Tensor]:

@@ -63,9 +63,14 @@ def build_model(model_config: Any):
     return FoveateModel(model_config), model_config
 
 
-def checkpoint_dict(model: torch.nn.Module, model_config: Any, class_names: list[str] | tuple[str, ...], *,
-                    train_config: Mapping[str, Any] | None = None,
-                    metadata: Mapping[str, Any] | None = None) -> dict[str, Any]:
+def checkpoint_dict(
+    model: torch.nn.Module,
+    model_config: Any,
+    class_names: list[str] | tuple[str, ...],
+    *,
+    train_config: Mapping[str, Any] | None = None,
+    metadata: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
     """The checkpoint content (tensors on CPU, everything else plain)."""
     return {
         "format": CHECKPOINT_FORMAT,
@@ -77,8 +82,9 @@ def checkpoint_dict(model: torch.nn.Module, model_config: Any, class_names: list
     }
 
 
-def save_checkpoint(path: str | Path, model: torch.nn.Module, model_config: Any,
-                    class_names: list[str] | tuple[str, ...], **kwargs: Any) -> Path:
+def save_checkpoint(
+    path: str | Path, model: torch.nn.Module, model_config: Any, class_names: list[str] | tuple[str, ...], **kwargs: Any
+) -> Path:
     """Write :func:`checkpoint_dict` to ``path`` (atomically); returns the path."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -111,7 +117,11 @@ def load_checkpoint(path: str | Path, *, map_location: str | torch.device = "cpu
 def find_checkpoint(root: Path) -> Path | None:
     if root.is_file():
         return root
-    for candidate in (root / "extra_files" / CHECKPOINT_NAME, root / "checkpoint" / CHECKPOINT_NAME, root / CHECKPOINT_NAME):
+    for candidate in (
+        root / "extra_files" / CHECKPOINT_NAME,
+        root / "checkpoint" / CHECKPOINT_NAME,
+        root / CHECKPOINT_NAME,
+    ):
         if candidate.is_file():
             return candidate
     found = sorted(root.rglob(CHECKPOINT_NAME))

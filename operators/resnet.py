@@ -100,7 +100,9 @@ class ResNet(nn.Module):
         self.cfg = cfg
         w0 = cfg.widths[0]
         self.stem = nn.Sequential(
-            nn.Conv2d(3, w0, 3, stride=2, padding=1, bias=False), _norm(cfg.norm, w0), nn.ReLU(inplace=True),
+            nn.Conv2d(3, w0, 3, stride=2, padding=1, bias=False),
+            _norm(cfg.norm, w0),
+            nn.ReLU(inplace=True),
             nn.MaxPool2d(3, stride=2, padding=1),
         )
         layers: list[nn.Module] = []
@@ -137,7 +139,9 @@ class ResNet(nn.Module):
         if not isinstance(patches, torch.Tensor):
             raise TypeError(f"patches must be a torch.Tensor, got {type(patches).__name__}")
         if patches.dim() != 4 or patches.shape[1] != 3 or not patches.is_floating_point():
-            raise ValueError(f"patches must be float [M, 3, p, p], got shape {tuple(patches.shape)} dtype {patches.dtype}")
+            raise ValueError(
+                f"patches must be float [M, 3, p, p], got shape {tuple(patches.shape)} dtype {patches.dtype}"
+            )
         if patches.shape[0] == 0:
             return patches.new_zeros((0, self.cfg.feature_dim))
         x = (patches - self.mean.to(patches.dtype)) / self.std.to(patches.dtype)

@@ -74,8 +74,9 @@ class ScorerCNN(nn.Module):
         return self.net((lowres - 0.5) / 0.25)
 
 
-def cell_pool(score_map: torch.Tensor, grid_shape: tuple[int, int], patch_size: int, stride: int,
-              *, mode: str = "mean") -> torch.Tensor:
+def cell_pool(
+    score_map: torch.Tensor, grid_shape: tuple[int, int], patch_size: int, stride: int, *, mode: str = "mean"
+) -> torch.Tensor:
     """Pool a map covering the grid extent onto the grid cells.
 
     Cell ``(r, c)`` covers level-0 ``x in [c*stride, c*stride + patch_size)``, ``y`` likewise; the map covers
@@ -116,8 +117,8 @@ def cell_pool(score_map: torch.Tensor, grid_shape: tuple[int, int], patch_size: 
     # max: pool rows then columns over variable windows (max window size is small); padded with -inf
     ky = int((y1 - y0).max())
     kx = int((x1 - x0).max())
-    oy = (y0[:, None] + torch.arange(ky, device=y0.device)[None, :])  # [Gh, ky]
-    ox = (x0[:, None] + torch.arange(kx, device=x0.device)[None, :])
+    oy = y0[:, None] + torch.arange(ky, device=y0.device)[None, :]  # [Gh, ky]
+    ox = x0[:, None] + torch.arange(kx, device=x0.device)[None, :]
     vy = oy < y1[:, None]
     vx = ox < x1[:, None]
     neg = torch.finfo(score_map.dtype).min
@@ -128,7 +129,9 @@ def cell_pool(score_map: torch.Tensor, grid_shape: tuple[int, int], patch_size: 
     return cols.reshape(b, ch, gh * gw)
 
 
-def _cell_bounds(g: int, patch_size: int, stride: int, size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def _cell_bounds(
+    g: int, patch_size: int, stride: int, size: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Map-pixel bounds ``[lo, hi)`` (hi > lo) of the g cells along one axis of a map of ``size`` pixels."""
     extent = (g - 1) * stride + patch_size
     scale = size / extent
@@ -154,8 +157,13 @@ def candidate_mask(cell_mask: torch.Tensor, k: int) -> torch.Tensor:
     low = count < k
     if bool(low.any()):
         rows = torch.nonzero(low).flatten().tolist()
-        log.warning("tissue mask has fewer than k=%d cells in batch row(s) %s (counts %s); using all %d cells as "
-                    "candidates", k, rows, count[low].tolist(), cell_mask.shape[1])
+        log.warning(
+            "tissue mask has fewer than k=%d cells in batch row(s) %s (counts %s); using all %d cells as candidates",
+            k,
+            rows,
+            count[low].tolist(),
+            cell_mask.shape[1],
+        )
         cell_mask = cell_mask | low[:, None]
     return cell_mask
 

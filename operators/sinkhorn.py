@@ -86,7 +86,11 @@ def _solve_tau(s2: torch.Tensor, k: float, epsilon: float, max_iter: int, tol: f
     if not bool(done.all()):
         logger.warning(
             "sinkhorn_topk: %d of %d rows not converged to tol=%g after max_iter=%d (%s); raise max_iter",
-            int((~done).sum()), bsz, tol, max_iter, solver,
+            int((~done).sum()),
+            bsz,
+            tol,
+            max_iter,
+            solver,
         )
     logger.debug("sinkhorn_topk: %s solver, %d iterations", solver, it)
     return tau, it
@@ -158,7 +162,9 @@ def sinkhorn_topk(
 class SinkhornTopK(nn.Module):
     """``nn.Module`` wrapper of :func:`sinkhorn_topk`: ``forward(scores[B, N]) -> Tensor[B, N]``."""
 
-    def __init__(self, k: float, epsilon: float, max_iter: int = 200, *, tol: float = 1e-9, solver: str = "newton") -> None:
+    def __init__(
+        self, k: float, epsilon: float, max_iter: int = 200, *, tol: float = 1e-9, solver: str = "newton"
+    ) -> None:
         super().__init__()
         self.k = check_positive(k, "k")
         self.epsilon = check_positive(epsilon, "epsilon")
@@ -169,7 +175,9 @@ class SinkhornTopK(nn.Module):
         self.solver = solver
 
     def forward(self, scores: torch.Tensor) -> torch.Tensor:
-        return sinkhorn_topk(scores, self.k, epsilon=self.epsilon, max_iter=self.max_iter, tol=self.tol, solver=self.solver)
+        return sinkhorn_topk(
+            scores, self.k, epsilon=self.epsilon, max_iter=self.max_iter, tol=self.tol, solver=self.solver
+        )
 
     def extra_repr(self) -> str:
         return f"k={self.k}, epsilon={self.epsilon}, max_iter={self.max_iter}, solver={self.solver!r}"

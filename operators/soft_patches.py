@@ -81,9 +81,13 @@ def combine_patches(patches: torch.Tensor, indices: torch.Tensor, weights: torch
     if patches.dim() != 4:
         raise ValueError(f"patches must be [U, C, p, p], got shape {tuple(patches.shape)}")
     if indices.dim() != 3 or tuple(weights.shape) != tuple(indices.shape):
-        raise ValueError(f"indices and weights must both be [B, K, S], got {tuple(indices.shape)} and {tuple(weights.shape)}")
+        raise ValueError(
+            f"indices and weights must both be [B, K, S], got {tuple(indices.shape)} and {tuple(weights.shape)}"
+        )
     if indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= patches.shape[0]):
-        raise ValueError(f"indices must lie in [0, {patches.shape[0]}), got range [{int(indices.min())}, {int(indices.max())}]")
+        raise ValueError(
+            f"indices must lie in [0, {patches.shape[0]}), got range [{int(indices.min())}, {int(indices.max())}]"
+        )
     if indices.shape[-1] == 1:
         return patches[indices[..., 0]] * weights[..., 0, None, None, None].to(patches.dtype)
     gathered = patches[indices]  # [B, K, S, C, p, p]: O(K * S) patches

@@ -239,8 +239,10 @@ def relaxed_swap_alpha(
         out = torch.atan(d * beta) / math.pi + 0.5
     elif distribution == "optimal":
         v = d * beta
-        out = torch.clamp(v, -0.25, 0.25) + 0.5 + ((v > 0.25).to(v.dtype) - (v < -0.25).to(v.dtype)) * (
-            0.25 - 1 / 16 / (v.abs() + 1e-10)
+        out = (
+            torch.clamp(v, -0.25, 0.25)
+            + 0.5
+            + ((v > 0.25).to(v.dtype) - (v < -0.25).to(v.dtype)) * (0.25 - 1 / 16 / (v.abs() + 1e-10))
         )
     else:
         raise ValueError(f"distribution must be one of {DISTRIBUTIONS}, got {distribution!r}")
@@ -368,4 +370,3 @@ def soft_topk_matrix(
     for (partner, _), swap in zip(reversed(idx), reversed(swaps)):
         p = p + swap.unsqueeze(-1) * (p[:, partner] - p)
     return p
-

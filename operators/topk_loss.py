@@ -71,9 +71,7 @@ def _check_labels(labels: object, batch: int, num_classes: int) -> torch.Tensor:
     if labels.dtype != torch.long or labels.shape != (batch,):
         raise ValueError(f"labels must be a LongTensor of shape [B={batch}], got {labels.dtype} {tuple(labels.shape)}")
     if batch and (int(labels.min()) < 0 or int(labels.max()) >= num_classes):
-        raise ValueError(
-            f"labels must lie in [0, {num_classes}), got range [{int(labels.min())}, {int(labels.max())}]"
-        )
+        raise ValueError(f"labels must lie in [0, {num_classes}), got range [{int(labels.min())}, {int(labels.max())}]")
     return labels
 
 
@@ -243,4 +241,3 @@ class TopKCrossEntropyLoss(nn.Module):
             f"p_k={list(self.p_k)}, method={self.method!r}, inverse_temperature={self.inverse_temperature}, "
             f"distribution={self.distribution!r}, m={self.m}, top1_mode={self.top1_mode!r}"
         )
-

@@ -20,8 +20,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["COLUMNS", "CompareResult", "runs_table", "format_table", "plot_accuracy_vs_time", "compare",
-           "add_arguments", "run"]
+__all__ = [
+    "COLUMNS",
+    "CompareResult",
+    "runs_table",
+    "format_table",
+    "plot_accuracy_vs_time",
+    "compare",
+    "add_arguments",
+    "run",
+]
 
 log = logging.getLogger(__name__)
 
@@ -38,8 +46,21 @@ _METRICS: dict[str, tuple[str, ...]] = {
     "patches_per_second": ("epoch_patches_per_second", "patches_per_second"),
     "peak_memory_mb": ("epoch_peak_memory_mb", "peak_memory_mb", "peak_memory"),
 }
-COLUMNS = ("run_id", "run_name", "status", "operator", "k", "aggregator", "accuracy", "auc", "train_seconds",
-           "patches_per_second", "peak_memory_mb", "accuracy_metric", "start_time")
+COLUMNS = (
+    "run_id",
+    "run_name",
+    "status",
+    "operator",
+    "k",
+    "aggregator",
+    "accuracy",
+    "auc",
+    "train_seconds",
+    "patches_per_second",
+    "peak_memory_mb",
+    "accuracy_metric",
+    "start_time",
+)
 
 
 @dataclass
@@ -126,8 +147,9 @@ def runs_table(experiment: str, *, tracking_uri: str | None = None, include_scor
     table = pd.DataFrame(rows, columns=list(COLUMNS))
     if len(table):
         table["k"] = table["k"].astype("Int64")
-        table = table.sort_values(["accuracy", "train_seconds"], ascending=[False, True], na_position="last",
-                                  kind="mergesort").reset_index(drop=True)
+        table = table.sort_values(
+            ["accuracy", "train_seconds"], ascending=[False, True], na_position="last", kind="mergesort"
+        ).reset_index(drop=True)
     return table, exp.experiment_id, uri
 
 
@@ -135,10 +157,32 @@ def format_table(table) -> str:
     """The table as fixed-width text (what ``foveate compare`` prints)."""
     if len(table) == 0:
         return "(no runs)"
-    shown = table[["run_name", "status", "operator", "k", "aggregator", "accuracy", "auc", "train_seconds",
-                   "patches_per_second", "peak_memory_mb"]].copy()
-    shown.columns = ["run", "status", "operator", "K", "aggregator", "accuracy", "AUC", "train s", "patches/s",
-                     "peak MB"]
+    shown = table[
+        [
+            "run_name",
+            "status",
+            "operator",
+            "k",
+            "aggregator",
+            "accuracy",
+            "auc",
+            "train_seconds",
+            "patches_per_second",
+            "peak_memory_mb",
+        ]
+    ].copy()
+    shown.columns = [
+        "run",
+        "status",
+        "operator",
+        "K",
+        "aggregator",
+        "accuracy",
+        "AUC",
+        "train s",
+        "patches/s",
+        "peak MB",
+    ]
     return shown.to_string(index=False, na_rep="-", float_format=lambda v: f"{v:.4g}")
 
 
@@ -158,8 +202,9 @@ def plot_accuracy_vs_time(table, path: str | Path, *, title: str = "") -> Path:
         k = row["k"]
         label = f"{row['operator'] or '?'} K={'?' if pd.isna(k) else int(k)} {row['aggregator'] or '?'}"
         ax.scatter(row["train_seconds"], row["accuracy"], s=36)
-        ax.annotate(label, (row["train_seconds"], row["accuracy"]), fontsize=7, xytext=(4, 3),
-                    textcoords="offset points")
+        ax.annotate(
+            label, (row["train_seconds"], row["accuracy"]), fontsize=7, xytext=(4, 3), textcoords="offset points"
+        )
     ax.set_xlabel("train time (s)")
     ax.set_ylabel("accuracy")
     ax.set_ylim(-0.02, 1.05)
@@ -179,8 +224,13 @@ def _safe_name(text: str) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in text) or "experiment"
 
 
-def compare(experiment: str, *, out_dir: str | Path | None = ".", tracking_uri: str | None = None,
-            include_score_runs: bool = False) -> CompareResult:
+def compare(
+    experiment: str,
+    *,
+    out_dir: str | Path | None = ".",
+    tracking_uri: str | None = None,
+    include_score_runs: bool = False,
+) -> CompareResult:
     """Build the table, write ``<out_dir>/compare_<experiment>.csv`` and ``..._accuracy_vs_time.png``.
 
     Args:
@@ -199,24 +249,30 @@ def compare(experiment: str, *, out_dir: str | Path | None = ".", tracking_uri: 
         tmp = csv_path.with_name(csv_path.name + ".tmp")
         table.to_csv(tmp, index=False)
         tmp.replace(csv_path)
-        png_path = plot_accuracy_vs_time(table, out / f"{stem}_accuracy_vs_time.png",
-                                         title=f"experiment {experiment}: accuracy vs train time")
+        png_path = plot_accuracy_vs_time(
+            table, out / f"{stem}_accuracy_vs_time.png", title=f"experiment {experiment}: accuracy vs train time"
+        )
     return CompareResult(table, csv_path, png_path, exp_id, uri)
 
 
 # ---------------------------------------------------------------------------------------------- CLI
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--experiment", required=True, help="MLflow experiment name (e.g. the train config's "
-                                                            "tracking.experiment)")
+    parser.add_argument(
+        "--experiment", required=True, help="MLflow experiment name (e.g. the train config's tracking.experiment)"
+    )
     parser.add_argument("--out", default=".", help="directory for compare_<experiment>.csv and the PNG (default .)")
-    parser.add_argument("--tracking-uri", default=None,
-                        help="MLflow tracking URI (default $MLFLOW_TRACKING_URI; sqlite:///... or http://host:port)")
+    parser.add_argument(
+        "--tracking-uri",
+        default=None,
+        help="MLflow tracking URI (default $MLFLOW_TRACKING_URI; sqlite:///... or http://host:port)",
+    )
     parser.add_argument("--include-score-runs", action="store_true", help="also list batch-scoring runs")
 
 
 def run(args: argparse.Namespace) -> int:
-    res = compare(args.experiment, out_dir=args.out, tracking_uri=args.tracking_uri,
-                  include_score_runs=args.include_score_runs)
+    res = compare(
+        args.experiment, out_dir=args.out, tracking_uri=args.tracking_uri, include_score_runs=args.include_score_runs
+    )
     print(f"experiment {args.experiment!r} (id {res.experiment_id}) at {res.tracking_uri}: {len(res.table)} run(s)")
     print(format_table(res.table))
     print(f"table: {res.csv_path}")

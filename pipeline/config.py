@@ -15,8 +15,16 @@ import yaml
 
 from operators.config import ConfigError, from_dict, to_dict
 
-__all__ = ["ConfigError", "from_dict", "to_dict", "load_config", "apply_overrides", "parse_override",
-           "add_config_arguments", "config_from_cli"]
+__all__ = [
+    "ConfigError",
+    "from_dict",
+    "to_dict",
+    "load_config",
+    "apply_overrides",
+    "parse_override",
+    "add_config_arguments",
+    "config_from_cli",
+]
 
 T = TypeVar("T")
 
@@ -64,8 +72,14 @@ class _Args:
 def add_config_arguments(parser: Any, example: str) -> None:
     """``--config FILE.yaml`` and repeatable ``--set key=value`` (every command that has a config dataclass)."""
     parser.add_argument("--config", help="YAML config (keys as in the command's config dataclass; see configs/)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help=f"override a config value, e.g. --set {example} (repeatable)")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help=f"override a config value, e.g. --set {example} (repeatable)",
+    )
 
 
 def config_from_cli(cls: type[T], args: Any, flags: dict[str, str] | None = None) -> T:

@@ -161,8 +161,7 @@ def load_labels(source: str, stores_dir: str | Path, *, label_column: str = "lab
             raise ValueError(f"{where}: needs a 'slide_id' or a 'path' column (columns: {list(table.columns)})")
     if label_column not in table.columns:
         raise ValueError(
-            f"{where}: no label column {label_column!r} (columns: {list(table.columns)}); "
-            f"set data.label_column"
+            f"{where}: no label column {label_column!r} (columns: {list(table.columns)}); set data.label_column"
         )
     labels: dict[str, str] = {}
     for sid, raw in zip(ids, table[label_column].tolist()):
@@ -241,8 +240,9 @@ def build_slide_table(cfg: DataConfig) -> SlideTable:
     return SlideTable(records=records, class_names=class_names)
 
 
-def split_train_val(records: tuple[SlideRecord, ...] | list[SlideRecord], val_fraction: float,
-                    seed: int) -> tuple[list[SlideRecord], list[SlideRecord]]:
+def split_train_val(
+    records: tuple[SlideRecord, ...] | list[SlideRecord], val_fraction: float, seed: int
+) -> tuple[list[SlideRecord], list[SlideRecord]]:
     """Stratified, deterministic split: per class, ``round(val_fraction * n)`` slides (at least one and at
     most n-1 when the class has two or more slides and ``val_fraction > 0``) go to validation. Depends only
     on the slide ids, their labels and ``seed``; both lists come back sorted by slide id."""
@@ -266,8 +266,14 @@ def split_train_val(records: tuple[SlideRecord, ...] | list[SlideRecord], val_fr
     return sorted(train, key=lambda r: r.slide_id), sorted(val, key=lambda r: r.slide_id)
 
 
-def shard(records: list[SlideRecord] | tuple[SlideRecord, ...], rank: int, world_size: int, *,
-          epoch: int | None = None, seed: int = 0) -> list[SlideRecord]:
+def shard(
+    records: list[SlideRecord] | tuple[SlideRecord, ...],
+    rank: int,
+    world_size: int,
+    *,
+    epoch: int | None = None,
+    seed: int = 0,
+) -> list[SlideRecord]:
     """This worker's slides for one epoch.
 
     With ``epoch`` given the slides are first shuffled by ``(seed, epoch)`` (the same order on every

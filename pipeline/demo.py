@@ -23,16 +23,33 @@ REPO_CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--workdir", default="foveate-demo", help="folder for slides, stores, runs and MLflow (default ./foveate-demo)")
+    parser.add_argument(
+        "--workdir", default="foveate-demo", help="folder for slides, stores, runs and MLflow (default ./foveate-demo)"
+    )
     parser.add_argument("--count", type=int, default=32, help="synthetic slides (default 32)")
-    parser.add_argument("--size", default="2048", help="slide side(s) in pixels, as for `foveate synth --size` (default 2048)")
+    parser.add_argument(
+        "--size", default="2048", help="slide side(s) in pixels, as for `foveate synth --size` (default 2048)"
+    )
     parser.add_argument("--epochs", type=int, default=None, help="training epochs (default: configs/demo.yaml)")
     parser.add_argument("--workers", type=int, default=2, help="Ray workers for ingest and scoring (default 2)")
-    parser.add_argument("--config", default=str(REPO_CONFIGS / "demo.yaml"), help="training config (default configs/demo.yaml)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="training config override (repeatable)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of everything random: the synthetic slides, the validation split, the model's "
-                        "initialisation and the selection noise (default 0)")
+    parser.add_argument(
+        "--config", default=str(REPO_CONFIGS / "demo.yaml"), help="training config (default configs/demo.yaml)"
+    )
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="training config override (repeatable)",
+    )
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed of everything random: the synthetic slides, the validation split, the model's "
+        "initialisation and the selection noise (default 0)",
+    )
 
 
 def _stage(name: str, argv: list[str]) -> None:
@@ -46,9 +63,17 @@ def _stage(name: str, argv: list[str]) -> None:
     log.info("demo: %s done in %.1fs", name, time.monotonic() - t0)
 
 
-def demo(workdir: str | Path = "foveate-demo", *, count: int = 32, size: str = "2048", epochs: int | None = None,
-         workers: int = 2, config: str | Path = REPO_CONFIGS / "demo.yaml", overrides: list[str] | tuple[str, ...] = (),
-         seed: int = 0) -> dict:
+def demo(
+    workdir: str | Path = "foveate-demo",
+    *,
+    count: int = 32,
+    size: str = "2048",
+    epochs: int | None = None,
+    workers: int = 2,
+    config: str | Path = REPO_CONFIGS / "demo.yaml",
+    overrides: list[str] | tuple[str, ...] = (),
+    seed: int = 0,
+) -> dict:
     """Run the demo; returns a summary dict (paths, run ids, metrics)."""
     if not isinstance(count, int) or count < 4:
         raise ValueError(f"count must be an integer >= 4 (two classes, train and validation), got {count!r}")
@@ -76,12 +101,16 @@ def demo(workdir: str | Path = "foveate-demo", *, count: int = 32, size: str = "
         if record.is_file():
             previous = json.loads(record.read_text())
             if previous != made_with:
-                raise ValueError(f"{wd} holds demo slides made with {previous}, not {made_with}: use another "
-                                 f"--workdir for other demo slides (or delete {slides} and {stores})")
+                raise ValueError(
+                    f"{wd} holds demo slides made with {previous}, not {made_with}: use another "
+                    f"--workdir for other demo slides (or delete {slides} and {stores})"
+                )
         log.info("demo: reusing synthetic slides in %s", slides)
     else:
-        _stage("synth", ["synth", str(slides), "--count", str(count), "--size", size, "--format", "mixed",
-                         "--seed", str(seed)])
+        _stage(
+            "synth",
+            ["synth", str(slides), "--count", str(count), "--size", size, "--format", "mixed", "--seed", str(seed)],
+        )
         record.write_text(json.dumps(made_with))
     timings["synth"] = time.monotonic() - t0
 
@@ -104,8 +133,20 @@ def demo(workdir: str | Path = "foveate-demo", *, count: int = 32, size: str = "
         # re-run of the demo (which trains a new model) must not reuse the previous model's rows.
         preds = wd / f"predictions-{result.run_id[:8]}.parquet"
         t0 = time.monotonic()
-        _stage("score", ["score", "--model", result.model_uri, "--stores", str(stores), "--out", str(preds),
-                         "--workers", str(workers)])
+        _stage(
+            "score",
+            [
+                "score",
+                "--model",
+                result.model_uri,
+                "--stores",
+                str(stores),
+                "--out",
+                str(preds),
+                "--workers",
+                str(workers),
+            ],
+        )
         timings["score"] = time.monotonic() - t0
 
         t0 = time.monotonic()
@@ -139,8 +180,16 @@ def demo(workdir: str | Path = "foveate-demo", *, count: int = 32, size: str = "
 
 
 def run(args: argparse.Namespace) -> int:
-    s = demo(args.workdir, count=args.count, size=args.size, epochs=args.epochs, workers=args.workers,
-             config=args.config, overrides=args.overrides, seed=args.seed)
+    s = demo(
+        args.workdir,
+        count=args.count,
+        size=args.size,
+        epochs=args.epochs,
+        workers=args.workers,
+        config=args.config,
+        overrides=args.overrides,
+        seed=args.seed,
+    )
     backend = s["tracking_uri"]
     lines = [
         "",

@@ -40,6 +40,7 @@ __all__ = ["add_arguments", "run", "ingest", "IngestConfig", "IngestResult"]
 
 log = logging.getLogger(__name__)
 
+
 @dataclass(frozen=True)
 class IngestConfig:
     """Everything ``foveate ingest`` needs (``--config`` YAML / ``--set`` keys; the flags map onto them).
@@ -74,37 +75,82 @@ class IngestConfig:
 
 
 # CLI flag (argparse attribute) -> config key; flags not given leave the config's value
-_FLAGS = {"inputs": "inputs", "out": "out", "workers": "workers", "address": "address", "overwrite": "overwrite",
-          "options.tile_size": "tile_size", "options.codec": "codec", "options.jpeg_quality": "jpeg_quality",
-          "options.zstd_level": "zstd_level", "options.threads": "threads", "options.mpp": "mpp",
-          "options.min_size": "min_size", "options.region_tiles": "region_tiles",
-          "options.passthrough": "passthrough", "options.direct": "direct"}
+_FLAGS = {
+    "inputs": "inputs",
+    "out": "out",
+    "workers": "workers",
+    "address": "address",
+    "overwrite": "overwrite",
+    "options.tile_size": "tile_size",
+    "options.codec": "codec",
+    "options.jpeg_quality": "jpeg_quality",
+    "options.zstd_level": "zstd_level",
+    "options.threads": "threads",
+    "options.mpp": "mpp",
+    "options.min_size": "min_size",
+    "options.region_tiles": "region_tiles",
+    "options.passthrough": "passthrough",
+    "options.direct": "direct",
+}
 
 
 def add_arguments(p) -> None:
-    p.add_argument("inputs", nargs="*", metavar="INPUT", default=None,
-                   help="slide files, directories (searched recursively) or CSV manifests with a 'path' column")
+    p.add_argument(
+        "inputs",
+        nargs="*",
+        metavar="INPUT",
+        default=None,
+        help="slide files, directories (searched recursively) or CSV manifests with a 'path' column",
+    )
     p.add_argument("--out", metavar="STORE_DIR", help="folder for <slide_id>.zarr stores and the manifest (required)")
     p.add_argument("--workers", type=int, default=None, help="tiler actors (default: CPUs of the Ray cluster)")
-    p.add_argument("--address", default=None,
-                   help="Ray cluster to join ('auto' or host:port); default: start an in-process local Ray")
+    p.add_argument(
+        "--address",
+        default=None,
+        help="Ray cluster to join ('auto' or host:port); default: start an in-process local Ray",
+    )
     p.add_argument("--tile-size", type=int, help="chunk / tile side in pixels (default 256)")
-    p.add_argument("--codec", choices=CODECS,
-                   help="zstd: lossless (default); jpeg: one RGB JPEG per chunk, copying aligned source JPEG tiles as-is")
+    p.add_argument(
+        "--codec",
+        choices=CODECS,
+        help="zstd: lossless (default); jpeg: one RGB JPEG per chunk, copying aligned source JPEG tiles as-is",
+    )
     p.add_argument("--jpeg-quality", type=int, help="quality of JPEGs foveate encodes (default 90)")
-    p.add_argument("--zstd-level", type=int,
-                   help="zstd level (default 1); negative levels (-1 ... -131072) are faster, with larger stores")
-    p.add_argument("--threads", type=int,
-                   help="threads per tiler actor for JPEG decoding, zstd and reductions (default 1; each actor "
-                        "still reserves one Ray CPU, so use >1 only when workers < CPUs)")
-    p.add_argument("--mpp", type=float, default=None,
-                   help="resample level 0 to this many microns per pixel (slides without mpp metadata then fail)")
-    p.add_argument("--min-size", type=int, help="stop the pyramid at a level whose longer side is <= this (default 1024)")
+    p.add_argument(
+        "--zstd-level",
+        type=int,
+        help="zstd level (default 1); negative levels (-1 ... -131072) are faster, with larger stores",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        help="threads per tiler actor for JPEG decoding, zstd and reductions (default 1; each actor "
+        "still reserves one Ray CPU, so use >1 only when workers < CPUs)",
+    )
+    p.add_argument(
+        "--mpp",
+        type=float,
+        default=None,
+        help="resample level 0 to this many microns per pixel (slides without mpp metadata then fail)",
+    )
+    p.add_argument(
+        "--min-size", type=int, help="stop the pyramid at a level whose longer side is <= this (default 1024)"
+    )
     p.add_argument("--region-tiles", type=int, help="regions are blocks of N x N chunks (power of two, default 8)")
-    p.add_argument("--no-passthrough", dest="passthrough", action="store_false", default=None,
-                   help="with --codec jpeg: always decode and re-encode")
-    p.add_argument("--no-direct", dest="direct", action="store_false", default=None,
-                   help="always read through OpenSlide read_region")
+    p.add_argument(
+        "--no-passthrough",
+        dest="passthrough",
+        action="store_false",
+        default=None,
+        help="with --codec jpeg: always decode and re-encode",
+    )
+    p.add_argument(
+        "--no-direct",
+        dest="direct",
+        action="store_false",
+        default=None,
+        help="always read through OpenSlide read_region",
+    )
     p.add_argument("--overwrite", action="store_true", default=None, help="redo slides whose store is already complete")
     add_config_arguments(p, "options.codec=jpeg")
 
@@ -113,8 +159,15 @@ def run(args) -> int:
     if not args.inputs:
         args.inputs = None  # nargs="*" gives [] when none are given: leave the config's inputs
     cfg = config_from_cli(IngestConfig, args, _FLAGS)
-    res = ingest(cfg.inputs, cfg.out, options=cfg.options, workers=cfg.workers, address=cfg.address,
-                 overwrite=cfg.overwrite, max_task_retries=cfg.max_task_retries)
+    res = ingest(
+        cfg.inputs,
+        cfg.out,
+        options=cfg.options,
+        workers=cfg.workers,
+        address=cfg.address,
+        overwrite=cfg.overwrite,
+        max_task_retries=cfg.max_task_retries,
+    )
     print(res.summary())
     return 1 if res.failed else 0
 
@@ -135,8 +188,10 @@ class IngestResult:
         return sum(r["status"] == status for r in self.rows)
 
     def summary(self) -> str:
-        lines = [f"ingest: {self.count('ok')} ok, {self.count('skipped')} skipped, {self.count('failed')} failed "
-                 f"of {len(self.rows)} in {self.seconds:.1f}s; manifest {self.manifest_path}"]
+        lines = [
+            f"ingest: {self.count('ok')} ok, {self.count('skipped')} skipped, {self.count('failed')} failed "
+            f"of {len(self.rows)} in {self.seconds:.1f}s; manifest {self.manifest_path}"
+        ]
         lines += [f"  FAILED {r['slide_id']}: {r['error']}" for r in self.failed]
         return "\n".join(lines)
 
@@ -175,7 +230,7 @@ def _one_line(exc: BaseException) -> str:
         msg = msg.split(" ray::")[0]
     name = type(cause).__name__
     if name.startswith("RayTaskError(") and name.endswith(")"):
-        name = name[len("RayTaskError("):-1]
+        name = name[len("RayTaskError(") : -1]
     return msg if name == "SlideOpenError" else f"{name}: {msg}"
 
 
@@ -186,9 +241,18 @@ def _actors(workers: int | None) -> int:
     return max(1, min(workers or cpus, cpus))
 
 
-def ingest(inputs: Sequence[str | Path], out: str | Path, *, options: IngestOptions | None = None,
-           workers: int | None = None, address: str | None = None, overwrite: bool = False,
-           max_task_retries: int = 2, progress: bool | None = None, tiler_cls: type[Tiler] = Tiler) -> IngestResult:
+def ingest(
+    inputs: Sequence[str | Path],
+    out: str | Path,
+    *,
+    options: IngestOptions | None = None,
+    workers: int | None = None,
+    address: str | None = None,
+    overwrite: bool = False,
+    max_task_retries: int = 2,
+    progress: bool | None = None,
+    tiler_cls: type[Tiler] = Tiler,
+) -> IngestResult:
     """Ingest slides into ``out``; see the module doc and ``foveate ingest --help``.
 
     Args:
@@ -208,8 +272,15 @@ def ingest(inputs: Sequence[str | Path], out: str | Path, *, options: IngestOpti
     import ray
 
     options = options or IngestOptions()
-    IngestConfig(tuple(str(i) for i in inputs), str(out), workers=workers, address=address, overwrite=overwrite,
-                 max_task_retries=max_task_retries, options=options)  # validates
+    IngestConfig(
+        tuple(str(i) for i in inputs),
+        str(out),
+        workers=workers,
+        address=address,
+        overwrite=overwrite,
+        max_task_retries=max_task_retries,
+        options=options,
+    )  # validates
     t_start = time.perf_counter()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -228,12 +299,17 @@ def ingest(inputs: Sequence[str | Path], out: str | Path, *, options: IngestOpti
     pixels, cpu = 0, 0.0
     try:
         if states:
-            started = init_ray(address, num_cpus=workers or os.cpu_count() or 1,
-                               object_store_memory=128 * 1024**2, env_vars={"OMP_NUM_THREADS": "1"})
+            started = init_ray(
+                address,
+                num_cpus=workers or os.cpu_count() or 1,
+                object_store_memory=128 * 1024**2,
+                env_vars={"OMP_NUM_THREADS": "1"},
+            )
             n_actors = _actors(workers)
             try:
-                pixels, cpu = _schedule(states, queue, rows, out, options, n_actors, overwrite, max_task_retries,
-                                        progress, tiler_cls)
+                pixels, cpu = _schedule(
+                    states, queue, rows, out, options, n_actors, overwrite, max_task_retries, progress, tiler_cls
+                )
             finally:
                 if started:
                     ray.shutdown()
@@ -263,22 +339,43 @@ def _skipped_row(inp: SlideFile, spath: Path) -> dict[str, Any]:
     try:
         s = SlideStore(spath)
         m = s.meta
-        row.update(width=m.level0_size[0], height=m.level0_size[1], mpp=m.mpp[0] if m.mpp else None,
-                   mpp_missing=m.mpp is None, tissue_fraction=m.tissue_fraction, vendor=m.vendor, codec=m.codec,
-                   levels=len(m.downsamples))
+        row.update(
+            width=m.level0_size[0],
+            height=m.level0_size[1],
+            mpp=m.mpp[0] if m.mpp else None,
+            mpp_missing=m.mpp is None,
+            tissue_fraction=m.tissue_fraction,
+            vendor=m.vendor,
+            codec=m.codec,
+            levels=len(m.downsamples),
+        )
     except Exception as exc:
         log.warning("%s: complete store but unreadable metadata: %s", spath, exc)
     return row
 
 
-def _schedule(states: dict[str, _SlideState], queue: deque, rows: dict, out: Path, options: IngestOptions,
-              n_actors: int, overwrite: bool, max_task_retries: int, progress: bool | None,
-              tiler_cls: type[Tiler] = Tiler) -> tuple[int, float]:
+def _schedule(
+    states: dict[str, _SlideState],
+    queue: deque,
+    rows: dict,
+    out: Path,
+    options: IngestOptions,
+    n_actors: int,
+    overwrite: bool,
+    max_task_retries: int,
+    progress: bool | None,
+    tiler_cls: type[Tiler] = Tiler,
+) -> tuple[int, float]:
     import ray
 
     actor_cls = ray.remote(num_cpus=1, max_restarts=0)(tiler_cls)
-    pool = ActorPool(lambda: actor_cls.remote(str(out), options, version=__version__),
-                     n_actors, depth=2, max_task_retries=max_task_retries, name="tiler").start()
+    pool = ActorPool(
+        lambda: actor_cls.remote(str(out), options, version=__version__),
+        n_actors,
+        depth=2,
+        max_task_retries=max_task_retries,
+        name="tiler",
+    ).start()
     pixels = 0
     cpu = 0.0
     slide_bar = Progress(len(states), "slides", unit="slide", enable=progress)
@@ -312,9 +409,15 @@ def _schedule(states: dict[str, _SlideState], queue: deque, rows: dict, out: Pat
         if st.done:
             return
         st.done = True
-        rows[slide] = {**_base_row(st.inp), "status": "failed", "error": error, "seconds": time.perf_counter() - st.t0,
-                       "regions": st.regions, "regions_resumed": st.resumed,
-                       "store": None}
+        rows[slide] = {
+            **_base_row(st.inp),
+            "status": "failed",
+            "error": error,
+            "seconds": time.perf_counter() - st.t0,
+            "regions": st.regions,
+            "regions_resumed": st.resumed,
+            "store": None,
+        }
         log.warning("slide %s failed: %s", slide, error)
         for t in [t for t in queue if t.slide == slide]:
             queue.remove(t)
@@ -350,8 +453,10 @@ def _schedule(states: dict[str, _SlideState], queue: deque, rows: dict, out: Pat
                     if st.done:
                         continue
                     if not done.retry:
-                        error = (f"worker died {pool.attempts(t)} times on {t.kind} "
-                                 f"{getattr(t.payload, 'key', '')}".rstrip() + " (store kept; re-run to resume)")
+                        error = (
+                            f"worker died {pool.attempts(t)} times on {t.kind} {getattr(t.payload, 'key', '')}".rstrip()
+                            + " (store kept; re-run to resume)"
+                        )
                         if t.kind != "region":
                             fail(t.slide, error, remove_store=False)
                             continue
@@ -401,10 +506,17 @@ def _schedule(states: dict[str, _SlideState], queue: deque, rows: dict, out: Pat
                         enqueue_stage(t.slide)
                 else:
                     st.done = True
-                    rows[t.slide] = {**_base_row(st.inp), "status": "ok", "error": None,
-                                     "seconds": time.perf_counter() - st.t0, "mpp_missing": st.mpp_missing,
-                                     "regions": st.regions, "regions_resumed": st.resumed, "store": st.store_path,
-                                     **result}
+                    rows[t.slide] = {
+                        **_base_row(st.inp),
+                        "status": "ok",
+                        "error": None,
+                        "seconds": time.perf_counter() - st.t0,
+                        "mpp_missing": st.mpp_missing,
+                        "regions": st.regions,
+                        "regions_resumed": st.resumed,
+                        "store": st.store_path,
+                        **result,
+                    }
                     pixels += int(result["width"]) * int(result["height"])
                     cpu += result.get("cpu_seconds", 0.0)
                     slide_bar.update(1)

@@ -23,7 +23,20 @@ __all__ = ["SLIDE_EXTENSIONS", "SlideFile", "discover_inputs", "make_slide_id"]
 
 log = logging.getLogger(__name__)
 
-SLIDE_EXTENSIONS = (".svs", ".tif", ".tiff", ".ndpi", ".vms", ".vmu", ".scn", ".mrxs", ".bif", ".svslide", ".dcm", ".qptiff")
+SLIDE_EXTENSIONS = (
+    ".svs",
+    ".tif",
+    ".tiff",
+    ".ndpi",
+    ".vms",
+    ".vmu",
+    ".scn",
+    ".mrxs",
+    ".bif",
+    ".svslide",
+    ".dcm",
+    ".qptiff",
+)
 
 
 def make_slide_id(stem: str, key: str) -> str:
@@ -66,8 +79,11 @@ def _dicom_inputs(files: list[Path], carried: dict[str, Any] | None = None) -> l
             out.append(_file_input(fs[0], carried))
             continue
         sid = make_slide_id(folder.name, f"{folder}#{key}")
-        out.append(SlideFile(sid, str(fs[0].absolute()), str(folder), dict(carried or {}),
-                              tuple(str(f.absolute()) for f in fs)))
+        out.append(
+            SlideFile(
+                sid, str(fs[0].absolute()), str(folder), dict(carried or {}), tuple(str(f.absolute()) for f in fs)
+            )
+        )
     return out
 
 

@@ -12,8 +12,24 @@ from typing import Any
 
 __all__ = ["MANIFEST_COLUMNS", "merge_manifest", "read_manifest"]
 
-MANIFEST_COLUMNS = ["slide_id", "source", "status", "error", "width", "height", "mpp", "mpp_missing",
-                    "tissue_fraction", "seconds", "vendor", "codec", "levels", "regions", "regions_resumed", "store"]
+MANIFEST_COLUMNS = [
+    "slide_id",
+    "source",
+    "status",
+    "error",
+    "width",
+    "height",
+    "mpp",
+    "mpp_missing",
+    "tissue_fraction",
+    "seconds",
+    "vendor",
+    "codec",
+    "levels",
+    "regions",
+    "regions_resumed",
+    "store",
+]
 
 
 def read_manifest(store_dir: str | Path):
@@ -51,8 +67,10 @@ def merge_manifest(store_dir: str | Path, rows: Iterable[dict[str, Any]]):
         if df[c].dtype == object:
             df[c] = df[c].map(lambda v: None if v is None or (isinstance(v, float) and v != v) else str(v))
     store_dir.mkdir(parents=True, exist_ok=True)
-    for name, write in (("manifest.parquet", lambda p: df.to_parquet(p, index=False)),
-                        ("manifest.csv", lambda p: df.to_csv(p, index=False))):
+    for name, write in (
+        ("manifest.parquet", lambda p: df.to_parquet(p, index=False)),
+        ("manifest.csv", lambda p: df.to_csv(p, index=False)),
+    ):
         tmp = store_dir / f".{name}.tmp{os.getpid()}"
         write(tmp)
         os.replace(tmp, store_dir / name)

@@ -78,10 +78,18 @@ def _pip_requirements() -> list[str]:
     return reqs
 
 
-def log_model(model: torch.nn.Module, model_config: Any, class_names: list[str] | tuple[str, ...], *,
-              run_id: str, tracking_uri: str, name: str = "model",
-              train_config: Mapping[str, Any] | None = None, metadata: Mapping[str, Any] | None = None,
-              registered_model_name: str | None = None) -> str:
+def log_model(
+    model: torch.nn.Module,
+    model_config: Any,
+    class_names: list[str] | tuple[str, ...],
+    *,
+    run_id: str,
+    tracking_uri: str,
+    name: str = "model",
+    train_config: Mapping[str, Any] | None = None,
+    metadata: Mapping[str, Any] | None = None,
+    registered_model_name: str | None = None,
+) -> str:
     """Log ``model`` to run ``run_id`` as an MLflow PyTorch model (with the checkpoint inside) and the
     checkpoint as the run artifact ``checkpoint/model.pt``.
 
@@ -94,8 +102,9 @@ def log_model(model: torch.nn.Module, model_config: Any, class_names: list[str] 
     from pipeline.tracking import client_for
 
     with tempfile.TemporaryDirectory(prefix="foveate-model-") as tmp:
-        ckpt = save_checkpoint(Path(tmp) / CHECKPOINT_NAME, model, model_config, class_names,
-                               train_config=train_config, metadata=metadata)
+        ckpt = save_checkpoint(
+            Path(tmp) / CHECKPOINT_NAME, model, model_config, class_names, train_config=train_config, metadata=metadata
+        )
         client = client_for(tracking_uri)
         client.log_artifact(run_id, str(ckpt), "checkpoint")
         mlflow.set_tracking_uri(tracking_uri)
@@ -136,7 +145,7 @@ def load_model(uri: str | Path, *, map_location: str | torch.device = "cpu", tra
         mlflow.set_tracking_uri(tracking_uri)
     candidates = [text]
     if text.startswith("runs:/"):
-        parts = text[len("runs:/"):].strip("/").split("/", 1)
+        parts = text[len("runs:/") :].strip("/").split("/", 1)
         if len(parts) == 1:  # the whole run: its plain checkpoint first
             candidates = [f"runs:/{parts[0]}/checkpoint/{CHECKPOINT_NAME}", f"runs:/{parts[0]}/model"]
     errors = []

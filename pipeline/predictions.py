@@ -23,20 +23,32 @@ def list_stores(stores_dir: str | Path) -> list[tuple[str, str]]:
     root = Path(stores_dir)
     if not root.is_dir():
         raise FileNotFoundError(f"--stores: no such directory {str(root)!r}")
-    out = [(p.name[: -len(".zarr")], str(p.resolve())) for p in root.iterdir() if p.is_dir() and p.name.endswith(".zarr")]
+    out = [
+        (p.name[: -len(".zarr")], str(p.resolve())) for p in root.iterdir() if p.is_dir() and p.name.endswith(".zarr")
+    ]
     return sorted(out)
 
 
 def schema(prob_columns: list[str]):
     import pyarrow as pa
 
-    patch = pa.struct([("x", pa.int64()), ("y", pa.int64()), ("w", pa.int64()), ("h", pa.int64()),
-                       ("score", pa.float64())])
-    fields = [("slide_id", pa.string()), ("status", pa.string()), ("error", pa.string()),
-              ("prediction", pa.string()), ("probability", pa.float64()),
-              ("probabilities", pa.map_(pa.string(), pa.float64())), ("patches", pa.list_(patch)),
-              ("heatmap", pa.string()), ("seconds", pa.float64()), ("store", pa.string()), ("model", pa.string()),
-              ("scored_at", pa.string())]
+    patch = pa.struct(
+        [("x", pa.int64()), ("y", pa.int64()), ("w", pa.int64()), ("h", pa.int64()), ("score", pa.float64())]
+    )
+    fields = [
+        ("slide_id", pa.string()),
+        ("status", pa.string()),
+        ("error", pa.string()),
+        ("prediction", pa.string()),
+        ("probability", pa.float64()),
+        ("probabilities", pa.map_(pa.string(), pa.float64())),
+        ("patches", pa.list_(patch)),
+        ("heatmap", pa.string()),
+        ("seconds", pa.float64()),
+        ("store", pa.string()),
+        ("model", pa.string()),
+        ("scored_at", pa.string()),
+    ]
     fields += [(c, pa.float64()) for c in prob_columns]
     return pa.schema(fields)
 
@@ -55,8 +67,10 @@ def read_predictions(path: str | Path) -> list[dict[str, Any]]:
     try:
         table = pq.read_table(path)
     except Exception as exc:
-        raise ValueError(f"--out {str(path)!r} exists but is not a readable predictions file ({exc}); move it away "
-                         f"or choose another --out") from exc
+        raise ValueError(
+            f"--out {str(path)!r} exists but is not a readable predictions file ({exc}); move it away "
+            f"or choose another --out"
+        ) from exc
     if "slide_id" not in table.column_names or "status" not in table.column_names:
         raise ValueError(f"--out {str(path)!r} is not a foveate predictions file (no slide_id/status columns)")
     rows = table.to_pylist()
@@ -99,8 +113,21 @@ class PredictionWriter:
         prob_cols = sorted({prob_column(n) for r in rows for n in (r.get("probabilities") or {})})
         out = []
         for r in rows:
-            d = {k: r.get(k) for k in ("slide_id", "status", "error", "prediction", "probability", "heatmap",
-                                        "seconds", "store", "model", "scored_at")}
+            d = {
+                k: r.get(k)
+                for k in (
+                    "slide_id",
+                    "status",
+                    "error",
+                    "prediction",
+                    "probability",
+                    "heatmap",
+                    "seconds",
+                    "store",
+                    "model",
+                    "scored_at",
+                )
+            }
             probs = r.get("probabilities") or {}
             d["probabilities"] = list(probs.items())
             d["patches"] = list(r.get("patches") or [])

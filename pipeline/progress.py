@@ -18,7 +18,9 @@ class Progress:
     and once at the end.
     """
 
-    def __init__(self, total: int | None, desc: str, *, unit: str = "it", every_s: float = 10.0, enable: bool | None = None):
+    def __init__(
+        self, total: int | None, desc: str, *, unit: str = "it", every_s: float = 10.0, enable: bool | None = None
+    ):
         self.total, self.desc, self.unit, self.every_s = total, desc, unit, every_s
         self.n = 0
         self._bar = None

@@ -29,8 +29,13 @@ log = logging.getLogger(__name__)
 REPO_ROOT = str(Path(__file__).resolve().parents[1])
 
 
-def init_ray(address: str | None = None, *, num_cpus: int | None = None, object_store_memory: int | None = None,
-             env_vars: dict[str, str] | None = None) -> bool:
+def init_ray(
+    address: str | None = None,
+    *,
+    num_cpus: int | None = None,
+    object_store_memory: int | None = None,
+    env_vars: dict[str, str] | None = None,
+) -> bool:
     """Start or join Ray (see the module doc); True when this call started it (so the caller shuts it down)."""
     import ray
 
@@ -39,16 +44,25 @@ def init_ray(address: str | None = None, *, num_cpus: int | None = None, object_
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     if address is None and os.environ.get("RAY_ADDRESS", "").startswith(("http://", "https://")):
         # a job-submission address is not one ray.init() can join
-        log.info("RAY_ADDRESS %s is a job-submission address; starting an in-process Ray instead "
-                 "(use `ray job submit` to run on that cluster)", os.environ.pop("RAY_ADDRESS"))
+        log.info(
+            "RAY_ADDRESS %s is a job-submission address; starting an in-process Ray instead "
+            "(use `ray job submit` to run on that cluster)",
+            os.environ.pop("RAY_ADDRESS"),
+        )
     if address or os.environ.get("RAY_ADDRESS"):
         ray.init(address=address, log_to_driver=True)
         return True
     kwargs: dict[str, Any] = {}
     if object_store_memory is not None:
         kwargs["object_store_memory"] = int(object_store_memory)
-    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True, configure_logging=False,
-             runtime_env={"env_vars": {"PYTHONPATH": REPO_ROOT, **(env_vars or {})}}, **kwargs)
+    ray.init(
+        num_cpus=num_cpus,
+        include_dashboard=False,
+        log_to_driver=True,
+        configure_logging=False,
+        runtime_env={"env_vars": {"PYTHONPATH": REPO_ROOT, **(env_vars or {})}},
+        **kwargs,
+    )
     return True
 
 

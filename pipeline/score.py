@@ -48,9 +48,19 @@ from pipeline.runtime import init_ray
 from pipeline.score_stages import run_stages
 from pipeline.tracking import resolve_tracking_uri
 
-__all__ = ["ScoreConfig", "ScoreResult", "list_stores", "read_predictions", "PredictionWriter", "score", "add_arguments", "run"]
+__all__ = [
+    "ScoreConfig",
+    "ScoreResult",
+    "list_stores",
+    "read_predictions",
+    "PredictionWriter",
+    "score",
+    "add_arguments",
+    "run",
+]
 
 log = logging.getLogger(__name__)
+
 
 @dataclass
 class ScoreResult:
@@ -70,9 +80,11 @@ class ScoreResult:
     table: Any = None  # the whole output as a pandas.DataFrame
 
     def summary(self) -> str:
-        lines = [f"{self.total} slide(s): {self.scored} scored, {self.failed} failed, {self.skipped} already done "
-                 f"({self.seconds:.1f} s, scorer on {self.scorer_device})",
-                 f"predictions: {self.out}"]
+        lines = [
+            f"{self.total} slide(s): {self.scored} scored, {self.failed} failed, {self.skipped} already done "
+            f"({self.seconds:.1f} s, scorer on {self.scorer_device})",
+            f"predictions: {self.out}",
+        ]
         if self.heatmap_dir is not None:
             lines.append(f"heatmaps:    {self.heatmap_dir}")
         if self.run_id:
@@ -105,10 +117,15 @@ class ScoreConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
             raise ConfigError(f"--model must be an MLflow model URI or a checkpoint path, got {self.model!r}")
-        for name, value, minimum in (("--workers", self.workers, 1), ("--scorer-workers", self.scorer_workers, 1),
-                                     ("--batch-size", self.batch_size, 1), ("--max-in-flight", self.max_in_flight, 1),
-                                     ("max_restarts", self.max_restarts, 0),
-                                     ("max_task_retries", self.max_task_retries, 0), ("num_cpus", self.num_cpus, 1)):
+        for name, value, minimum in (
+            ("--workers", self.workers, 1),
+            ("--scorer-workers", self.scorer_workers, 1),
+            ("--batch-size", self.batch_size, 1),
+            ("--max-in-flight", self.max_in_flight, 1),
+            ("max_restarts", self.max_restarts, 0),
+            ("max_task_retries", self.max_task_retries, 0),
+            ("num_cpus", self.num_cpus, 1),
+        ):
             if value is None and name in ("--workers", "--scorer-workers", "num_cpus"):
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
@@ -118,16 +135,44 @@ class ScoreConfig:
 
 
 # CLI flag (argparse attribute) -> config key
-_FLAGS = {k: k for k in ("model", "stores", "out", "workers", "scorer_workers", "address", "batch_size",
-                         "max_in_flight", "heatmaps", "experiment", "tracking_uri")}
+_FLAGS = {
+    k: k
+    for k in (
+        "model",
+        "stores",
+        "out",
+        "workers",
+        "scorer_workers",
+        "address",
+        "batch_size",
+        "max_in_flight",
+        "heatmaps",
+        "experiment",
+        "tracking_uri",
+    )
+}
 
 
-def score(model: str, stores: str | Path, out: str | Path, *, workers: int | None = None,
-          scorer_workers: int | None = None,
-          address: str | None = None, batch_size: int = 4, max_in_flight: int = 2, heatmaps: bool = True,
-          experiment: str | None = "foveate-score", tracking_uri: str | None = None, max_restarts: int = 3,
-          max_task_retries: int = 3, flush_every_s: float = 2.0, num_cpus: int | None = None,
-          scorer_cls: type | None = None, classifier_cls: type | None = None) -> ScoreResult:
+def score(
+    model: str,
+    stores: str | Path,
+    out: str | Path,
+    *,
+    workers: int | None = None,
+    scorer_workers: int | None = None,
+    address: str | None = None,
+    batch_size: int = 4,
+    max_in_flight: int = 2,
+    heatmaps: bool = True,
+    experiment: str | None = "foveate-score",
+    tracking_uri: str | None = None,
+    max_restarts: int = 3,
+    max_task_retries: int = 3,
+    flush_every_s: float = 2.0,
+    num_cpus: int | None = None,
+    scorer_cls: type | None = None,
+    classifier_cls: type | None = None,
+) -> ScoreResult:
     """Score every store in ``stores`` with ``model`` and write one row per slide to ``out``.
 
     Args:
@@ -152,11 +197,23 @@ def score(model: str, stores: str | Path, out: str | Path, *, workers: int | Non
     """
     from pipeline.progress import Progress
 
-    ScoreConfig(model=str(model) if isinstance(model, (str, Path)) else model, stores=str(stores), out=str(out),
-                workers=workers, scorer_workers=scorer_workers, address=address, batch_size=batch_size,
-                max_in_flight=max_in_flight, heatmaps=heatmaps, experiment=experiment, tracking_uri=tracking_uri,
-                max_restarts=max_restarts, max_task_retries=max_task_retries, flush_every_s=flush_every_s,
-                num_cpus=num_cpus)  # validates
+    ScoreConfig(
+        model=str(model) if isinstance(model, (str, Path)) else model,
+        stores=str(stores),
+        out=str(out),
+        workers=workers,
+        scorer_workers=scorer_workers,
+        address=address,
+        batch_size=batch_size,
+        max_in_flight=max_in_flight,
+        heatmaps=heatmaps,
+        experiment=experiment,
+        tracking_uri=tracking_uri,
+        max_restarts=max_restarts,
+        max_task_retries=max_task_retries,
+        flush_every_s=flush_every_s,
+        num_cpus=num_cpus,
+    )  # validates
     out = Path(out).expanduser().resolve()
     t0 = time.perf_counter()
     all_stores = list_stores(stores)
@@ -169,8 +226,9 @@ def score(model: str, stores: str | Path, out: str | Path, *, workers: int | Non
     skipped = len(all_stores) - len(todo)
     heatmap_dir = out.with_name(f"{out.stem}_heatmaps") if heatmaps else None
     writer = PredictionWriter(out, kept, flush_every_s=flush_every_s)
-    log.info("%d store(s) in %s: %d already scored in %s, %d to score", len(all_stores), stores, skipped, out,
-             len(todo))
+    log.info(
+        "%d store(s) in %s: %d already scored in %s, %d to score", len(all_stores), stores, skipped, out, len(todo)
+    )
 
     uri = resolve_tracking_uri(tracking_uri, default_dir=out.parent)
     run_id = None
@@ -181,14 +239,21 @@ def score(model: str, stores: str | Path, out: str | Path, *, workers: int | Non
 
         client = client_for(uri)
         exp_id = get_or_create_experiment(client, experiment, uri)
-        run_id = client.create_run(exp_id, run_name=f"score-{Path(stores).name}",
-                                   tags={"foveate.stage": "score", "foveate.model": str(model)}).info.run_id
+        run_id = client.create_run(
+            exp_id, run_name=f"score-{Path(stores).name}", tags={"foveate.stage": "score", "foveate.model": str(model)}
+        ).info.run_id
         from mlflow.entities import Param
 
-        params = {"model": str(model), "stores": str(Path(stores).resolve()), "out": str(out),
-                  "workers": workers or "auto",
-                  "scorer_workers": scorer_workers or "auto", "batch_size": batch_size, "slides_total": len(all_stores),
-                  "slides_todo": len(todo)}
+        params = {
+            "model": str(model),
+            "stores": str(Path(stores).resolve()),
+            "out": str(out),
+            "workers": workers or "auto",
+            "scorer_workers": scorer_workers or "auto",
+            "batch_size": batch_size,
+            "slides_total": len(all_stores),
+            "slides_todo": len(todo),
+        }
         client.log_batch(run_id, params=[Param(k, str(v)) for k, v in params.items()])
     status = "FAILED"
     try:
@@ -205,10 +270,21 @@ def score(model: str, stores: str | Path, out: str | Path, *, workers: int | Non
                 ckpt_ref = ray.put(ckpt)
                 with Progress(len(todo), "slides scored", unit="slide") as progress:
                     device, ok, failed, retried = run_stages(
-                        todo, ckpt_ref, model_name=str(model), heatmap_dir=heatmap_dir, writer=writer, workers=workers,
-                        scorer_workers=scorer_workers, batch_size=batch_size, max_in_flight=max_in_flight,
-                        max_restarts=max_restarts, max_task_retries=max_task_retries, progress=progress,
-                        scorer_cls=scorer_cls, classifier_cls=classifier_cls)
+                        todo,
+                        ckpt_ref,
+                        model_name=str(model),
+                        heatmap_dir=heatmap_dir,
+                        writer=writer,
+                        workers=workers,
+                        scorer_workers=scorer_workers,
+                        batch_size=batch_size,
+                        max_in_flight=max_in_flight,
+                        max_restarts=max_restarts,
+                        max_task_retries=max_task_retries,
+                        progress=progress,
+                        scorer_cls=scorer_cls,
+                        classifier_cls=classifier_cls,
+                    )
             finally:
                 writer.flush()
                 if started:
@@ -222,42 +298,80 @@ def score(model: str, stores: str | Path, out: str | Path, *, workers: int | Non
         if client is not None and run_id is not None:
             from pipeline.tracking import log_metrics
 
-            log_metrics(client, run_id, {"slides_scored": ok, "slides_failed": failed, "slides_skipped": skipped,
-                                         "seconds": seconds, "retried_calls": retried,
-                                         "slides_per_second": (ok + failed) / max(seconds, 1e-9)}, step=0)
+            log_metrics(
+                client,
+                run_id,
+                {
+                    "slides_scored": ok,
+                    "slides_failed": failed,
+                    "slides_skipped": skipped,
+                    "seconds": seconds,
+                    "retried_calls": retried,
+                    "slides_per_second": (ok + failed) / max(seconds, 1e-9),
+                },
+                step=0,
+            )
             if out.exists():
                 client.log_artifact(run_id, str(out), "predictions")
             client.set_terminated(run_id, status=status)
     import pandas as pd
 
     table = pd.read_parquet(out) if out.exists() else pd.DataFrame()
-    return ScoreResult(out=out, heatmap_dir=heatmap_dir, total=len(all_stores), skipped=skipped, scored=ok,
-                       failed=failed, seconds=seconds, run_id=run_id, tracking_uri=uri if run_id else None,
-                       scorer_device=device, retried_calls=retried, table=table)
+    return ScoreResult(
+        out=out,
+        heatmap_dir=heatmap_dir,
+        total=len(all_stores),
+        skipped=skipped,
+        scored=ok,
+        failed=failed,
+        seconds=seconds,
+        run_id=run_id,
+        tracking_uri=uri if run_id else None,
+        scorer_device=device,
+        retried_calls=retried,
+        table=table,
+    )
 
 
 # ---------------------------------------------------------------------------------------------- CLI
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model",
-                        help="MLflow model URI (runs:/<run_id>, runs:/<run_id>/model, models:/<name>/<version>) or a "
-                             "local checkpoint (.pt) / MLflow model directory (required)")
+    parser.add_argument(
+        "--model",
+        help="MLflow model URI (runs:/<run_id>, runs:/<run_id>/model, models:/<name>/<version>) or a "
+        "local checkpoint (.pt) / MLflow model directory (required)",
+    )
     parser.add_argument("--stores", help="folder of <slide_id>.zarr stores (foveate ingest's STORE_DIR; required)")
     parser.add_argument("--out", help="predictions file (.parquet); an existing one is resumed (required)")
-    parser.add_argument("--workers", type=int, default=None,
-                        help="CPU actors reading patches + features + aggregation (default: the cluster's CPUs not "
-                             "used by CPU scorers, at least 1)")
-    parser.add_argument("--scorer-workers", type=int, default=None,
-                        help="scorer actors (default: one per GPU of the cluster, else 1 on CPU)")
-    parser.add_argument("--address", default=None, help="Ray address (default: RAY_ADDRESS / the job's cluster, else "
-                                                        "an in-process Ray)")
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="CPU actors reading patches + features + aggregation (default: the cluster's CPUs not "
+        "used by CPU scorers, at least 1)",
+    )
+    parser.add_argument(
+        "--scorer-workers",
+        type=int,
+        default=None,
+        help="scorer actors (default: one per GPU of the cluster, else 1 on CPU)",
+    )
+    parser.add_argument(
+        "--address", default=None, help="Ray address (default: RAY_ADDRESS / the job's cluster, else an in-process Ray)"
+    )
     parser.add_argument("--batch-size", type=int, default=None, help="slides per actor call (default 4)")
     parser.add_argument("--max-in-flight", type=int, default=None, help="queued calls per actor (default 2)")
-    parser.add_argument("--no-heatmaps", dest="heatmaps", action="store_false", default=None,
-                        help="do not write heatmap PNGs")
-    parser.add_argument("--experiment", default=None, help="MLflow experiment of the scoring run (default foveate-score)")
+    parser.add_argument(
+        "--no-heatmaps", dest="heatmaps", action="store_false", default=None, help="do not write heatmap PNGs"
+    )
+    parser.add_argument(
+        "--experiment", default=None, help="MLflow experiment of the scoring run (default foveate-score)"
+    )
     parser.add_argument("--no-mlflow", action="store_true", help="do not log an MLflow run")
-    parser.add_argument("--tracking-uri", default=None,
-                        help="MLflow tracking URI (default $MLFLOW_TRACKING_URI, else sqlite:///<out dir>/mlflow.db)")
+    parser.add_argument(
+        "--tracking-uri",
+        default=None,
+        help="MLflow tracking URI (default $MLFLOW_TRACKING_URI, else sqlite:///<out dir>/mlflow.db)",
+    )
     add_config_arguments(parser, "batch_size=8")
 
 

@@ -18,10 +18,23 @@ __all__ = ["run_stages"]
 log = logging.getLogger(__name__)
 
 
-def run_stages(todo: list[tuple[str, str]], ckpt_ref: Any, *, model_name: str, heatmap_dir: Path | None,
-                  writer: PredictionWriter, workers: int | None, scorer_workers: int | None, batch_size: int,
-                  max_in_flight: int, max_restarts: int, max_task_retries: int, progress,
-                  scorer_cls: type | None = None, classifier_cls: type | None = None) -> tuple[str, int, int, int]:
+def run_stages(
+    todo: list[tuple[str, str]],
+    ckpt_ref: Any,
+    *,
+    model_name: str,
+    heatmap_dir: Path | None,
+    writer: PredictionWriter,
+    workers: int | None,
+    scorer_workers: int | None,
+    batch_size: int,
+    max_in_flight: int,
+    max_restarts: int,
+    max_task_retries: int,
+    progress,
+    scorer_cls: type | None = None,
+    classifier_cls: type | None = None,
+) -> tuple[str, int, int, int]:
     """Drive the two actor pools over ``todo``; returns (scorer device, ok rows, error rows, retried calls)."""
     import ray
     from ray.exceptions import GetTimeoutError, RayError
@@ -48,17 +61,34 @@ def run_stages(todo: list[tuple[str, str]], ckpt_ref: Any, *, model_name: str, h
         scorer_actor = ray.remote(num_cpus=cpus_each, **opts)(scorer_cls)
         device = "cpu"
     classifier_actor = ray.remote(num_cpus=cpus_each, **opts)(classifier_cls)
-    scorers = ActorPool(lambda: scorer_actor.remote(ckpt_ref, device=device, threads=threads),
-                        n_scorers, depth=max_in_flight, max_replacements=3 * n_scorers, name="scorer")
-    classifiers = ActorPool(lambda: classifier_actor.remote(ckpt_ref, heatmap_dir=str(heatmap_dir) if heatmap_dir else None,
-                                                            model_name=model_name, threads=threads),
-                            workers, depth=max_in_flight, max_replacements=3 * workers, name="classifier")
+    scorers = ActorPool(
+        lambda: scorer_actor.remote(ckpt_ref, device=device, threads=threads),
+        n_scorers,
+        depth=max_in_flight,
+        max_replacements=3 * n_scorers,
+        name="scorer",
+    )
+    classifiers = ActorPool(
+        lambda: classifier_actor.remote(
+            ckpt_ref, heatmap_dir=str(heatmap_dir) if heatmap_dir else None, model_name=model_name, threads=threads
+        ),
+        workers,
+        depth=max_in_flight,
+        max_replacements=3 * workers,
+        name="classifier",
+    )
     scorers.start()
     classifiers.start()
-    log.info("scoring %d slide(s): %d scorer actor(s) on %s, %d classifier actor(s), batch %d", len(todo), n_scorers,
-             device, workers, batch_size)
+    log.info(
+        "scoring %d slide(s): %d scorer actor(s) on %s, %d classifier actor(s), batch %d",
+        len(todo),
+        n_scorers,
+        device,
+        workers,
+        batch_size,
+    )
 
-    pending: deque[list[tuple[str, str]]] = deque(todo[i:i + batch_size] for i in range(0, len(todo), batch_size))
+    pending: deque[list[tuple[str, str]]] = deque(todo[i : i + batch_size] for i in range(0, len(todo), batch_size))
     waiting: deque[dict[str, Any]] = deque()  # scored slides waiting for a classifier
     backlog_limit = max(2 * batch_size * workers * max_in_flight, batch_size)
     ok = failed = retried = 0
@@ -116,8 +146,15 @@ def run_stages(todo: list[tuple[str, str]], ckpt_ref: Any, *, model_name: str, h
                         if item["status"] == "ok":
                             waiting.append(item)
                         else:
-                            record(error_row(item["slide_id"], item["store"], item["error"], model=model_name,
-                                             seconds=item.get("seconds", 0.0)))
+                            record(
+                                error_row(
+                                    item["slide_id"],
+                                    item["store"],
+                                    item["error"],
+                                    model=model_name,
+                                    seconds=item.get("seconds", 0.0),
+                                )
+                            )
                 else:
                     for row in done.value:
                         record(row)

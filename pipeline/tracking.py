@@ -60,7 +60,7 @@ def artifact_location_for(uri: str) -> str | None:
     """Artifact root for experiments created against a local store: ``<dir of the sqlite file>/mlartifacts``
     (MLflow's own default is relative to the current directory). None for a server (it decides)."""
     if uri.startswith("sqlite:///"):
-        db = Path(uri[len("sqlite:///"):])
+        db = Path(uri[len("sqlite:///") :])
         return (db.parent / "mlartifacts").resolve().as_uri()
     if uri.startswith("file:"):
         return None
@@ -118,18 +118,19 @@ def log_params(client, run_id: str, config: Mapping[str, Any], *, yaml_name: str
 
     params = [Param(k, v) for k, v in flatten_params(config).items()]
     for i in range(0, len(params), 100):
-        client.log_batch(run_id, params=params[i:i + 100])
+        client.log_batch(run_id, params=params[i : i + 100])
     client.log_text(run_id, yaml.safe_dump(dict(config), sort_keys=False), yaml_name)
 
 
-def start_run(client, experiment_id: str, *, run_name: str | None = None,
-              tags: Mapping[str, str] | None = None) -> str:
+def start_run(client, experiment_id: str, *, run_name: str | None = None, tags: Mapping[str, str] | None = None) -> str:
     """Create a run and return its id (status RUNNING)."""
     run = client.create_run(experiment_id, run_name=run_name, tags=dict(tags or {}))
     return run.info.run_id
 
 
-def log_metrics(client, run_id: str, metrics: Mapping[str, float], step: int, *, timestamp_ms: int | None = None) -> None:
+def log_metrics(
+    client, run_id: str, metrics: Mapping[str, float], step: int, *, timestamp_ms: int | None = None
+) -> None:
     """Log finite scalar metrics at ``step`` in one batch (non-numbers and NaN are skipped)."""
     import math
     import time
@@ -146,7 +147,7 @@ def log_metrics(client, run_id: str, metrics: Mapping[str, float], step: int, *,
         if math.isfinite(f):
             batch.append(Metric(k, f, ts, int(step)))
     for i in range(0, len(batch), 500):
-        client.log_batch(run_id, metrics=batch[i:i + 500])
+        client.log_batch(run_id, metrics=batch[i : i + 500])
 
 
 def run_url(uri: str, experiment_id: str, run_id: str) -> str:

@@ -95,7 +95,9 @@ class TrainResult:
             f"run dir: {self.run_dir}",
             f"look at it: {run_url(self.tracking_uri, self.experiment_id, self.run_id)}",
         ]
-        shown = {k: v for k, v in self.metrics.items() if k.startswith(("val_", "epoch_train_")) or k == "train_seconds"}
+        shown = {
+            k: v for k, v in self.metrics.items() if k.startswith(("val_", "epoch_train_")) or k == "train_seconds"
+        }
         if shown:
             lines.append("final: " + ", ".join(f"{k}={v:.4g}" for k, v in sorted(shown.items())))
         return "\n".join(lines)
@@ -109,8 +111,9 @@ def _run_dir(cfg: TrainConfig, resume: bool) -> Path:
         if resume and not (run_dir / STATE_FILE).is_file():
             raise FileNotFoundError(f"--resume: no run to resume at {run_dir} (no {STATE_FILE})")
         if not resume and run_dir.exists():
-            raise ValueError(f"run directory {run_dir} exists: use --resume to continue it, "
-                             f"or another tracking.run_name")
+            raise ValueError(
+                f"run directory {run_dir} exists: use --resume to continue it, or another tracking.run_name"
+            )
         return run_dir
     if resume:
         candidates = sorted((p for p in runs.glob(f"*/{STATE_FILE}")), key=lambda p: p.stat().st_mtime)
@@ -149,8 +152,15 @@ def _resolve(config: TrainConfig, *, workers: int | None, workdir: str | Path | 
     return dataclasses.replace(config, workdir=str(wd), data=data)
 
 
-def train(config: TrainConfig, *, resume: bool = False, address: str | None = None, workers: int | None = None,
-          workdir: str | Path | None = None, after_epoch: Callable[[int], None] | None = None) -> TrainResult:
+def train(
+    config: TrainConfig,
+    *,
+    resume: bool = False,
+    address: str | None = None,
+    workers: int | None = None,
+    workdir: str | Path | None = None,
+    after_epoch: Callable[[int], None] | None = None,
+) -> TrainResult:
     """Train a model on Ray Train and track it in MLflow.
 
     Args:
@@ -176,16 +186,27 @@ def train(config: TrainConfig, *, resume: bool = False, address: str | None = No
     config = _resolve(config, workers=workers, workdir=workdir)
     table = build_slide_table(config.data)
     if config.model.num_classes != table.num_classes:
-        log.info("model.num_classes: %d in the config, overridden from the data: %d", config.model.num_classes,
-                 table.num_classes)
-    config = dataclasses.replace(config, model=dataclasses.replace(config.model, num_classes=table.num_classes),
-                                 data=dataclasses.replace(config.data, classes=tuple(table.class_names)))
+        log.info(
+            "model.num_classes: %d in the config, overridden from the data: %d",
+            config.model.num_classes,
+            table.num_classes,
+        )
+    config = dataclasses.replace(
+        config,
+        model=dataclasses.replace(config.model, num_classes=table.num_classes),
+        data=dataclasses.replace(config.data, classes=tuple(table.class_names)),
+    )
     log.info("model.num_classes = %d (classes %s)", config.model.num_classes, list(table.class_names))
     train_recs, val_recs = split_train_val(table.records, config.data.val_fraction, config.data.seed)
     if not train_recs:
         raise ValueError(f"no training slides left after the validation split ({len(table.records)} slide(s))")
-    log.info("%d slides (%d train, %d val), classes %s", len(table.records), len(train_recs), len(val_recs),
-             list(table.class_names))
+    log.info(
+        "%d slides (%d train, %d val), classes %s",
+        len(table.records),
+        len(train_recs),
+        len(val_recs),
+        list(table.class_names),
+    )
 
     run_dir = _run_dir(config, resume)
     if config.tracking.run_name is None:
@@ -202,19 +223,33 @@ def train(config: TrainConfig, *, resume: bool = False, address: str | None = No
         uri = state.get("tracking_uri", uri)
         client = client_for(uri)
         client.update_run(run_id, status="RUNNING")
-        client.set_tag(run_id, "foveate.resumed", str(int(client.get_run(run_id).data.tags.get("foveate.resumed", "0")) + 1))
+        client.set_tag(
+            run_id, "foveate.resumed", str(int(client.get_run(run_id).data.tags.get("foveate.resumed", "0")) + 1)
+        )
     else:
         experiment_id = get_or_create_experiment(client, config.tracking.experiment, uri)
-        run = client.create_run(experiment_id, run_name=config.tracking.run_name,
-                                tags={"foveate.stage": "train", "foveate.run_dir": str(run_dir)})
+        run = client.create_run(
+            experiment_id,
+            run_name=config.tracking.run_name,
+            tags={"foveate.stage": "train", "foveate.run_dir": str(run_dir)},
+        )
         run_id = run.info.run_id
         log_params(client, run_id, resolved)
-        client.log_dict(run_id, {"class_names": list(table.class_names),
-                                 "train": [r.slide_id for r in train_recs], "val": [r.slide_id for r in val_recs]},
-                        "split.json")
+        client.log_dict(
+            run_id,
+            {
+                "class_names": list(table.class_names),
+                "train": [r.slide_id for r in train_recs],
+                "val": [r.slide_id for r in val_recs],
+            },
+            "split.json",
+        )
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / STATE_FILE).write_text(json.dumps({"run_id": run_id, "experiment_id": experiment_id,
-                                                      "tracking_uri": uri, "config": resolved}, indent=2))
+        (run_dir / STATE_FILE).write_text(
+            json.dumps(
+                {"run_id": run_id, "experiment_id": experiment_id, "tracking_uri": uri, "config": resolved}, indent=2
+            )
+        )
     log.info("MLflow run %s in experiment %r at %s", run_id, config.tracking.experiment, uri)
 
     started = init_ray(address, num_cpus=max(2, config.workers * config.cpus_per_worker))
@@ -222,10 +257,23 @@ def train(config: TrainConfig, *, resume: bool = False, address: str | None = No
         result = _fit(config, run_dir, train_recs, val_recs, table.class_names, uri, run_id, after_epoch)
         ckpt = _load_ckpt(result)
         model, model_cfg, class_names = model_from_checkpoint(ckpt)
-        model_uri = log_model(model, model_cfg, class_names, run_id=run_id, tracking_uri=uri,
-                              train_config=resolved, metadata={"run_id": run_id})
-        _log_val_artifacts(model, model_cfg, val_recs[:config.tracking.artifact_slides] or train_recs[:config.tracking.artifact_slides],
-                           class_names, client, run_id)
+        model_uri = log_model(
+            model,
+            model_cfg,
+            class_names,
+            run_id=run_id,
+            tracking_uri=uri,
+            train_config=resolved,
+            metadata={"run_id": run_id},
+        )
+        _log_val_artifacts(
+            model,
+            model_cfg,
+            val_recs[: config.tracking.artifact_slides] or train_recs[: config.tracking.artifact_slides],
+            class_names,
+            client,
+            run_id,
+        )
         metrics = {k: float(v) for k, v in (result.metrics or {}).items()}
         client.set_terminated(run_id, status="FINISHED")
     except BaseException:
@@ -233,17 +281,30 @@ def train(config: TrainConfig, *, resume: bool = False, address: str | None = No
             client.set_terminated(run_id, status="FAILED")
         except Exception:  # pragma: no cover - tracking store gone
             pass
-        log.error("training failed; continue it with `foveate train --config ... --set tracking.run_name=%s --resume` "
-                  "(run dir %s)", config.tracking.run_name, run_dir)
+        log.error(
+            "training failed; continue it with `foveate train --config ... --set tracking.run_name=%s --resume` "
+            "(run dir %s)",
+            config.tracking.run_name,
+            run_dir,
+        )
         raise
     finally:
         if started:
             import ray
 
             ray.shutdown()
-    out = TrainResult(run_id=run_id, experiment_id=experiment_id, experiment=config.tracking.experiment,
-                      tracking_uri=uri, model_uri=model_uri, run_dir=str(run_dir), class_names=list(class_names),
-                      metrics=metrics, config=config, model=model)
+    out = TrainResult(
+        run_id=run_id,
+        experiment_id=experiment_id,
+        experiment=config.tracking.experiment,
+        tracking_uri=uri,
+        model_uri=model_uri,
+        run_dir=str(run_dir),
+        class_names=list(class_names),
+        metrics=metrics,
+        config=config,
+        model=model,
+    )
     return out
 
 
@@ -254,8 +315,16 @@ def _load_ckpt(result) -> dict:
         return torch.load(Path(d) / MODEL_FILE, map_location="cpu", weights_only=True)
 
 
-def _fit(cfg: TrainConfig, run_dir: Path, train_recs, val_recs, class_names, uri: str, run_id: str,
-         after_epoch: Callable[[int], None] | None = None):
+def _fit(
+    cfg: TrainConfig,
+    run_dir: Path,
+    train_recs,
+    val_recs,
+    class_names,
+    uri: str,
+    run_id: str,
+    after_epoch: Callable[[int], None] | None = None,
+):
     import ray
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
@@ -277,13 +346,19 @@ def _fit(cfg: TrainConfig, run_dir: Path, train_recs, val_recs, class_names, uri
         train_loop_per_worker,
         train_loop_config=loop_config,
         torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
-        scaling_config=ScalingConfig(num_workers=cfg.workers, use_gpu=bool(use_gpu),
-                                     resources_per_worker={"CPU": cfg.cpus_per_worker}),
-        run_config=RunConfig(name="ray", storage_path=str(run_dir),
-                             failure_config=FailureConfig(max_failures=cfg.max_failures),
-                             checkpoint_config=CheckpointConfig(num_to_keep=2)),
+        scaling_config=ScalingConfig(
+            num_workers=cfg.workers, use_gpu=bool(use_gpu), resources_per_worker={"CPU": cfg.cpus_per_worker}
+        ),
+        run_config=RunConfig(
+            name="ray",
+            storage_path=str(run_dir),
+            failure_config=FailureConfig(max_failures=cfg.max_failures),
+            checkpoint_config=CheckpointConfig(num_to_keep=2),
+        ),
     )
-    log.info("Ray Train: %d worker(s), %s, storage %s", cfg.workers, "GPU/nccl" if use_gpu else "CPU/gloo", run_dir / "ray")
+    log.info(
+        "Ray Train: %d worker(s), %s, storage %s", cfg.workers, "GPU/nccl" if use_gpu else "CPU/gloo", run_dir / "ray"
+    )
     return trainer.fit()
 
 
@@ -300,8 +375,10 @@ def _log_val_artifacts(model, model_cfg, records: list[SlideRecord], class_names
                 with torch.no_grad():
                     out = forward_slide(model, store, training=False, sigma=0.0)
                 prob = torch.softmax(out.logits.reshape(1, -1).float(), -1)[0]
-                title = (f"{rec.slide_id}: label {rec.label}, predicted {class_names[int(prob.argmax())]} "
-                         f"(p={float(prob.max()):.2f})")
+                title = (
+                    f"{rec.slide_id}: label {rec.label}, predicted {class_names[int(prob.argmax())]} "
+                    f"(p={float(prob.max()):.2f})"
+                )
                 heat = Path(tmp) / f"{rec.slide_id}_heatmap.png"
                 gallery = Path(tmp) / f"{rec.slide_id}_patches.png"
                 plot_heatmap(store, out, model_cfg, heat, title=title)
@@ -316,12 +393,19 @@ def _log_val_artifacts(model, model_cfg, records: list[SlideRecord], class_names
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(parser, "optim.epochs=2 --set model.k=8")
     parser.add_argument("--workers", type=int, default=None, help="Ray Train workers (config key workers)")
-    parser.add_argument("--resume", action="store_true",
-                        help="continue the run tracking.run_name (default: the latest) from its last checkpoint")
-    parser.add_argument("--address", default=None,
-                        help="Ray cluster to join: auto, ray://HOST:10001 or HOST:PORT (default: in-process Ray)")
-    parser.add_argument("--workdir", default=None,
-                        help="run dirs and the default sqlite tracking store (config key workdir)")
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the run tracking.run_name (default: the latest) from its last checkpoint",
+    )
+    parser.add_argument(
+        "--address",
+        default=None,
+        help="Ray cluster to join: auto, ray://HOST:10001 or HOST:PORT (default: in-process Ray)",
+    )
+    parser.add_argument(
+        "--workdir", default=None, help="run dirs and the default sqlite tracking store (config key workdir)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:

@@ -61,9 +61,17 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
 
     client = client_for(loop_config["tracking_uri"]) if rank == 0 else None
     on_step = (lambda metrics, step: log_metrics(client, run_id, metrics, step=step)) if rank == 0 else None
-    trainer = Trainer(cfg.model, cfg.optim, cfg.schedule, slides_per_epoch=math.ceil(len(train_records) / world),
-                      seed=cfg.seed, device=device, collective=collective, on_step=on_step,
-                      log_every=cfg.tracking.log_every)
+    trainer = Trainer(
+        cfg.model,
+        cfg.optim,
+        cfg.schedule,
+        slides_per_epoch=math.ceil(len(train_records) / world),
+        seed=cfg.seed,
+        device=device,
+        collective=collective,
+        on_step=on_step,
+        log_every=cfg.tracking.log_every,
+    )
 
     ckpt = ray.train.get_checkpoint()
     if ckpt is not None:
@@ -73,8 +81,9 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
 
     while trainer.epoch < cfg.optim.epochs:
         epoch = trainer.epoch
-        metrics = trainer.run_epoch(shard(train_records, rank, world, epoch=epoch, seed=cfg.data.seed),
-                                    shard(val_records, rank, world))
+        metrics = trainer.run_epoch(
+            shard(train_records, rank, world, epoch=epoch, seed=cfg.data.seed), shard(val_records, rank, world)
+        )
         if rank == 0:
             log_metrics(client, run_id, metrics, step=trainer.epoch)
             log.info("epoch %d: %s", trainer.epoch, ", ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
@@ -85,10 +94,16 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             checkpoint = None
             if rank == 0:
                 torch.save(state, Path(tmp) / WORKER_STATE)
-                torch.save(checkpoint_dict(trainer.model, cfg.model, class_names, train_config=to_dict(cfg),
-                                           metadata={"run_id": run_id, "epoch": trainer.epoch,
-                                                     "global_step": trainer.global_step}),
-                           Path(tmp) / MODEL_FILE)
+                torch.save(
+                    checkpoint_dict(
+                        trainer.model,
+                        cfg.model,
+                        class_names,
+                        train_config=to_dict(cfg),
+                        metadata={"run_id": run_id, "epoch": trainer.epoch, "global_step": trainer.global_step},
+                    ),
+                    Path(tmp) / MODEL_FILE,
+                )
                 checkpoint = ray.train.Checkpoint.from_directory(tmp)
             ray.train.report({k: float(v) for k, v in metrics.items()}, checkpoint=checkpoint)
         if after_epoch is not None:

@@ -42,9 +42,14 @@ def ray_local():
     PYTHONPATH, one OpenMP thread per worker), shut down after the module."""
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=80 * 1024**2, configure_logging=False,
-             log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}})
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        object_store_memory=80 * 1024**2,
+        configure_logging=False,
+        log_to_driver=False,
+        runtime_env={"env_vars": {"PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}},
+    )
     yield
     ray.shutdown()
 

@@ -96,8 +96,9 @@ def test_weights_match_closed_form_and_gradient_of_surrogate():
     expected = ((1 - c_excl) + torch.tensor([2.0, 1.0, 0.0], dtype=torch.float64) * A) / 3
     torch.testing.assert_close(w[0], expected)
     # d w_j / d a_{i_j} = (R_j / a_{i_j} + (k - j)) / k, and no other dependence
-    jac = torch.autograd.functional.jacobian(lambda x: attention_sample(
-        x, 3, replace=False, generator=torch.Generator().manual_seed(0))[1][0], a.detach())[:, 0, :]
+    jac = torch.autograd.functional.jacobian(
+        lambda x: attention_sample(x, 3, replace=False, generator=torch.Generator().manual_seed(0))[1][0], a.detach()
+    )[:, 0, :]
     want = torch.zeros(3, 4, dtype=torch.float64)
     for j in range(3):
         want[j, idx[0, j]] = ((1 - c_excl[j]) / A[j] + (2 - j)) / 3

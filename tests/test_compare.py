@@ -31,19 +31,46 @@ def experiment(tmp_path_factory):
     exp_id = client.create_experiment("cmp")
     other = client.create_experiment("other")
     ids = {}
-    ids["topk"] = _log_run(client, exp_id, "topk-transformer",
-                           {"model.selector": "perturbed", "model.k": "8", "model.aggregator": "transformer"},
-                           [{"val_accuracy": 0.5, "val_auc": 0.6, "train_seconds": 10.0},
-                            {"val_accuracy": 0.95, "val_auc": 0.99, "train_seconds": 20.0,
-                             "epoch_patches_per_second": 123.0, "peak_memory_mb": 512.0}],
-                           tags={"foveate.stage": "train"})
-    ids["lapsum"] = _log_run(client, exp_id, "lapsum-mean",
-                             {"model.selector": "lapsum", "model.k": "4", "model.aggregator": "mean"},
-                             [{"val_accuracy": 0.75, "val_auc": 0.8, "train_seconds": 7.5,
-                               "epoch_patches_per_second": 80.0, "peak_memory_mb": 300.0}])
+    ids["topk"] = _log_run(
+        client,
+        exp_id,
+        "topk-transformer",
+        {"model.selector": "perturbed", "model.k": "8", "model.aggregator": "transformer"},
+        [
+            {"val_accuracy": 0.5, "val_auc": 0.6, "train_seconds": 10.0},
+            {
+                "val_accuracy": 0.95,
+                "val_auc": 0.99,
+                "train_seconds": 20.0,
+                "epoch_patches_per_second": 123.0,
+                "peak_memory_mb": 512.0,
+            },
+        ],
+        tags={"foveate.stage": "train"},
+    )
+    ids["lapsum"] = _log_run(
+        client,
+        exp_id,
+        "lapsum-mean",
+        {"model.selector": "lapsum", "model.k": "4", "model.aggregator": "mean"},
+        [
+            {
+                "val_accuracy": 0.75,
+                "val_auc": 0.8,
+                "train_seconds": 7.5,
+                "epoch_patches_per_second": 80.0,
+                "peak_memory_mb": 300.0,
+            }
+        ],
+    )
     # a benchmark-style run with the fallback names
-    ids["bench"] = _log_run(client, exp_id, "downsampled-cnn", {"operator": "none", "aggregator": "cnn"},
-                            [{"accuracy": 0.55, "auc": 0.5, "train_seconds": 3.0}])
+    ids["bench"] = _log_run(
+        client,
+        exp_id,
+        "downsampled-cnn",
+        {"operator": "none", "aggregator": "cnn"},
+        [{"accuracy": 0.55, "auc": 0.5, "train_seconds": 3.0}],
+    )
     _log_run(client, exp_id, "score", {"model_uri": "runs:/x"}, [{"slides_ok": 3}], tags={"foveate.stage": "score"})
     _log_run(client, other, "elsewhere", {"model.selector": "hard"}, [{"val_accuracy": 1.0}])
     client.create_experiment("empty")

@@ -36,15 +36,18 @@ def test_every_config_file_loads_and_validates(path):
     FoveateModel(cfg.model)  # the model it describes can be built
 
 
-@pytest.mark.parametrize("cls,kwargs,match", [
-    (OptimConfig, {"epochs": 0}, "optim.epochs"),
-    (OptimConfig, {"min_lr_ratio": 2.0}, "optim.min_lr_ratio"),
-    (ScheduleConfig, {"sigma_start": -1.0}, "schedule.sigma_start"),
-    (TrackingConfig, {"log_every": 0}, "tracking.log_every"),
-    (DataConfig, {"val_fraction": 1.0}, "data.val_fraction"),
-    (TrainConfig, {"workers": 0}, "workers"),
-    (IngestOptions, {"codec": "png"}, "codec"),
-])
+@pytest.mark.parametrize(
+    "cls,kwargs,match",
+    [
+        (OptimConfig, {"epochs": 0}, "optim.epochs"),
+        (OptimConfig, {"min_lr_ratio": 2.0}, "optim.min_lr_ratio"),
+        (ScheduleConfig, {"sigma_start": -1.0}, "schedule.sigma_start"),
+        (TrackingConfig, {"log_every": 0}, "tracking.log_every"),
+        (DataConfig, {"val_fraction": 1.0}, "data.val_fraction"),
+        (TrainConfig, {"workers": 0}, "workers"),
+        (IngestOptions, {"codec": "png"}, "codec"),
+    ],
+)
 def test_each_config_section_rejects_invalid_values_alone(cls, kwargs, match):
     with pytest.raises(ConfigError, match=match):
         cls(**kwargs)
@@ -78,8 +81,9 @@ def test_score_config_from_yaml_set_and_flags(tmp_path):
 
     y = tmp_path / "score.yaml"
     y.write_text("model: m.pt\nstores: s\nout: p.parquet\nbatch_size: 2\n")
-    cfg = config_from_cli(ScoreConfig, _args(add_arguments, ["--config", str(y), "--set", "max_in_flight=3",
-                                                             "--no-heatmaps"]), _FLAGS)
+    cfg = config_from_cli(
+        ScoreConfig, _args(add_arguments, ["--config", str(y), "--set", "max_in_flight=3", "--no-heatmaps"]), _FLAGS
+    )
     assert (cfg.model, cfg.batch_size, cfg.max_in_flight, cfg.heatmaps) == ("m.pt", 2, 3, False)
     with pytest.raises(ConfigError, match="--batch-size"):
         config_from_cli(ScoreConfig, _args(add_arguments, ["--config", str(y), "--batch-size", "0"]), _FLAGS)
@@ -90,6 +94,9 @@ def test_score_config_from_yaml_set_and_flags(tmp_path):
 def test_train_flags_map_onto_the_config():
     from pipeline.train import add_arguments
 
-    cfg = config_from_cli(TrainConfig, _args(add_arguments, ["--set", "optim.epochs=3", "--workers", "2"]),
-                          {"workers": "workers", "workdir": "workdir"})
+    cfg = config_from_cli(
+        TrainConfig,
+        _args(add_arguments, ["--set", "optim.epochs=3", "--workers", "2"]),
+        {"workers": "workers", "workdir": "workdir"},
+    )
     assert cfg.optim.epochs == 3 and cfg.workers == 2 and cfg.workdir == "runs"

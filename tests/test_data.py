@@ -70,18 +70,22 @@ def test_integer_labels_sort_numerically_and_path_column(stores, tmp_path):
 def test_labels_from_manifest_skip_failed_and_incomplete(tmp_path):
     root = _stores(tmp_path / "stores", ["a", "b", "c", "d", "e"])
     os.remove(root / "e.zarr" / COMPLETE_MARKER)  # an interrupted ingest: skipped
-    pd.DataFrame({
-        "slide_id": ["a", "b", "c", "d", "e", "f"],
-        "source": [f"/src/{x}.svs" for x in "abcdef"],
-        "status": ["ok", "ok", "ok", "failed", "ok", "failed"],
-        "label": ["0", "1", "1", "0", "0", None],
-    }).to_parquet(root / "manifest.parquet")
+    pd.DataFrame(
+        {
+            "slide_id": ["a", "b", "c", "d", "e", "f"],
+            "source": [f"/src/{x}.svs" for x in "abcdef"],
+            "status": ["ok", "ok", "ok", "failed", "ok", "failed"],
+            "label": ["0", "1", "1", "0", "0", None],
+        }
+    ).to_parquet(root / "manifest.parquet")
     assert load_labels("manifest", root) == {"a": "0", "b": "1", "c": "1", "e": "0"}
     table = build_slide_table(DataConfig(stores=str(root), labels="manifest"))
     assert [(r.slide_id, r.target) for r in table.records] == [("a", 0), ("b", 1), ("c", 1)]
     # a CSV `path` resolves through the manifest's `source` column
     csv = tmp_path / "labels.csv"
-    pd.DataFrame({"path": ["/src/a.svs", "/src/b.svs", "/src/c.svs"], "grade": ["x", "y", "x"]}).to_csv(csv, index=False)
+    pd.DataFrame({"path": ["/src/a.svs", "/src/b.svs", "/src/c.svs"], "grade": ["x", "y", "x"]}).to_csv(
+        csv, index=False
+    )
     assert load_labels(str(csv), root, label_column="grade") == {"a": "x", "b": "y", "c": "x"}
 
 
@@ -146,7 +150,9 @@ def test_shards_cover_the_epoch_with_equal_lengths():
         assert {x.slide_id for p in parts for x in p} == {x.slide_id for x in recs}
     # same permutation on every worker; a new one each epoch
     assert shard(recs, 0, 2, epoch=0, seed=1) == shard(recs, 0, 2, epoch=0, seed=1)
-    assert [x.slide_id for x in shard(recs, 0, 1, epoch=0, seed=1)] != [x.slide_id for x in shard(recs, 0, 1, epoch=1, seed=1)]
+    assert [x.slide_id for x in shard(recs, 0, 1, epoch=0, seed=1)] != [
+        x.slide_id for x in shard(recs, 0, 1, epoch=1, seed=1)
+    ]
     # evaluation: no shuffle, no padding
     ev = [shard(recs, r, 3) for r in range(3)]
     assert sum(len(p) for p in ev) == 7 and ev[0] == recs[0::3]

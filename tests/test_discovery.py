@@ -45,13 +45,17 @@ def _slide(seed: int, label: int, n_informative: int = 4, n_distractors: int = 1
     boxes = []
     for i, (cy, cx, r) in enumerate(placed):
         if i < n_informative:
+
             def fill(y, x):
                 checker = (((y // 2) + (x // 2)) % 2) * 2 - 1
                 return np.array([135, 85, 165], np.float32)[None] + (label * 60.0 * checker)[:, None]
+
             boxes.append((cx - r, cy - r, 2 * r, 2 * r))
         else:
+
             def fill(y, x):
                 return np.repeat(np.array([[70, 50, 110]], np.float32), len(y), 0)
+
         _disc(img, cy, cx, r, fill)
     return img.astype(np.uint8), boxes
 
@@ -74,8 +78,9 @@ def _hit_rate(model, task) -> float:
         for store, _, boxes in task:
             out = forward_slide(model, store, training=False)
             for x, y in out.coords_l0.tolist():
-                hits.append(any(x < bx + bw and bx < x + PATCH and y < by + bh and by < y + PATCH
-                                for bx, by, bw, bh in boxes))
+                hits.append(
+                    any(x < bx + bw and bx < x + PATCH and y < by + bh and by < y + PATCH for bx, by, bw, bh in boxes)
+                )
     return float(np.mean(hits))
 
 
@@ -83,11 +88,21 @@ def _hit_rate(model, task) -> float:
 @pytest.mark.parametrize("selector", ["perturbed", "attention", "lapsum", "sinkhorn"])
 def test_training_moves_the_top_k_onto_the_informative_cells(task, selector):
     torch.set_num_threads(1)
-    cfg = ModelConfig(patch_size=PATCH, k=4, selector=selector, scorer_downsample=16.0, num_samples=32, max_support=2,
-                      mask_extra=4 if selector in ("lapsum", "sinkhorn") else 0,
-                      explore_cells=8, explore_strata=8, instance_weight=1.0, rank_weight=0.1,
-                      scorer=ScorerConfig(channels=8, num_layers=3),
-                      features=ResNetConfig(widths=(8, 16, 32), blocks=(1, 1, 1), feature_dim=32))
+    cfg = ModelConfig(
+        patch_size=PATCH,
+        k=4,
+        selector=selector,
+        scorer_downsample=16.0,
+        num_samples=32,
+        max_support=2,
+        mask_extra=4 if selector in ("lapsum", "sinkhorn") else 0,
+        explore_cells=8,
+        explore_strata=8,
+        instance_weight=1.0,
+        rank_weight=0.1,
+        scorer=ScorerConfig(channels=8, num_layers=3),
+        features=ResNetConfig(widths=(8, 16, 32), blocks=(1, 1, 1), feature_dim=32),
+    )
     torch.manual_seed(0)
     model = FoveateModel(cfg)
     before = _hit_rate(model, task)
@@ -100,7 +115,7 @@ def test_training_moves_the_top_k_onto_the_informative_cells(task, selector):
         order = order_rng.permutation(SLIDES)
         for start in range(0, SLIDES, 4):
             opt.zero_grad()
-            for i in order[start:start + 4]:
+            for i in order[start : start + 4]:
                 store, target, _ = task[i]
                 out = forward_slide(model, store, training=True, sigma=0.05, generator=gen, target=target)
                 ce = torch.nn.functional.cross_entropy(out.logits.reshape(1, -1), torch.tensor([target]))
@@ -111,4 +126,5 @@ def test_training_moves_the_top_k_onto_the_informative_cells(task, selector):
     after = max(history[-3:])
     assert before < 0.15, f"the task must start with the top-k off the informative cells, got {before:.2f}"
     assert after >= 0.3 and after >= 4 * before, (
-        f"{selector}: the top-k did not move onto the informative cells: hit rate {before:.2f} -> {history}")
+        f"{selector}: the top-k did not move onto the informative cells: hit rate {before:.2f} -> {history}"
+    )

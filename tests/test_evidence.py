@@ -52,8 +52,9 @@ def test_rank_loss_pushes_high_evidence_cells_up_and_is_zero_without_evidence_sp
     flat = evidence_rank_loss(s.detach().requires_grad_(True), torch.full((3,), 0.4, dtype=torch.float64))
     assert float(flat) == 0.0
     # correctly ordered with a wide margin: ~0
-    good = evidence_rank_loss(torch.tensor([1.0, 0.0], dtype=torch.float64), torch.tensor([1.0, 0.0], dtype=torch.float64),
-                              temperature=0.05)
+    good = evidence_rank_loss(
+        torch.tensor([1.0, 0.0], dtype=torch.float64), torch.tensor([1.0, 0.0], dtype=torch.float64), temperature=0.05
+    )
     assert float(good) < 1e-8
 
 
@@ -64,7 +65,9 @@ def test_instance_confidence_and_loss_reference():
     ref = 1 + (p * p.log()).sum(1) / math.log(2)
     assert torch.allclose(conf, ref, atol=1e-12)
     assert float(conf[0]) == pytest.approx(0.0, abs=1e-12) and float(conf[1]) > 0.999
-    assert float(instance_loss(logits, 1)) == pytest.approx(float(-torch.log_softmax(logits, 1)[:, 1].mean()), rel=1e-12)
+    assert float(instance_loss(logits, 1)) == pytest.approx(
+        float(-torch.log_softmax(logits, 1)[:, 1].mean()), rel=1e-12
+    )
     with pytest.raises(ValueError, match="class index"):
         instance_loss(logits, 2)
     with pytest.raises(ValueError, match=r"\[M, C\]"):
@@ -91,7 +94,7 @@ def _image() -> np.ndarray:
     img = np.full((512, 512, 3), 240, np.uint8)
     img[32:480, 32:480] = np.clip(np.array([200, 130, 185]) + rng.integers(-12, 12, (448, 448, 3)), 0, 255)
     for y, x in [(96, 96), (320, 384)]:
-        img[y:y + 40, x:x + 40] = (60, 30, 100)  # two rare dark structures
+        img[y : y + 40, x : x + 40] = (60, 30, 100)  # two rare dark structures
     return img
 
 
@@ -119,9 +122,18 @@ def test_strata_isolate_rare_cells_and_stratified_exploration_reads_them_more_of
 
 def test_forward_slide_adds_evidence_losses_only_in_training_with_a_target(tmp_path):
     store = write_store_from_array(tmp_path / "s.zarr", _image(), tile_size=128, min_size=64)
-    cfg = ModelConfig(patch_size=64, scorer_downsample=8.0, k=4, num_samples=16, explore_cells=3, explore_strata=4,
-                      instance_weight=1.0, rank_weight=0.5, scorer=ScorerConfig(channels=8),
-                      features=ResNetConfig(widths=(8, 16), blocks=(1, 1), feature_dim=16))
+    cfg = ModelConfig(
+        patch_size=64,
+        scorer_downsample=8.0,
+        k=4,
+        num_samples=16,
+        explore_cells=3,
+        explore_strata=4,
+        instance_weight=1.0,
+        rank_weight=0.5,
+        scorer=ScorerConfig(channels=8),
+        features=ResNetConfig(widths=(8, 16), blocks=(1, 1), feature_dim=16),
+    )
     torch.manual_seed(0)
     model = FoveateModel(cfg)
     g = torch.Generator().manual_seed(0)

@@ -106,7 +106,7 @@ def test_synthetic_slide_level0_equals_openslide(tmp_path, synth_slides, fmt):
     # read_region in level-0 coordinates, white outside
     W, H = store.dimensions
     out = store.read_region((W - 100, H - 50), 0, (200, 100))
-    np.testing.assert_array_equal(out[:50, :100], ref0[H - 50:, W - 100:])
+    np.testing.assert_array_equal(out[:50, :100], ref0[H - 50 :, W - 100 :])
     assert (out[50:] == 255).all() and (out[:, 100:] == 255).all()
 
 
@@ -123,7 +123,9 @@ def test_downsample2x_equals_reference(h, w):
     from workers.pyramid import downsample2x
 
     rgb = np.random.default_rng(h * w).integers(0, 256, (h, w, 3), dtype=np.uint8)
-    np.testing.assert_array_equal(downsample2x(rgb), np.moveaxis(downsample2x_reference(np.moveaxis(rgb, -1, 0)), 0, -1))
+    np.testing.assert_array_equal(
+        downsample2x(rgb), np.moveaxis(downsample2x_reference(np.moveaxis(rgb, -1, 0)), 0, -1)
+    )
 
 
 def test_composite_on_white_matches_pil():
@@ -168,8 +170,15 @@ def test_jpeg_codec_round_trip_is_one_rgb_jpeg_per_chunk(tmp_path):
     yy, xx = np.mgrid[0:300, 0:500]
     img = np.stack([(xx * 255 // 499), np.full_like(xx, 120), (yy * 255 // 299)]).astype(np.uint8)
     g = zarr.open_group(str(tmp_path / "j.zarr"), mode="w", zarr_format=3)
-    a = g.create_array("0", shape=img.shape, chunks=(3, 256, 256), dtype="uint8", fill_value=255,
-                       serializer=JpegRGBCodec(quality=95), compressors=None)
+    a = g.create_array(
+        "0",
+        shape=img.shape,
+        chunks=(3, 256, 256),
+        dtype="uint8",
+        fill_value=255,
+        serializer=JpegRGBCodec(quality=95),
+        compressors=None,
+    )
     a[...] = img
     back = zarr.open_array(str(tmp_path / "j.zarr" / "0"), mode="r")[...]
     assert back.shape == img.shape and np.abs(back.astype(int) - img).mean() < 1.5
@@ -242,7 +251,9 @@ def test_store_opens_with_ome_zarr_and_validates_with_ome_zarr_models(tmp_path, 
         nodes = list(Reader(parse_url(str(store.path)))())
         assert nodes and len(nodes[0].data) == store.level_count
         assert tuple(nodes[0].data[0].shape) == (3, store.dimensions[1], store.dimensions[0])
-        np.testing.assert_array_equal(np.asarray(nodes[0].data[1][:, :64, :64]), np.moveaxis(store.read_level(1)[:64, :64], -1, 0))
+        np.testing.assert_array_equal(
+            np.asarray(nodes[0].data[1][:, :64, :64]), np.moveaxis(store.read_level(1)[:64, :64], -1, 0)
+        )
         g = zarr.open_group(str(store.path), mode="r")
         NgffImage.from_zarr(g)
         ImageLabel.from_zarr(g["labels/tissue"])
@@ -312,7 +323,9 @@ def test_threads_and_fast_zstd_levels_give_the_same_pixels_and_bytes(tmp_path, s
     ref, _ = _ingest_one(tmp_path / "t1", path, tile_size=256, min_size=256, region_tiles=2)
     thr, _ = _ingest_one(tmp_path / "t2", path, tile_size=256, min_size=256, region_tiles=2, threads=3)
     fast, _ = _ingest_one(tmp_path / "fast", path, tile_size=256, min_size=256, region_tiles=2, zstd_level=-5)
-    files = lambda s: {p.relative_to(s.path): p.read_bytes() for p in sorted(s.path.glob("[0-9]*/c/**/*")) if p.is_file()}
+    files = lambda s: {
+        p.relative_to(s.path): p.read_bytes() for p in sorted(s.path.glob("[0-9]*/c/**/*")) if p.is_file()
+    }
     assert files(ref) == files(thr) and len(files(ref)) > 20  # the thread pool changes nothing on disk
     for lvl in range(ref.level_count):
         np.testing.assert_array_equal(fast.read_level(lvl), ref.read_level(lvl), err_msg=f"level {lvl}")
@@ -338,8 +351,10 @@ def test_all_white_region_writes_no_chunks_and_removes_stale_ones(tmp_path, synt
     src.close()
     assert white and tissue, "the synthetic slide should have background-only and tissue regions"
     r = white[0]
-    stale = [Path(plan.store_path) / str(lvl) / "c" / "0" / str((r.box.y >> j) // 256) / str((r.box.x >> j) // 256)
-             for j, lvl in enumerate(r.out_levels)]
+    stale = [
+        Path(plan.store_path) / str(lvl) / "c" / "0" / str((r.box.y >> j) // 256) / str((r.box.x >> j) // 256)
+        for j, lvl in enumerate(r.out_levels)
+    ]
     for f in stale:  # e.g. left by a run over different pixels
         f.parent.mkdir(parents=True, exist_ok=True)
         f.write_bytes(b"stale")
@@ -368,4 +383,6 @@ def test_tissue_label_levels_are_exact_nearest_neighbour_resamplings(tmp_path):
     for j, ((w, h), dj) in enumerate(zip(shapes, downs)):
         iy = np.minimum(((np.arange(h) + 0.5) * (dj / 8.0)).astype(int), 12)
         ix = np.minimum(((np.arange(w) + 0.5) * (dj / 8.0)).astype(int), 20)
-        np.testing.assert_array_equal(g[f"labels/tissue/{j}"][0], mask[np.ix_(iy, ix)].astype(np.uint8), err_msg=f"level {j}")
+        np.testing.assert_array_equal(
+            g[f"labels/tissue/{j}"][0], mask[np.ix_(iy, ix)].astype(np.uint8), err_msg=f"level {j}"
+        )

@@ -33,18 +33,23 @@ def test_cli_bad_inputs_fail_their_own_rows_and_the_rest_complete(ray_local, tmp
     (bad / "notes.tiff").write_text("not an image\n")
     import tifffile
 
-    tifffile.imwrite(bad / "nompp.tiff", np.full((300, 400, 3), 180, np.uint8), tile=(64, 64), photometric="rgb",
-                     metadata=None)
+    tifffile.imwrite(
+        bad / "nompp.tiff", np.full((300, 400, 3), 180, np.uint8), tile=(64, 64), photometric="rgb", metadata=None
+    )
     csv = tmp_path / "slides.csv"
-    csv.write_text("path,label\n"
-                   f"{openslide_fixtures / 'boxes.tiff'},1\n"
-                   f"{openslide_fixtures / 'small.svs'},0\n"
-                   f"{openslide_fixtures / 'boxes_0.dcm'},1\n"
-                   f"{openslide_fixtures / 'unopenable.tiff'},0\n"
-                   f"{openslide_fixtures / 'unreadable.svs'},1\n"
-                   f"{tmp_path / 'missing.svs'},0\n")
+    csv.write_text(
+        "path,label\n"
+        f"{openslide_fixtures / 'boxes.tiff'},1\n"
+        f"{openslide_fixtures / 'small.svs'},0\n"
+        f"{openslide_fixtures / 'boxes_0.dcm'},1\n"
+        f"{openslide_fixtures / 'unopenable.tiff'},0\n"
+        f"{openslide_fixtures / 'unreadable.svs'},1\n"
+        f"{tmp_path / 'missing.svs'},0\n"
+    )
     out = tmp_path / "stores"
-    rc = cli_main(["ingest", str(csv), str(bad), "--out", str(out), "--workers", "2", "--tile-size", "64", "--min-size", "64"])
+    rc = cli_main(
+        ["ingest", str(csv), str(bad), "--out", str(out), "--workers", "2", "--tile-size", "64", "--min-size", "64"]
+    )
     assert rc == 1
     printed = capsys.readouterr().out
     assert "4 ok, 0 skipped, 6 failed" in printed
@@ -74,7 +79,9 @@ def test_cli_bad_inputs_fail_their_own_rows_and_the_rest_complete(ray_local, tmp
         if status == "failed":
             assert not d.exists()
     # a re-run skips complete stores and keeps earlier rows (merge)
-    rc = cli_main(["ingest", f"{fx}/boxes.tiff", "--out", str(out), "--workers", "1", "--tile-size", "64", "--min-size", "64"])
+    rc = cli_main(
+        ["ingest", f"{fx}/boxes.tiff", "--out", str(out), "--workers", "1", "--tile-size", "64", "--min-size", "64"]
+    )
     assert rc == 0
     m2 = read_manifest(out).set_index("source")
     assert len(m2) == 10 and m2.loc[f"{fx}/boxes.tiff", "status"] == "skipped"
@@ -87,6 +94,7 @@ def test_killed_actor_mid_slide_then_rerun_resumes_with_identical_arrays(ray_loc
 
     opts = IngestOptions(tile_size=256, min_size=256, region_tiles=2)
     out = tmp_path / "stores"
+
     # run 1: every actor that writes stage-0 region 6 dies (os._exit) after writing part of it; the task is
     # retried once on a fresh actor, dies again, and the slide fails with its store kept for resuming
     class KilledMidRegion(Tiler):  # defined here: Ray ships it to the actors by value
@@ -96,8 +104,9 @@ def test_killed_actor_mid_slide_then_rerun_resumes_with_identical_arrays(ray_loc
                     f.result()
                 os._exit(1)
 
-    res = ingest([synth_svs], out, options=opts, workers=2, max_task_retries=1, progress=False,
-                 tiler_cls=KilledMidRegion)
+    res = ingest(
+        [synth_svs], out, options=opts, workers=2, max_task_retries=1, progress=False, tiler_cls=KilledMidRegion
+    )
     (row,) = res.rows
     assert row["status"] == "failed" and "worker died 2 times" in row["error"]
     (inp,) = discover_inputs([synth_svs])

@@ -123,7 +123,11 @@ def test_module_wrapper_learns_alpha():
     "call,exc,match",
     [
         (lambda s: lapsum_topk(s, 0, alpha=0.1), ValueError, "k must satisfy 0 < k < N=6"),
-        (lambda s: lapsum_topk(s, 6, alpha=0.1), ValueError, r"k must satisfy 0 < k < N=6 \(fractional allowed\), got 6"),
+        (
+            lambda s: lapsum_topk(s, 6, alpha=0.1),
+            ValueError,
+            r"k must satisfy 0 < k < N=6 \(fractional allowed\), got 6",
+        ),
         (lambda s: lapsum_topk(s, -1.5, alpha=0.1), ValueError, "got -1.5"),
         (lambda s: lapsum_topk(s, 2, alpha=0.0), ValueError, "alpha must be > 0, got 0.0"),
         (lambda s: lapsum_topk(s, 2, alpha=-1), ValueError, "alpha must be > 0"),

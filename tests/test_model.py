@@ -18,9 +18,16 @@ from workers.store import write_store_from_array
 
 torch.set_num_threads(1)
 
-SMALL = dict(patch_size=64, scorer_downsample=8.0, k=4, num_samples=32, sigma=0.1,
-             scorer=ScorerConfig(channels=8), features=ResNetConfig(widths=(8, 16), blocks=(1, 1), feature_dim=16),
-             aggregator_hidden=16)
+SMALL = dict(
+    patch_size=64,
+    scorer_downsample=8.0,
+    k=4,
+    num_samples=32,
+    sigma=0.1,
+    scorer=ScorerConfig(channels=8),
+    features=ResNetConfig(widths=(8, 16), blocks=(1, 1), feature_dim=16),
+    aggregator_hidden=16,
+)
 
 
 def _slide(seed: int, blobs: bool) -> np.ndarray:
@@ -29,30 +36,39 @@ def _slide(seed: int, blobs: bool) -> np.ndarray:
     img[64:448, 128:448] = (200, 120, 180)  # tissue block (pink)
     img[64:448, 128:448] = np.clip(img[64:448, 128:448].astype(int) + rng.integers(-15, 15, (384, 320, 3)), 0, 255)
     if blobs:
-        for (y, x) in [(100, 200), (300, 350)]:
-            img[y:y + 24, x:x + 24] = (40, 20, 90)  # dark purple structures (the "label")
+        for y, x in [(100, 200), (300, 350)]:
+            img[y : y + 24, x : x + 24] = (40, 20, 90)  # dark purple structures (the "label")
     return img
 
 
 @pytest.fixture(scope="module")
 def stores(tmp_path_factory):
     d = tmp_path_factory.mktemp("model")
-    return [write_store_from_array(d / f"s{i}.zarr", _slide(i, blobs=bool(i % 2)), tile_size=128, min_size=64)
-            for i in range(2)]
+    return [
+        write_store_from_array(d / f"s{i}.zarr", _slide(i, blobs=bool(i % 2)), tile_size=128, min_size=64)
+        for i in range(2)
+    ]
 
 
 @pytest.fixture(scope="module")
 def blank_store(tmp_path_factory):
-    return write_store_from_array(tmp_path_factory.mktemp("blank") / "b.zarr", np.full((256, 256, 3), 250, np.uint8),
-                                  tile_size=128, min_size=64)
+    return write_store_from_array(
+        tmp_path_factory.mktemp("blank") / "b.zarr", np.full((256, 256, 3), 250, np.uint8), tile_size=128, min_size=64
+    )
 
 
 def test_config_defaults_and_yaml_roundtrip():
     cfg = ModelConfig()
     assert cfg.stride_l0 == cfg.patch_size == 128 and cfg.selector == "perturbed" and cfg.k == 8
     FoveateModel(cfg)
-    d = {"k": 4, "selector": "attention", "stride": 96, "features": {"widths": [8, 16], "blocks": [1, 1], "frozen": True},
-         "scorer": {"channels": 8}, "aggregator": "transformer"}
+    d = {
+        "k": 4,
+        "selector": "attention",
+        "stride": 96,
+        "features": {"widths": [8, 16], "blocks": [1, 1], "frozen": True},
+        "scorer": {"channels": 8},
+        "aggregator": "transformer",
+    }
     c2 = from_dict(ModelConfig, d)
     assert c2.features.widths == (8, 16) and c2.features.frozen and c2.stride_l0 == 96
     assert from_dict(ModelConfig, to_dict(c2)) == c2
@@ -193,8 +209,10 @@ def test_soft_patch_slot_equals_weighted_sum_of_store_patches(stores):
     patches, positions, n_read = gather_patches(slide, sel, dtype=torch.float64)
     assert n_read == int(torch.unique(sel.indices).numel())
     for k in range(cfg.k):
-        ref = sum(float(sel.weights[0, k, s].detach()) * slide.reader.read(sel.indices[0, k, s:s + 1])[0].double() / 255
-                  for s in range(3))
+        ref = sum(
+            float(sel.weights[0, k, s].detach()) * slide.reader.read(sel.indices[0, k, s : s + 1])[0].double() / 255
+            for s in range(3)
+        )
         torch.testing.assert_close(patches[0, k], ref, rtol=0, atol=1e-12)
     torch.testing.assert_close(positions[0], slide.grid.cell_centres(sel.primary[0]).double())
 
@@ -282,8 +300,11 @@ def test_mask_selectors_read_extra_cells_weighted_by_their_mask(selector):
         sc = scores[b, cand][None]
         want = cand[hard_topk(sc, m)[0]]  # the k + 3 largest scores, in position order
         assert torch.equal(sel.indices[b, :, 0], want)
-        mask = (lapsum_topk(sc, k, alpha=cfg.alpha) if selector == "lapsum"
-                else sinkhorn_topk(sc, k, epsilon=cfg.epsilon, max_iter=cfg.sinkhorn_max_iter))[0]
+        mask = (
+            lapsum_topk(sc, k, alpha=cfg.alpha)
+            if selector == "lapsum"
+            else sinkhorn_topk(sc, k, epsilon=cfg.epsilon, max_iter=cfg.sinkhorn_max_iter)
+        )[0]
         pos = {int(c): i for i, c in enumerate(cand)}
         torch.testing.assert_close(sel.slot_weights[b], mask[[pos[int(c)] for c in want]] / k)
     # the cells just below the top-k threshold are read and get a gradient
@@ -308,8 +329,12 @@ def test_explore_temperature_draws_distinct_cells_deterministically():
         assert idx.numel() == cfg.k + 2 == idx.unique().numel()
         draws.append(idx.tolist())
     assert draws[0] == draws[1]  # same generator state, same cells
-    many = torch.stack([model.select(scores, training=True, generator=torch.Generator().manual_seed(s)).indices[0, :, 0]
-                        for s in range(50)])
+    many = torch.stack(
+        [
+            model.select(scores, training=True, generator=torch.Generator().manual_seed(s)).indices[0, :, 0]
+            for s in range(50)
+        ]
+    )
     # a Gumbel draw from softmax(s / 0.2), not the hard top-k: low-score cells are read sometimes
     assert many.unique().numel() > cfg.k + 2 and (many < 20).any()
     assert torch.equal(model.select(scores, training=False).indices[0, :, 0], hard_topk(scores, cfg.k)[0])
@@ -341,8 +366,17 @@ def test_candidate_dropout_reaches_lower_ranked_cells_and_keeps_rows_valid(selec
 def test_transformer_readout_config():
     cfg = ModelConfig(**{**SMALL, "aggregator": "transformer", "aggregator_hidden": 16, "transformer_heads": 2})
     assert cfg.transformer_readout == "mean" and FoveateModel(cfg).aggregator.readout == "mean"
-    cls = FoveateModel(ModelConfig(**{**SMALL, "aggregator": "transformer", "aggregator_hidden": 16,
-                                      "transformer_heads": 2, "transformer_readout": "cls"}))
+    cls = FoveateModel(
+        ModelConfig(
+            **{
+                **SMALL,
+                "aggregator": "transformer",
+                "aggregator_hidden": 16,
+                "transformer_heads": 2,
+                "transformer_readout": "cls",
+            }
+        )
+    )
     assert cls.aggregator.readout == "cls"
     with pytest.raises(ValueError, match="transformer_readout"):
         ModelConfig(**{**SMALL, "transformer_readout": "max"})

@@ -24,9 +24,17 @@ CLASSES = ["benign", "in situ", "invasive"]
 
 
 def _model(seed: int = 0) -> tuple[FoveateModel, ModelConfig]:
-    cfg = ModelConfig(patch_size=16, k=3, num_classes=3, aggregator="transformer", aggregator_hidden=8,
-                      transformer_heads=2, transformer_layers=1, scorer=ScorerConfig(channels=4, num_layers=2),
-                      features=ResNetConfig(widths=(4, 8), blocks=(1, 1), feature_dim=8))
+    cfg = ModelConfig(
+        patch_size=16,
+        k=3,
+        num_classes=3,
+        aggregator="transformer",
+        aggregator_hidden=8,
+        transformer_heads=2,
+        transformer_layers=1,
+        scorer=ScorerConfig(channels=4, num_layers=2),
+        features=ResNetConfig(widths=(4, 8), blocks=(1, 1), feature_dim=8),
+    )
     torch.manual_seed(seed)
     return FoveateModel(cfg).eval(), cfg
 
@@ -48,8 +56,9 @@ def _same(a: FoveateModel, b: FoveateModel) -> None:
 
 def test_checkpoint_round_trip_weights_only(tmp_path):
     model, cfg = _model()
-    path = save_checkpoint(tmp_path / "m.pt", model, cfg, CLASSES, train_config={"optim": {"lr": 0.1}},
-                           metadata={"epoch": 3})
+    path = save_checkpoint(
+        tmp_path / "m.pt", model, cfg, CLASSES, train_config={"optim": {"lr": 0.1}}, metadata={"epoch": 3}
+    )
     raw = torch.load(path, weights_only=True)  # plain content only: no pickled classes
     assert raw["format"] == CHECKPOINT_FORMAT
     assert raw["class_names"] == CLASSES

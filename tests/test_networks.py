@@ -163,8 +163,17 @@ def test_fourier_encoding():
     e = fourier_position_encoding(torch.tensor([[0.25, 0.5]]), 2)
     assert tuple(e.shape) == (1, 8)
     import math
-    want = [math.sin(math.pi / 4), math.sin(math.pi / 2), math.cos(math.pi / 4), math.cos(math.pi / 2),
-            math.sin(math.pi / 2), math.sin(math.pi), math.cos(math.pi / 2), math.cos(math.pi)]
+
+    want = [
+        math.sin(math.pi / 4),
+        math.sin(math.pi / 2),
+        math.cos(math.pi / 4),
+        math.cos(math.pi / 2),
+        math.sin(math.pi / 2),
+        math.sin(math.pi),
+        math.cos(math.pi / 2),
+        math.cos(math.pi),
+    ]
     torch.testing.assert_close(e[0], torch.tensor(want), atol=1e-6, rtol=0)
 
 

@@ -116,7 +116,8 @@ def test_mist_loss_value_and_gradcheck():
     torch.testing.assert_close(val, want)
     for combine in ("max", "sum"):
         assert torch.autograd.gradcheck(
-            lambda a, b: mist_loss(a, b, sigma=1.3, combine=combine, detach_target=False), (hm, loc)  # noqa: B023 - called at once
+            lambda a, b, combine=combine: mist_loss(a, b, sigma=1.3, combine=combine, detach_target=False),
+            (hm, loc),
         )
     # default: the locations are constants of the heatmap stage
     mist_loss(hm, loc, sigma=1.3).backward()

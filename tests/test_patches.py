@@ -76,14 +76,14 @@ def test_patch_reader_exact_pixels_and_white_padding(store_and_image):
     padded[:1000, :1024] = img
     for i, c in enumerate(cells.tolist()):
         x, y = grid.cell_xy_l0(torch.tensor(c)).tolist()
-        want = padded[y:y + 96, x:x + 96]
+        want = padded[y : y + 96, x : x + 96]
         np.testing.assert_array_equal(out[i].permute(1, 2, 0).numpy(), want)
         np.testing.assert_array_equal(out[i].permute(1, 2, 0).numpy(), st.read_region((x, y), 0, (96, 96)))
     # the last cell overhangs both edges: its outside part is white, its inside part is the slide
     x, y = grid.cell_xy_l0(torch.tensor(gh * gw - 1)).tolist()
     last = out[2].permute(1, 2, 0).numpy()
-    assert (last[1000 - y:, :] == 255).all() and (last[:, 1024 - x:] == 255).all()
-    assert not (last[:1000 - y, :1024 - x] == 255).all()
+    assert (last[1000 - y :, :] == 255).all() and (last[:, 1024 - x :] == 255).all()
+    assert not (last[: 1000 - y, : 1024 - x] == 255).all()
 
 
 def test_patch_reader_reads_each_touched_chunk_once(store_and_image):
@@ -150,7 +150,7 @@ def test_cell_tissue_fraction_brute_force(store_and_image):
     frac = cell_tissue_fraction(mask, ds, grid)
     big = np.zeros((grid.extent_l0[1] + 8, grid.extent_l0[0] + 8), bool)
     up = np.kron(mask, np.ones((8, 8), bool))
-    big[:up.shape[0], :up.shape[1]] = up
+    big[: up.shape[0], : up.shape[1]] = up
     for r in range(grid.shape[0]):
         for c in range(grid.shape[1]):
             x, y = c * 80, r * 80

@@ -75,28 +75,45 @@ def cluster(tmp_path_factory):
             pytest.skip(f"infra/local/up.sh needs {tool!r}, not found on PATH")
     run_dir = tmp_path_factory.mktemp("cluster")
     ray_port, dash_port, mlflow_port, client_port, agent_port = _free_ports(5)
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("MLFLOW_TRACKING_URI", "RAY_ADDRESS", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_AUTH_MODE")}
-    env.update(FOVEATE_RUN_DIR=str(run_dir), FOVEATE_RAY_PORT=str(ray_port), FOVEATE_DASHBOARD_PORT=str(dash_port),
-               FOVEATE_MLFLOW_PORT=str(mlflow_port), FOVEATE_RAY_CLIENT_PORT=str(client_port),
-               FOVEATE_AGENT_PORT=str(agent_port), FOVEATE_RAY_NUM_CPUS="2", FOVEATE_UP_TIMEOUT="180",
-               PYTHON=sys.executable, RAY_USAGE_STATS_ENABLED="0")
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("MLFLOW_TRACKING_URI", "RAY_ADDRESS", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_AUTH_MODE")
+    }
+    env.update(
+        FOVEATE_RUN_DIR=str(run_dir),
+        FOVEATE_RAY_PORT=str(ray_port),
+        FOVEATE_DASHBOARD_PORT=str(dash_port),
+        FOVEATE_MLFLOW_PORT=str(mlflow_port),
+        FOVEATE_RAY_CLIENT_PORT=str(client_port),
+        FOVEATE_AGENT_PORT=str(agent_port),
+        FOVEATE_RAY_NUM_CPUS="2",
+        FOVEATE_UP_TIMEOUT="180",
+        PYTHON=sys.executable,
+        RAY_USAGE_STATS_ENABLED="0",
+    )
     try:
-        out = subprocess.run(["bash", "infra/local/up.sh"], cwd=REPO, env=env, capture_output=True, text=True,
-                             timeout=300)
+        out = subprocess.run(
+            ["bash", "infra/local/up.sh"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+        )
         assert out.returncode == 0, f"up.sh failed:\n{out.stdout}\n{out.stderr}"
-        exports = dict(line[len("export "):].split("=", 1) for line in out.stdout.splitlines()
-                       if line.startswith("export "))
-        assert set(exports) >= {"RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH", "MLFLOW_TRACKING_URI"}, out.stdout
+        exports = dict(
+            line[len("export ") :].split("=", 1) for line in out.stdout.splitlines() if line.startswith("export ")
+        )
+        assert set(exports) >= {"RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH", "MLFLOW_TRACKING_URI"}, (
+            out.stdout
+        )
         # idempotent: a second up.sh leaves both services alone
-        again = subprocess.run(["bash", "infra/local/up.sh"], cwd=REPO, env=env, capture_output=True, text=True,
-                               timeout=120)
+        again = subprocess.run(
+            ["bash", "infra/local/up.sh"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
+        )
         assert again.returncode == 0 and again.stderr.count("already running") == 2, again.stderr
         client_env = dict(env, **exports, PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}")
         yield {"env": client_env, "exports": exports, "run_dir": run_dir}
     finally:
-        down = subprocess.run(["bash", "infra/local/down.sh"], cwd=REPO, env=env, capture_output=True, text=True,
-                              timeout=180)
+        down = subprocess.run(
+            ["bash", "infra/local/down.sh"], cwd=REPO, env=env, capture_output=True, text=True, timeout=180
+        )
         print(down.stderr)
         tmp = (run_dir / "ray_temp_dir").read_text().strip() if (run_dir / "ray_temp_dir").exists() else None
         if tmp:  # nothing of this head may be left running
@@ -123,15 +140,43 @@ def test_ingest_train_score_as_ray_jobs(cluster, tmp_path, monkeypatch):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     synth, stores, work = tmp_path / "synth", tmp_path / "stores", tmp_path / "work"
     out = tmp_path / "predictions.parquet"
-    _run([sys.executable, "-m", "pipeline", "synth", str(synth), "--count", "4", "--size", "2000", "--seed", "0"],
-         env, 120, "synth")
+    _run(
+        [sys.executable, "-m", "pipeline", "synth", str(synth), "--count", "4", "--size", "2000", "--seed", "0"],
+        env,
+        120,
+        "synth",
+    )
     submit = ["ray", "job", "submit", "--working-dir", ".", "--runtime-env", "configs/runtime_env.yaml", "--"]
     # the commands of docs/commands.md, "ray job submit"
-    _run(submit + ["python", "-m", "pipeline", "ingest", str(synth / "labels.csv"), "--out", str(stores),
-                   "--address", "auto"], env, 240, "ingest job")
-    _run(submit + ["python", "-m", "pipeline", "train", "--config", "configs/demo.yaml",
-                   "--set", f"data.stores={stores}", "--set", f"workdir={work}", "--set", "optim.epochs=1",
-                   "--set", f"tracking.experiment={EXPERIMENT}"], env, 420, "train job")
+    _run(
+        submit
+        + ["python", "-m", "pipeline", "ingest", str(synth / "labels.csv"), "--out", str(stores), "--address", "auto"],
+        env,
+        240,
+        "ingest job",
+    )
+    _run(
+        submit
+        + [
+            "python",
+            "-m",
+            "pipeline",
+            "train",
+            "--config",
+            "configs/demo.yaml",
+            "--set",
+            f"data.stores={stores}",
+            "--set",
+            f"workdir={work}",
+            "--set",
+            "optim.epochs=1",
+            "--set",
+            f"tracking.experiment={EXPERIMENT}",
+        ],
+        env,
+        420,
+        "train job",
+    )
 
     client = mlflow.MlflowClient(tracking_uri=uri)  # through the HTTP server
     exp = client.get_experiment_by_name(EXPERIMENT)
@@ -148,10 +193,26 @@ def test_ingest_train_score_as_ray_jobs(cluster, tmp_path, monkeypatch):
     assert [lm.source_run_id for lm in models] == [run.info.run_id]
     assert "checkpoint/model.pt" in [a.path for a in client.list_artifacts(run.info.run_id, "checkpoint")]
 
-    _run(submit + ["python", "-m", "pipeline", "score", "--model", f"runs:/{run.info.run_id}", "--stores",
-                   str(stores), "--out", str(out)], env, 300, "score job")
+    _run(
+        submit
+        + [
+            "python",
+            "-m",
+            "pipeline",
+            "score",
+            "--model",
+            f"runs:/{run.info.run_id}",
+            "--stores",
+            str(stores),
+            "--out",
+            str(out),
+        ],
+        env,
+        300,
+        "score job",
+    )
     table = pd.read_parquet(out)
-    slide_ids = sorted(p.name[:-len(".zarr")] for p in stores.glob("*.zarr"))
+    slide_ids = sorted(p.name[: -len(".zarr")] for p in stores.glob("*.zarr"))
     assert len(slide_ids) == 4
     assert sorted(table["slide_id"]) == slide_ids and table["slide_id"].is_unique
     assert (table["status"] == "ok").all(), table[["slide_id", "error"]]
@@ -160,8 +221,9 @@ def test_ingest_train_score_as_ray_jobs(cluster, tmp_path, monkeypatch):
     score_exp = client.get_experiment_by_name("foveate-score")
     score_runs = client.search_runs([score_exp.experiment_id])
     assert len(score_runs) == 1 and score_runs[0].data.metrics["slides_scored"] == 4
-    assert [a.path for a in client.list_artifacts(score_runs[0].info.run_id, "predictions")] == \
-        ["predictions/predictions.parquet"]
+    assert [a.path for a in client.list_artifacts(score_runs[0].info.run_id, "predictions")] == [
+        "predictions/predictions.parquet"
+    ]
 
     # foveate compare against the HTTP server
     from pipeline.compare import compare

@@ -31,7 +31,7 @@ def _slide(seed: int) -> np.ndarray:
     y0, x0 = 20 + 10 * seed, 30 + 15 * seed
     tissue = rng.integers(90, 210, (200, 250, 3), dtype=np.uint8)
     tissue[..., 1] //= 2
-    img[y0:y0 + 200, x0:x0 + 250] = tissue
+    img[y0 : y0 + 200, x0 : x0 + 250] = tissue
     return img
 
 
@@ -39,10 +39,19 @@ def _model_config():
     from operators.model import ModelConfig
     from pipeline.config import from_dict
 
-    return from_dict(ModelConfig, {
-        "patch_size": 32, "k": 4, "scorer_downsample": 4.0, "num_classes": len(CLASSES), "aggregator": "attention_mil",
-        "aggregator_hidden": 16, "scorer": {"channels": 8},
-        "features": {"widths": [8, 16], "blocks": [1, 1], "feature_dim": 16}})
+    return from_dict(
+        ModelConfig,
+        {
+            "patch_size": 32,
+            "k": 4,
+            "scorer_downsample": 4.0,
+            "num_classes": len(CLASSES),
+            "aggregator": "attention_mil",
+            "aggregator_hidden": 16,
+            "scorer": {"channels": 8},
+            "features": {"widths": [8, 16], "blocks": [1, 1], "feature_dim": 16},
+        },
+    )
 
 
 @pytest.fixture(scope="module")
@@ -69,8 +78,6 @@ def data(tmp_path_factory):
     return {"root": root, "stores": stores, "ckpt": ckpt, "model": model}
 
 
-
-
 def _reference(model, store_path):
     from workers.patches import forward_slide
 
@@ -83,8 +90,10 @@ def _by_id(table):
     return {r["slide_id"]: r for r in table.to_dict("records")}
 
 
-@pytest.mark.parametrize("selector,aggregator", [("perturbed", "attention_mil"), ("attention", "transformer"),
-                                                 ("sinkhorn", "mean"), ("lapsum", "max")])
+@pytest.mark.parametrize(
+    "selector,aggregator",
+    [("perturbed", "attention_mil"), ("attention", "transformer"), ("sinkhorn", "mean"), ("lapsum", "max")],
+)
 def test_workers_without_ray_match_forward_chain(data, tmp_path, selector, aggregator):
     """The two stages as plain classes give the coordinates/probabilities of workers.patches.forward_slide
     (hard top-k at inference; the slot weights of attention/SOFT/LapSum travel from scorer to classifier)."""
@@ -163,8 +172,17 @@ def test_score_with_killed_actors_errors_mlflow_and_resume(data, ray_local, tmp_
                 crash_once("s1", m2)
             return super().classify_batch(items)
 
-    res = score(f"runs:/{run_id}", data["stores"], out, workers=1, batch_size=2, experiment="scoring",
-                tracking_uri=uri, scorer_cls=CrashingScorer, classifier_cls=CrashingClassifier)
+    res = score(
+        f"runs:/{run_id}",
+        data["stores"],
+        out,
+        workers=1,
+        batch_size=2,
+        experiment="scoring",
+        tracking_uri=uri,
+        scorer_cls=CrashingScorer,
+        classifier_cls=CrashingClassifier,
+    )
     assert m1.is_file() and m2.is_file()  # both actor processes really died mid-run
     t = res.table
     assert sorted(t["slide_id"]) == sorted(GOOD + list(BAD)) and t["slide_id"].is_unique
@@ -194,8 +212,7 @@ def test_score_with_killed_actors_errors_mlflow_and_resume(data, ray_local, tmp_
     (data["stores"] / "incomplete.zarr" / COMPLETE_MARKER).write_text(json.dumps({"slide_id": "incomplete"}))
     write_store_from_array(data["stores"] / "s9.zarr", _slide(5), tile_size=64, min_size=64)
     try:
-        res2 = score(str(data["ckpt"]), data["stores"], out, workers=1, batch_size=2, experiment=None,
-                     heatmaps=False)
+        res2 = score(str(data["ckpt"]), data["stores"], out, workers=1, batch_size=2, experiment=None, heatmaps=False)
     finally:
         (data["stores"] / "incomplete.zarr" / COMPLETE_MARKER).unlink()
         shutil.rmtree(data["stores"] / "s9.zarr")

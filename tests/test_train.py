@@ -65,14 +65,12 @@ def slides(tmp_path_factory) -> tuple[Path, Path]:
         if label:
             y = 64 + 16 * (i % 4)
             blk = (np.indices((16, 16)).sum(0) % 2 * (80 if label == 1 else 40)).astype(np.uint8)
-            img[y:y + 16, 96:112] = blk[..., None]
+            img[y : y + 16, 96:112] = blk[..., None]
         write_store_from_array(root / f"s{i:02d}.zarr", img, tile_size=64, min_size=64)
         rows.append({"slide_id": f"s{i:02d}", "label": CLASSES[label]})
     labels = root / "labels.csv"
     pd.DataFrame(rows).to_csv(labels, index=False)
     return root, labels
-
-
 
 
 def _config_file(tmp_path: Path, slides, name: str = "tiny.yaml") -> Path:
@@ -156,14 +154,23 @@ def test_train_crash_resume_and_logged_model(tmp_path, slides, ray_local):
     # params: the full resolved config, flattened
     expected = flatten_params(to_dict(result.config))
     assert run.data.params == expected
-    assert run.data.params["model.num_classes"] == "3" and run.data.params["data.classes"] == json.dumps(["neg", "other", "pos"])
+    assert run.data.params["model.num_classes"] == "3" and run.data.params["data.classes"] == json.dumps(
+        ["neg", "other", "pos"]
+    )
     # metrics: per step continuing across the crash, per epoch for both epochs
     loss_steps = [m.step for m in client.get_metric_history(run_id, "loss")]
     assert loss_steps == list(range(1, 2 * steps_per_epoch + 1))
     sigmas = [m.value for m in sorted(client.get_metric_history(run_id, "sigma"), key=lambda m: m.step)]
     assert sigmas == pytest.approx([0.1, 0.1 * 2 / 3, 0.1 / 3, 0.0])
-    for name in ("val_accuracy", "val_auc", "epoch_train_loss", "epoch_train_auc", "epoch_patches_per_second",
-                 "epoch_peak_memory_mb", "train_seconds"):
+    for name in (
+        "val_accuracy",
+        "val_auc",
+        "epoch_train_loss",
+        "epoch_train_auc",
+        "epoch_patches_per_second",
+        "epoch_peak_memory_mb",
+        "train_seconds",
+    ):
         assert [m.step for m in client.get_metric_history(run_id, name)] == [1, 2], name
     for name in ("seconds_per_step", "patches_per_second", "accuracy", "lr", "peak_memory_mb"):
         assert name in run.data.metrics
@@ -180,8 +187,13 @@ def test_train_crash_resume_and_logged_model(tmp_path, slides, ray_local):
     assert [a.path for a in client.list_artifacts(run_id, "heatmaps")][0].endswith("_heatmap.png")
     assert [a.path for a in client.list_artifacts(run_id, "patches")][0].endswith("_patches.png")
     # the logged model predicts exactly what the trained model does
-    split = json.loads(Path(mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path="split.json",
-                                                                   dst_path=str(tmp_path), tracking_uri=uri)).read_text())
+    split = json.loads(
+        Path(
+            mlflow.artifacts.download_artifacts(
+                run_id=run_id, artifact_path="split.json", dst_path=str(tmp_path), tracking_uri=uri
+            )
+        ).read_text()
+    )
     assert len(split["val"]) == 3
     store = SlideStore(Path(slides[0]) / f"{split['val'][0]}.zarr")
     with torch.no_grad():
@@ -221,8 +233,21 @@ def test_two_workers_through_the_cli(tmp_path, slides, ray_local, capsys):
     from pipeline.cli import main
 
     cfg = _config_file(tmp_path, slides)
-    rc = main(["train", "--config", str(cfg), "--workers", "2", "--set", "optim.epochs=1",
-               "--set", "tracking.run_name=two", "--set", "optim.accumulate=1"])
+    rc = main(
+        [
+            "train",
+            "--config",
+            str(cfg),
+            "--workers",
+            "2",
+            "--set",
+            "optim.epochs=1",
+            "--set",
+            "tracking.run_name=two",
+            "--set",
+            "optim.accumulate=1",
+        ]
+    )
     assert rc == 0
     out = capsys.readouterr().out
     state = json.loads((tmp_path / "work" / "train" / "two" / "train_state.json").read_text())

@@ -21,7 +21,15 @@ __all__ = [
 
 
 # workers.patches imports torch: load it on first use so ingest/tiling processes do not pay for it
-_LAZY_PATCHES = ("PatchGrid", "PatchReader", "SlideInput", "forward_slide", "gather_patches", "lowres_input", "prepare_slide")
+_LAZY_PATCHES = (
+    "PatchGrid",
+    "PatchReader",
+    "SlideInput",
+    "forward_slide",
+    "gather_patches",
+    "lowres_input",
+    "prepare_slide",
+)
 
 
 def __getattr__(name: str):

@@ -29,7 +29,7 @@ def write_file(path: str, data: bytes) -> None:
     try:
         view = memoryview(data)
         while view:
-            view = view[os.write(fd, view):]
+            view = view[os.write(fd, view) :]
     finally:
         os.close(fd)
 
@@ -50,13 +50,17 @@ def level_codec_kwargs(codec: str, *, zstd_level: int, jpeg_quality: int) -> dic
     if codec == "zstd":
         # chunks stored interleaved (y, x, c) through zarr's standard transpose codec: the writer encodes
         # rows of the decoded (h, w, 3) block as they are, any zarr v3 reader sees (c, y, x)
-        return {"filters": [zarr.codecs.TransposeCodec(order=(1, 2, 0))],
-                "compressors": [zarr.codecs.ZstdCodec(level=zstd_level)]}
+        return {
+            "filters": [zarr.codecs.TransposeCodec(order=(1, 2, 0))],
+            "compressors": [zarr.codecs.ZstdCodec(level=zstd_level)],
+        }
     if codec == "jpeg":
         return {"serializer": JpegRGBCodec(quality=jpeg_quality), "compressors": None}
     if codec.startswith("passthrough:"):
-        return {"serializer": JpegRGBCodec(quality=jpeg_quality, colorspace=codec.split(":", 1)[1]),
-                "compressors": None}
+        return {
+            "serializer": JpegRGBCodec(quality=jpeg_quality, colorspace=codec.split(":", 1)[1]),
+            "compressors": None,
+        }
     raise ValueError(f"unknown level codec {codec!r}")
 
 
@@ -72,8 +76,17 @@ class ChunkWriter:
         executor: returns the thread pool that encodes chunk rows in parallel, or None (inline).
     """
 
-    def __init__(self, store_path: str, *, tile: int, level_shapes: list[tuple[int, int]], level_codecs: list[str],
-                 zstd_level: int, jpeg_quality: int, executor: Callable[[], ThreadPoolExecutor | None] = lambda: None):
+    def __init__(
+        self,
+        store_path: str,
+        *,
+        tile: int,
+        level_shapes: list[tuple[int, int]],
+        level_codecs: list[str],
+        zstd_level: int,
+        jpeg_quality: int,
+        executor: Callable[[], ThreadPoolExecutor | None] = lambda: None,
+    ):
         self.store_path = str(store_path)
         self.tile = int(tile)
         self.level_shapes = level_shapes

@@ -35,7 +35,14 @@ from zarr.core.array_spec import ArraySpec
 from zarr.core.buffer import Buffer, NDBuffer
 from zarr.registry import register_codec
 
-__all__ = ["CODEC_NAME", "JpegRGBCodec", "encode_jpeg_chunk", "encode_jpeg_hwc", "decode_jpeg_chunk", "merge_jpeg_tables"]
+__all__ = [
+    "CODEC_NAME",
+    "JpegRGBCodec",
+    "encode_jpeg_chunk",
+    "encode_jpeg_hwc",
+    "decode_jpeg_chunk",
+    "merge_jpeg_tables",
+]
 
 CODEC_NAME = "foveate.jpeg"
 _COLORSPACES = ("ycbcr", "rgb")
@@ -105,7 +112,9 @@ class JpegRGBCodec(ArrayBytesCodec):
     def validate(self, *, shape, dtype, chunk_grid) -> None:
         chunk_shape = getattr(chunk_grid, "chunk_shape", None)
         if len(shape) != 3 or (chunk_shape is not None and chunk_shape[0] != 3):
-            raise ValueError(f"{CODEC_NAME} needs (3, h, w) arrays with chunks (3, th, tw); got shape {shape} chunks {chunk_shape}")
+            raise ValueError(
+                f"{CODEC_NAME} needs (3, h, w) arrays with chunks (3, th, tw); got shape {shape} chunks {chunk_shape}"
+            )
         np_dtype = dtype.to_native_dtype() if hasattr(dtype, "to_native_dtype") else np.dtype(dtype)
         if np.dtype(np_dtype) != np.uint8:
             raise ValueError(f"{CODEC_NAME} needs uint8 data, got {np_dtype}")

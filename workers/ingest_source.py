@@ -126,7 +126,9 @@ class SlideSource:
         try:
             osr = openslide.OpenSlide(path)
         except openslide.OpenSlideUnsupportedFormatError as exc:
-            raise SlideOpenError(f"not a slide OpenSlide can open (unsupported format, truncated or not an image): {path}") from exc
+            raise SlideOpenError(
+                f"not a slide OpenSlide can open (unsupported format, truncated or not an image): {path}"
+            ) from exc
         except Exception as exc:
             raise SlideOpenError(f"OpenSlide cannot open {path}: {_one_line(exc)}") from exc
         try:
@@ -146,15 +148,24 @@ class SlideSource:
             if allow_direct and vendor in _DIRECT_VENDORS:
                 tiff, pages, jpeg_levels = _direct_pages(path, osr)
                 direct = 0 in pages
-            info = SourceInfo(path=path, vendor=vendor, dimensions=tuple(osr.dimensions),
-                              level_dimensions=tuple(tuple(d) for d in osr.level_dimensions),
-                              level_downsamples=tuple(float(d) for d in osr.level_downsamples), mpp=mpp,
-                              fingerprint=fingerprint, direct=direct, jpeg_levels=tuple(jpeg_levels))
+            info = SourceInfo(
+                path=path,
+                vendor=vendor,
+                dimensions=tuple(osr.dimensions),
+                level_dimensions=tuple(tuple(d) for d in osr.level_dimensions),
+                level_downsamples=tuple(float(d) for d in osr.level_downsamples),
+                mpp=mpp,
+                fingerprint=fingerprint,
+                direct=direct,
+                jpeg_levels=tuple(jpeg_levels),
+            )
             src = cls(path, osr, info, tiff, pages)
             if direct and not src._direct_agrees():
                 log.warning("%s: direct tile decoder disagrees with OpenSlide; using OpenSlide read_region", path)
                 src._pages = {}
-                src.info = SourceInfo(**{**info.__dict__, "direct": False, "jpeg_levels": tuple([None] * osr.level_count)})
+                src.info = SourceInfo(
+                    **{**info.__dict__, "direct": False, "jpeg_levels": tuple([None] * osr.level_count)}
+                )
             return src
         except SlideOpenError:
             osr.close()
@@ -229,8 +240,9 @@ class SlideSource:
         out, _idx, _shape = page.decode(data, index, jpegtables=page.jpegtables)
         return out.reshape(out.shape[-3:])[..., :3]
 
-    def _read_direct(self, level: int, x: int, y: int, w: int, h: int, *, out: np.ndarray | None = None,
-                     pool: Any = None) -> np.ndarray:
+    def _read_direct(
+        self, level: int, x: int, y: int, w: int, h: int, *, out: np.ndarray | None = None, pool: Any = None
+    ) -> np.ndarray:
         """Decode the tiles covering the box into ``out`` (allocated when None). Tiles are read in file
         order by this thread; JPEG tiles are decoded (GIL released) into a reused per-thread tile buffer,
         one tile row per task when ``pool`` is given."""
@@ -301,9 +313,16 @@ def _direct_pages(path: str, osr: Any) -> tuple[Any, dict[int, Any], list]:
         return None, {}, jpeg_levels
     pages: dict[int, Any] = {}
     try:
-        tiled = [p for p in tiff.pages if p.is_tiled and p.samplesperpixel == 3 and p.bitspersample == 8
-                 and p.planarconfig == 1 and p.compression in _DIRECT_COMPRESSIONS
-                 and (p.photometric == 2 or (p.photometric == 6 and p.compression == _JPEG))]
+        tiled = [
+            p
+            for p in tiff.pages
+            if p.is_tiled
+            and p.samplesperpixel == 3
+            and p.bitspersample == 8
+            and p.planarconfig == 1
+            and p.compression in _DIRECT_COMPRESSIONS
+            and (p.photometric == 2 or (p.photometric == 6 and p.compression == _JPEG))
+        ]
         for lvl, (w, h) in enumerate(osr.level_dimensions):
             match = [p for p in tiled if (p.imagewidth, p.imagelength) == (w, h)]
             if len(match) != 1:
@@ -322,4 +341,3 @@ def _direct_pages(path: str, osr: Any) -> tuple[Any, dict[int, Any], list]:
         tiff.close()
         return None, {}, [None] * osr.level_count
     return tiff, pages, jpeg_levels
-

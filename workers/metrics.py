@@ -24,7 +24,7 @@ def roc_auc(y_true: np.ndarray, y_score: np.ndarray) -> float:
         j = i
         while j + 1 < len(sorted_scores) and sorted_scores[j + 1] == sorted_scores[i]:
             j += 1
-        ranks[order[i:j + 1]] = 0.5 * (i + j) + 1.0
+        ranks[order[i : j + 1]] = 0.5 * (i + j) + 1.0
         i = j + 1
     return float((ranks[y_true].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg))
 

@@ -102,8 +102,10 @@ class PatchGrid:
             raise TypeError(f"cell indices must be an integer tensor, got dtype {idx.dtype}")
         idx = idx.long()
         if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= self.num_cells):
-            raise ValueError(f"cell indices must lie in [0, {self.num_cells}) for grid {self.shape}, got range "
-                             f"[{int(idx.min())}, {int(idx.max())}]")
+            raise ValueError(
+                f"cell indices must lie in [0, {self.num_cells}) for grid {self.shape}, got range "
+                f"[{int(idx.min())}, {int(idx.max())}]"
+            )
         return idx
 
     def cell_xy_l0(self, indices: Any) -> torch.Tensor:
@@ -232,9 +234,9 @@ class PatchReader:
             for cx in sorted(cxs) + [None]:  # type: ignore[list-item]
                 if run and (cx is None or cx != run[-1] + 1):
                     a, b = run[0], run[-1]
-                    block = np.asarray(arr[:, cy * th:min((cy + 1) * th, H), a * tw:min((b + 1) * tw, W)])
+                    block = np.asarray(arr[:, cy * th : min((cy + 1) * th, H), a * tw : min((b + 1) * tw, W)])
                     for c in run:
-                        chunks[(cy, c)] = block[:, :, (c - a) * tw:(c - a + 1) * tw]
+                        chunks[(cy, c)] = block[:, :, (c - a) * tw : (c - a + 1) * tw]
                     run = []
                 if cx is not None:
                     run.append(cx)
@@ -244,8 +246,9 @@ class PatchReader:
                     blk = chunks[(int(cy), int(cx))]
                     gy0, gy1 = max(y0[i], cy * th), min(y1[i], cy * th + blk.shape[1])
                     gx0, gx1 = max(x0[i], cx * tw), min(x1[i], cx * tw + blk.shape[2])
-                    out[i, :, gy0 - xy[i, 1]:gy1 - xy[i, 1], gx0 - xy[i, 0]:gx1 - xy[i, 0]] = \
-                        blk[:, gy0 - cy * th:gy1 - cy * th, gx0 - cx * tw:gx1 - cx * tw]
+                    out[i, :, gy0 - xy[i, 1] : gy1 - xy[i, 1], gx0 - xy[i, 0] : gx1 - xy[i, 0]] = blk[
+                        :, gy0 - cy * th : gy1 - cy * th, gx0 - cx * tw : gx1 - cx * tw
+                    ]
         return torch.from_numpy(out)
 
 
@@ -305,8 +308,10 @@ def _resolve_store(store_or_sample: Any) -> SlideStore:
         return obj
     if isinstance(obj, (str, Path)):
         return SlideStore(obj)
-    raise TypeError("store_or_sample must be a SlideStore, a store path, a SlideInput, or a sample with a "
-                    f"'store'/'store_path'/'path' attribute or key; got {type(store_or_sample).__name__}")
+    raise TypeError(
+        "store_or_sample must be a SlideStore, a store path, a SlideInput, or a sample with a "
+        f"'store'/'store_path'/'path' attribute or key; got {type(store_or_sample).__name__}"
+    )
 
 
 def prepare_slide(store_or_sample: Any, cfg: ModelConfig, *, cache: bool = True) -> SlideInput:
@@ -353,8 +358,13 @@ def prepare_slide(store_or_sample: Any, cfg: ModelConfig, *, cache: bool = True)
     return si
 
 
-def gather_patches(slide: SlideInput, selection: Selection, *, device: torch.device | str | None = None,
-                   dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor, int]:
+def gather_patches(
+    slide: SlideInput,
+    selection: Selection,
+    *,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Read the selected patches of one slide and form each slot's (soft) patch.
 
     Each distinct cell of ``selection.indices`` is read once; slot ``k`` is
@@ -371,8 +381,10 @@ def gather_patches(slide: SlideInput, selection: Selection, *, device: torch.dev
         centres of the slots' primary cells (:meth:`PatchGrid.cell_centres`).
     """
     if selection.indices.dim() != 3 or selection.indices.shape[0] != 1:
-        raise ValueError(f"gather_patches works on one slide: selection.indices must be [1, K, S], got "
-                         f"{tuple(selection.indices.shape)}")
+        raise ValueError(
+            f"gather_patches works on one slide: selection.indices must be [1, K, S], got "
+            f"{tuple(selection.indices.shape)}"
+        )
     device = selection.weights.device if device is None else torch.device(device)
     cells, inverse = unique_cells(selection.indices)
     pix = slide.reader.read(cells.cpu())
@@ -382,8 +394,9 @@ def gather_patches(slide: SlideInput, selection: Selection, *, device: torch.dev
     return patches, positions, int(cells.numel())
 
 
-def cell_strata(lowres: torch.Tensor, grid_shape: tuple[int, int], num_strata: int,
-                iterations: int = 10) -> torch.Tensor:
+def cell_strata(
+    lowres: torch.Tensor, grid_shape: tuple[int, int], num_strata: int, iterations: int = 10
+) -> torch.Tensor:
     """Group the grid cells by their low-resolution appearance (k-means on per-cell colour mean and std).
 
     Exploration that draws a stratum uniformly, then a cell within it, reads visually rare cells (a few dark
@@ -423,8 +436,9 @@ def cell_strata(lowres: torch.Tensor, grid_shape: tuple[int, int], num_strata: i
     return torch.cdist(desc, cen).argmin(1)
 
 
-def _explore_cells(scores: torch.Tensor, count: int, generator: torch.Generator | None,
-                   strata: torch.Tensor | None = None) -> torch.Tensor:
+def _explore_cells(
+    scores: torch.Tensor, count: int, generator: torch.Generator | None, strata: torch.Tensor | None = None
+) -> torch.Tensor:
     """``count`` distinct candidate cells (finite ``scores[N]``), all of them if fewer: uniformly, or with
     ``strata[N]`` a stratum drawn uniformly among those with candidates left, then a cell within it."""
     cand = torch.isfinite(scores)
@@ -451,8 +465,15 @@ def _explore_cells(scores: torch.Tensor, count: int, generator: torch.Generator 
     return idx[torch.argsort(prio)[:count]]
 
 
-def forward_slide(model: FoveateModel, store_or_sample: Any, *, training: bool, sigma: float | None = None,
-                  generator: torch.Generator | None = None, target: int | None = None) -> ModelOutput:
+def forward_slide(
+    model: FoveateModel,
+    store_or_sample: Any,
+    *,
+    training: bool,
+    sigma: float | None = None,
+    generator: torch.Generator | None = None,
+    target: int | None = None,
+) -> ModelOutput:
     """The whole chain for ONE slide: low-res input -> scores -> selection -> patch reading -> features ->
     logits.
 
@@ -492,8 +513,10 @@ def forward_slide(model: FoveateModel, store_or_sample: Any, *, training: bool, 
         strata = None
         if model.cfg.explore_strata > 0:
             if slide.strata is None or slide.strata[0] != model.cfg.explore_strata:
-                slide.strata = (model.cfg.explore_strata,
-                                cell_strata(slide.lowres, tuple(cell_mask.shape), model.cfg.explore_strata))
+                slide.strata = (
+                    model.cfg.explore_strata,
+                    cell_strata(slide.lowres, tuple(cell_mask.shape), model.cfg.explore_strata),
+                )
             strata = slide.strata[1]
         explore = _explore_cells(scores[0], model.cfg.explore_cells, generator, strata)
         if explore.numel():

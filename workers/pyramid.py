@@ -28,8 +28,17 @@ import numpy as np
 
 from workers.frames import Box
 
-__all__ = ["pyramid_shapes", "downsample2x", "Reducer", "Region", "SlidePlan", "LevelPlan", "plan_levels",
-           "plan_stages", "blocks"]
+__all__ = [
+    "pyramid_shapes",
+    "downsample2x",
+    "Reducer",
+    "Region",
+    "SlidePlan",
+    "LevelPlan",
+    "plan_levels",
+    "plan_stages",
+    "blocks",
+]
 
 
 def pyramid_shapes(level0_size: tuple[int, int], *, min_size: int = 1024) -> list[tuple[int, tuple[int, int]]]:
@@ -82,8 +91,11 @@ class Reducer:
 
 
 def blocks(width: int, height: int, block: int) -> list[tuple[int, int, int, int]]:
-    return [(x, y, min(block, width - x), min(block, height - y))
-            for y in range(0, height, block) for x in range(0, width, block)]
+    return [
+        (x, y, min(block, width - x), min(block, height - y))
+        for y in range(0, height, block)
+        for x in range(0, width, block)
+    ]
 
 
 @dataclass(frozen=True)
@@ -149,8 +161,13 @@ class SlidePlan:
     def identity(self) -> dict[str, Any]:
         """What must match for a partially written store to be resumed."""
         opts = {k: v for k, v in self.options.items() if k != "threads"}  # threads never change the bytes
-        return {"fingerprint": self.info["fingerprint"], "options": opts, "level_shapes": [list(s) for s in self.level_shapes],
-                "downsamples": self.downsamples, "level_codecs": self.level_codecs}
+        return {
+            "fingerprint": self.info["fingerprint"],
+            "options": opts,
+            "level_shapes": [list(s) for s in self.level_shapes],
+            "downsamples": self.downsamples,
+            "level_codecs": self.level_codecs,
+        }
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -187,9 +204,16 @@ class LevelPlan:
         return any(s is not None for s in self.source_levels)
 
 
-def plan_levels(size_l0: tuple[int, int], *, tile: int, min_size: int, codec: str,
-                jpeg_levels: list | None = None, level_dimensions: list | None = None,
-                level_downsamples: list | None = None) -> LevelPlan:
+def plan_levels(
+    size_l0: tuple[int, int],
+    *,
+    tile: int,
+    min_size: int,
+    codec: str,
+    jpeg_levels: list | None = None,
+    level_dimensions: list | None = None,
+    level_downsamples: list | None = None,
+) -> LevelPlan:
     """Store levels for a slide whose (resampled) level 0 is ``size_l0``. With ``jpeg_levels`` (the source's
     per-level ``(tile_w, tile_h, colorspace)`` or None, only when passthrough applies) the source's own levels
     of ``tile``-px JPEG tiles are copied, then power-of-two levels follow down to ``min_size``."""
@@ -234,7 +258,7 @@ def plan_stages(levels: LevelPlan, *, tile: int, region_tiles: int) -> list[list
             if sl is None:
                 continue
             w, h = shapes[lvl]
-            for (x, y, bw, bh) in blocks(w, h, t * region_tiles):
+            for x, y, bw, bh in blocks(w, h, t * region_tiles):
                 st0.append(Region(0, len(st0), "copy", sl, lvl, Box(x, y, bw, bh), (lvl,)))
         stages.append(st0)
         done_to = max(i for i, sl in enumerate(src_levels) if sl is not None)
@@ -242,15 +266,23 @@ def plan_stages(levels: LevelPlan, *, tile: int, region_tiles: int) -> list[list
         k = min(kmax, len(shapes) - 1)
         size = t * (1 << k)
         w0, h0 = shapes[0]
-        stages.append([Region(0, i, "source", -1, 0, Box(x, y, bw, bh), tuple(range(0, k + 1)))
-                       for i, (x, y, bw, bh) in enumerate(blocks(w0, h0, size))])
+        stages.append(
+            [
+                Region(0, i, "source", -1, 0, Box(x, y, bw, bh), tuple(range(0, k + 1)))
+                for i, (x, y, bw, bh) in enumerate(blocks(w0, h0, size))
+            ]
+        )
         done_to = k
     while done_to < len(shapes) - 1:
         k = max(1, min(kmax, len(shapes) - 1 - done_to))
         w, h = shapes[done_to]
         size = t * (1 << k)
         s = len(stages)
-        stages.append([Region(s, i, "store", -1, done_to, Box(x, y, bw, bh), tuple(range(done_to + 1, done_to + k + 1)))
-                       for i, (x, y, bw, bh) in enumerate(blocks(w, h, size))])
+        stages.append(
+            [
+                Region(s, i, "store", -1, done_to, Box(x, y, bw, bh), tuple(range(done_to + 1, done_to + k + 1)))
+                for i, (x, y, bw, bh) in enumerate(blocks(w, h, size))
+            ]
+        )
         done_to += k
     return stages

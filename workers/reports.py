@@ -21,8 +21,17 @@ import numpy as np
 __all__ = ["heatmap_image", "write_heatmap", "score_grid", "slide_heatmap", "plot_heatmap", "plot_gallery"]
 
 
-def heatmap_image(thumb: np.ndarray, level0_size: tuple[int, int], scores_grid: np.ndarray, stride: int,
-                  patch_size: int, coords_l0: np.ndarray, *, alpha: float = 0.5, min_side: int = 256) -> np.ndarray:
+def heatmap_image(
+    thumb: np.ndarray,
+    level0_size: tuple[int, int],
+    scores_grid: np.ndarray,
+    stride: int,
+    patch_size: int,
+    coords_l0: np.ndarray,
+    *,
+    alpha: float = 0.5,
+    min_side: int = 256,
+) -> np.ndarray:
     """Scores over the thumbnail with the chosen patches outlined.
 
     Args:
@@ -65,10 +74,10 @@ def heatmap_image(thumb: np.ndarray, level0_size: tuple[int, int], scores_grid: 
         x0, x1 = np.clip([x0, x1], 0, w - 1)
         y0, y1 = np.clip([y0, y1], 0, h - 1)
         cyan = np.array([0, 255, 255], dtype=np.uint8)
-        out[y0:y0 + lw, x0:x1 + 1] = cyan
-        out[max(y1 - lw + 1, 0):y1 + 1, x0:x1 + 1] = cyan
-        out[y0:y1 + 1, x0:x0 + lw] = cyan
-        out[y0:y1 + 1, max(x1 - lw + 1, 0):x1 + 1] = cyan
+        out[y0 : y0 + lw, x0 : x1 + 1] = cyan
+        out[max(y1 - lw + 1, 0) : y1 + 1, x0 : x1 + 1] = cyan
+        out[y0 : y1 + 1, x0 : x0 + lw] = cyan
+        out[y0 : y1 + 1, max(x1 - lw + 1, 0) : x1 + 1] = cyan
     return out
 
 

@@ -36,8 +36,20 @@ __all__ = ["ROW_FIELDS", "ScorerWorker", "ClassifierWorker", "error_row", "heatm
 log = logging.getLogger(__name__)
 
 # the fixed columns of a prediction row (plus prob_<class> per class)
-ROW_FIELDS = ("slide_id", "status", "error", "prediction", "probability", "probabilities", "patches", "heatmap",
-              "seconds", "store", "model", "scored_at")
+ROW_FIELDS = (
+    "slide_id",
+    "status",
+    "error",
+    "prediction",
+    "probability",
+    "probabilities",
+    "patches",
+    "heatmap",
+    "seconds",
+    "store",
+    "model",
+    "scored_at",
+)
 
 
 def _load(model: Any):
@@ -49,8 +61,10 @@ def _load(model: Any):
         return model_from_checkpoint(model)
     if isinstance(model, (str, Path)):
         if ":/" in str(model):
-            raise ValueError(f"model {str(model)!r}: workers load checkpoint dicts or local paths; resolve "
-                             "MLflow URIs on the driver (pipeline.model_io.load_model)")
+            raise ValueError(
+                f"model {str(model)!r}: workers load checkpoint dicts or local paths; resolve "
+                "MLflow URIs on the driver (pipeline.model_io.load_model)"
+            )
         return load_local(model)
     raise TypeError(f"model must be a checkpoint dict or a local checkpoint path, got {type(model).__name__}")
 
@@ -66,9 +80,20 @@ def _now() -> str:
 
 def error_row(slide_id: str, store: str, error: str, *, model: str = "", seconds: float = 0.0) -> dict[str, Any]:
     """A prediction row for a slide that could not be scored."""
-    return {"slide_id": slide_id, "status": "error", "error": error, "prediction": None, "probability": None,
-            "probabilities": {}, "patches": [], "heatmap": None, "seconds": float(seconds), "store": str(store),
-            "model": model, "scored_at": _now()}
+    return {
+        "slide_id": slide_id,
+        "status": "error",
+        "error": error,
+        "prediction": None,
+        "probability": None,
+        "probabilities": {},
+        "patches": [],
+        "heatmap": None,
+        "seconds": float(seconds),
+        "store": str(store),
+        "model": model,
+        "scored_at": _now(),
+    }
 
 
 def _set_threads(threads: int | None) -> None:
@@ -111,15 +136,27 @@ class ScorerWorker:
                 sel = self.model.select(scores, training=False)
             cells = sel.primary[0].cpu().numpy().astype(np.int64)
             slot_w = None if sel.slot_weights is None else sel.slot_weights[0].float().cpu().numpy()
-            return {"slide_id": slide_id, "store": str(store_path), "status": "ok",
-                    "scores": scores[0].float().cpu().numpy(), "grid_shape": tuple(int(g) for g in cell_mask.shape),
-                    "cells": cells, "slot_weights": slot_w, "seconds": time.perf_counter() - t0,
-                    "device": str(self.device)}
+            return {
+                "slide_id": slide_id,
+                "store": str(store_path),
+                "status": "ok",
+                "scores": scores[0].float().cpu().numpy(),
+                "grid_shape": tuple(int(g) for g in cell_mask.shape),
+                "cells": cells,
+                "slot_weights": slot_w,
+                "seconds": time.perf_counter() - t0,
+                "device": str(self.device),
+            }
         except Exception as exc:
             log.warning("scoring %s failed: %s", slide_id, _describe(exc))
             log.debug("%s", traceback.format_exc())
-            return {"slide_id": slide_id, "store": str(store_path), "status": "error",
-                    "error": f"scorer: {_describe(exc)}", "seconds": time.perf_counter() - t0}
+            return {
+                "slide_id": slide_id,
+                "store": str(store_path),
+                "status": "error",
+                "error": f"scorer: {_describe(exc)}",
+                "seconds": time.perf_counter() - t0,
+            }
 
     def score_batch(self, items: list[tuple[str, str]]) -> list[dict[str, Any]]:
         """:meth:`score_one` for each ``(slide_id, store_path)``."""
@@ -139,8 +176,9 @@ class ClassifierWorker:
         threads: torch CPU threads (None: leave as is).
     """
 
-    def __init__(self, model: Any, *, heatmap_dir: str | Path | None = None, model_name: str = "",
-                 threads: int | None = None):
+    def __init__(
+        self, model: Any, *, heatmap_dir: str | Path | None = None, model_name: str = "", threads: int | None = None
+    ):
         _set_threads(threads)
         self.model, self.cfg, self.class_names = _load(model)
         self.model.to("cpu").eval()
@@ -167,20 +205,31 @@ class ClassifierWorker:
         ready = []  # (index, store, grid, pix, positions, coords, t_read)
         for i, item in enumerate(items):
             if item.get("status") != "ok":
-                rows[i] = error_row(item["slide_id"], item["store"], item.get("error", "unknown error"),
-                                    model=self.model_name, seconds=item.get("seconds", 0.0))
+                rows[i] = error_row(
+                    item["slide_id"],
+                    item["store"],
+                    item.get("error", "unknown error"),
+                    model=self.model_name,
+                    seconds=item.get("seconds", 0.0),
+                )
                 continue
             t0 = time.perf_counter()
             try:
                 ready.append((i, *self._prepare(item), time.perf_counter() - t0))
             except Exception as exc:
                 log.warning("reading patches of %s failed: %s", item["slide_id"], _describe(exc))
-                rows[i] = error_row(item["slide_id"], item["store"], f"patches: {_describe(exc)}",
-                                    model=self.model_name, seconds=item.get("seconds", 0.0) + time.perf_counter() - t0)
+                rows[i] = error_row(
+                    item["slide_id"],
+                    item["store"],
+                    f"patches: {_describe(exc)}",
+                    model=self.model_name,
+                    seconds=item.get("seconds", 0.0) + time.perf_counter() - t0,
+                )
         if ready:
             t0 = time.perf_counter()
-            probs = self._classify([r[3] for r in ready], [r[4] for r in ready],
-                                   [items[r[0]].get("slot_weights") for r in ready])
+            probs = self._classify(
+                [r[3] for r in ready], [r[4] for r in ready], [items[r[0]].get("slot_weights") for r in ready]
+            )
             per_slide = (time.perf_counter() - t0) / len(ready)
             for (i, store, grid, _pix, _pos, coords, t_read), p in zip(ready, probs):
                 item = items[i]
@@ -189,12 +238,18 @@ class ClassifierWorker:
                     rows[i] = self._row(item, store, grid, coords, p)
                     rows[i]["seconds"] = float(item.get("seconds", 0.0) + t_read + per_slide + time.perf_counter() - t1)
                 except Exception as exc:
-                    rows[i] = error_row(item["slide_id"], item["store"], f"output: {_describe(exc)}",
-                                        model=self.model_name, seconds=item.get("seconds", 0.0))
+                    rows[i] = error_row(
+                        item["slide_id"],
+                        item["store"],
+                        f"output: {_describe(exc)}",
+                        model=self.model_name,
+                        seconds=item.get("seconds", 0.0),
+                    )
         return rows  # type: ignore[return-value]
 
-    def _classify(self, pixes: list[torch.Tensor], positions: list[torch.Tensor],
-                  slot_weights: list[np.ndarray | None]) -> np.ndarray:
+    def _classify(
+        self, pixes: list[torch.Tensor], positions: list[torch.Tensor], slot_weights: list[np.ndarray | None]
+    ) -> np.ndarray:
         """Class probabilities ``[B, C]`` of B slides: one feature-network call over all ``B*K`` patches, one
         aggregator call over the B slides."""
         b, k = len(pixes), pixes[0].shape[0]
@@ -213,17 +268,28 @@ class ClassifierWorker:
         cells = np.asarray(item["cells"], dtype=np.int64)
         cls = int(np.argmax(probs))
         p = self.cfg.patch_size
-        patches = [{**Box(int(x), int(y), p, p).as_dict(), "score": float(scores[c])}  # level-0 boxes
-                   for (x, y), c in zip(coords, cells)]
+        patches = [
+            {**Box(int(x), int(y), p, p).as_dict(), "score": float(scores[c])}  # level-0 boxes
+            for (x, y), c in zip(coords, cells)
+        ]
         heatmap = None
         if self.heatmap_dir is not None:
             img = slide_heatmap(store, score_grid(scores, grid.shape), grid.stride, p, coords)
             heatmap = str(write_heatmap(self.heatmap_dir / f"{item['slide_id']}.png", img).resolve())
-        return {"slide_id": item["slide_id"], "status": "ok", "error": None,
-                "prediction": self.class_names[cls], "probability": float(probs[cls]),
-                "probabilities": {name: float(v) for name, v in zip(self.class_names, probs)},
-                "patches": patches, "heatmap": heatmap, "seconds": 0.0, "store": str(item["store"]),
-                "model": self.model_name, "scored_at": _now()}
+        return {
+            "slide_id": item["slide_id"],
+            "status": "ok",
+            "error": None,
+            "prediction": self.class_names[cls],
+            "probability": float(probs[cls]),
+            "probabilities": {name: float(v) for name, v in zip(self.class_names, probs)},
+            "patches": patches,
+            "heatmap": heatmap,
+            "seconds": 0.0,
+            "store": str(item["store"]),
+            "model": self.model_name,
+            "scored_at": _now(),
+        }
 
     def ping(self) -> str:
         return "cpu"

@@ -104,8 +104,13 @@ class StoreMeta:
         return cls(**{k: v for k, v in d.items() if k in known}, extra=extra)
 
 
-def ngff_multiscales(name: str, downsamples: list[float] | tuple[float, ...], mpp: tuple[float, float] | None,
-                     *, channel_axis: bool = True) -> list[dict[str, Any]]:
+def ngff_multiscales(
+    name: str,
+    downsamples: list[float] | tuple[float, ...],
+    mpp: tuple[float, float] | None,
+    *,
+    channel_axis: bool = True,
+) -> list[dict[str, Any]]:
     """NGFF 0.5 ``multiscales`` for arrays ``"0", "1", ...`` with axes (c, y, x)."""
     mx, my = mpp if mpp is not None else (1.0, 1.0)
     unit = {"unit": "micrometer"} if mpp is not None else {}
@@ -213,7 +218,9 @@ class SlideStore:
     def tissue_mask(self) -> tuple[np.ndarray, float]:
         """(mask (h, w) bool, downsample of the mask relative to level 0), at the resolution it was computed."""
         tg = self.group[f"labels/{TISSUE_LABEL}"]
-        paths = [d["path"] for d in dict(tg.attrs).get("ome", {}).get("multiscales", [{}])[0].get("datasets", [])] or ["0"]
+        paths = [d["path"] for d in dict(tg.attrs).get("ome", {}).get("multiscales", [{}])[0].get("datasets", [])] or [
+            "0"
+        ]
         lab = tg[paths[-1]]
         mask = np.asarray(lab[...])
         if mask.ndim == 3:
@@ -238,10 +245,22 @@ def installed_version() -> str:
         return "0.1.0"
 
 
-def write_store_metadata(group: Any, *, slide_id: str, source: str, vendor: str, level_shapes: list[tuple[int, int]],
-                         downsamples: list[float] | tuple[float, ...], mpp: tuple[float, float] | None, tile_size: int,
-                         codec: str, version: str, source_mpp: tuple[float, float] | None = None, fingerprint: str = "",
-                         extra: dict[str, Any] | None = None) -> StoreMeta:
+def write_store_metadata(
+    group: Any,
+    *,
+    slide_id: str,
+    source: str,
+    vendor: str,
+    level_shapes: list[tuple[int, int]],
+    downsamples: list[float] | tuple[float, ...],
+    mpp: tuple[float, float] | None,
+    tile_size: int,
+    codec: str,
+    version: str,
+    source_mpp: tuple[float, float] | None = None,
+    fingerprint: str = "",
+    extra: dict[str, Any] | None = None,
+) -> StoreMeta:
     """Finish a store whose image levels are written: the tissue mask (from the smallest level) as NGFF labels,
     and the NGFF ``multiscales`` and foveate metadata as group attributes. Returns the metadata (then
     :func:`mark_complete`)."""
@@ -251,13 +270,28 @@ def write_store_metadata(group: Any, *, slide_id: str, source: str, vendor: str,
     low = np.asarray(group[str(last)][...])
     mask = tissue_mask(np.ascontiguousarray(np.moveaxis(low, 0, -1)))
     write_tissue_labels(group, mask, [tuple(x) for x in level_shapes], list(downsamples), mpp)
-    meta = StoreMeta(slide_id=slide_id, source=source, vendor=vendor, level0_size=tuple(level_shapes[0]),
-                     tile_size=tile_size, downsamples=tuple(float(d) for d in downsamples), mpp=mpp,
-                     source_mpp=source_mpp, fingerprint=fingerprint, codec=codec, foveate_version=version,
-                     tissue_downsample=float(downsamples[last]), tissue_fraction=float(mask.mean()),
-                     extra=dict(extra or {}))
-    group.attrs.update({"ome": {"version": "0.5", "multiscales": ngff_multiscales(slide_id, list(downsamples), mpp)},
-                        "foveate": meta.to_json()})
+    meta = StoreMeta(
+        slide_id=slide_id,
+        source=source,
+        vendor=vendor,
+        level0_size=tuple(level_shapes[0]),
+        tile_size=tile_size,
+        downsamples=tuple(float(d) for d in downsamples),
+        mpp=mpp,
+        source_mpp=source_mpp,
+        fingerprint=fingerprint,
+        codec=codec,
+        foveate_version=version,
+        tissue_downsample=float(downsamples[last]),
+        tissue_fraction=float(mask.mean()),
+        extra=dict(extra or {}),
+    )
+    group.attrs.update(
+        {
+            "ome": {"version": "0.5", "multiscales": ngff_multiscales(slide_id, list(downsamples), mpp)},
+            "foveate": meta.to_json(),
+        }
+    )
     return meta
 
 
@@ -269,10 +303,18 @@ def mark_complete(path: str | Path, slide_id: str, levels: int, **fields: Any) -
     os.replace(tmp, path / COMPLETE_MARKER)
 
 
-def write_store_from_array(path: str | Path, rgb: np.ndarray, *, slide_id: str | None = None,
-                           mpp: tuple[float, float] | None = (0.5, 0.5), tile_size: int = 256,
-                           min_size: int = 1024, source: str = "<array>", extra: dict[str, Any] | None = None,
-                           version: str | None = None) -> SlideStore:
+def write_store_from_array(
+    path: str | Path,
+    rgb: np.ndarray,
+    *,
+    slide_id: str | None = None,
+    mpp: tuple[float, float] | None = (0.5, 0.5),
+    tile_size: int = 256,
+    min_size: int = 1024,
+    source: str = "<array>",
+    extra: dict[str, Any] | None = None,
+    version: str | None = None,
+) -> SlideStore:
     """Write an in-memory (h, w, 3) uint8 image as a complete store (zstd, power-of-two pyramid).
 
     For tests and small synthetic data; archives go through ``foveate ingest``.
@@ -290,12 +332,30 @@ def write_store_from_array(path: str | Path, rgb: np.ndarray, *, slide_id: str |
     for i, (_, (lw, lh)) in enumerate(shapes):
         if i:
             level = downsample2x(level)[:lh, :lw]
-        a = group.create_array(str(i), shape=(3, lh, lw), chunks=(3, tile_size, tile_size), dtype="uint8",
-                               compressors=compressors, fill_value=255, dimension_names=("c", "y", "x"))
+        a = group.create_array(
+            str(i),
+            shape=(3, lh, lw),
+            chunks=(3, tile_size, tile_size),
+            dtype="uint8",
+            compressors=compressors,
+            fill_value=255,
+            dimension_names=("c", "y", "x"),
+        )
         a[...] = np.moveaxis(level, -1, 0)
-    write_store_metadata(group, slide_id=slide_id, source=source, vendor="array", level_shapes=[s for _, s in shapes],
-                         downsamples=downsamples, mpp=mpp, source_mpp=mpp, tile_size=tile_size, codec="zstd",
-                         version=version or installed_version(), extra=extra)
+    write_store_metadata(
+        group,
+        slide_id=slide_id,
+        source=source,
+        vendor="array",
+        level_shapes=[s for _, s in shapes],
+        downsamples=downsamples,
+        mpp=mpp,
+        source_mpp=mpp,
+        tile_size=tile_size,
+        codec="zstd",
+        version=version or installed_version(),
+        extra=extra,
+    )
     mark_complete(path, slide_id, len(downsamples))
     return SlideStore(path)
 
@@ -314,9 +374,15 @@ def _nearest_block(mask: np.ndarray, ys: np.ndarray, xs: np.ndarray, y0: int, x0
     return mask[np.ix_(ys, xs)]
 
 
-def write_tissue_labels(group: Any, mask: np.ndarray, level_shapes: list[tuple[int, int]],
-                        downsamples: list[float] | tuple[float, ...], mpp: tuple[float, float] | None,
-                        *, chunk: int = 1024) -> None:
+def write_tissue_labels(
+    group: Any,
+    mask: np.ndarray,
+    level_shapes: list[tuple[int, int]],
+    downsamples: list[float] | tuple[float, ...],
+    mpp: tuple[float, float] | None,
+    *,
+    chunk: int = 1024,
+) -> None:
     """Write ``labels/tissue`` as an NGFF label image with one level per image level.
 
     Args:
@@ -334,7 +400,9 @@ def write_tissue_labels(group: Any, mask: np.ndarray, level_shapes: list[tuple[i
     mask = np.asarray(mask, dtype=np.uint8)
     mh, mw = mask.shape
     if (mw, mh) != tuple(level_shapes[-1]):
-        raise ValueError(f"mask shape {(mh, mw)} must be the last level's (height, width) {tuple(level_shapes[-1])[::-1]}")
+        raise ValueError(
+            f"mask shape {(mh, mw)} must be the last level's (height, width) {tuple(level_shapes[-1])[::-1]}"
+        )
     if "labels" in group:
         del group["labels"]
     labels = group.create_group("labels")
@@ -344,8 +412,15 @@ def write_tissue_labels(group: Any, mask: np.ndarray, level_shapes: list[tuple[i
     ones_cache: dict[tuple[int, int], bytes] = {}
     for j, ((w, h), dj) in enumerate(zip(level_shapes, downsamples)):
         ch = min(chunk, h), min(chunk, w)
-        arr = tg.create_array(str(j), shape=(1, h, w), chunks=(1, *ch), dtype="uint8", fill_value=0,
-                              compressors=[zarr.codecs.ZstdCodec(level=3)], dimension_names=("c", "y", "x"))
+        arr = tg.create_array(
+            str(j),
+            shape=(1, h, w),
+            chunks=(1, *ch),
+            dtype="uint8",
+            fill_value=0,
+            compressors=[zarr.codecs.ZstdCodec(level=3)],
+            dimension_names=("c", "y", "x"),
+        )
         if j == len(level_shapes) - 1:
             arr[...] = mask[None]
             continue
@@ -378,6 +453,10 @@ def write_tissue_labels(group: Any, mask: np.ndarray, level_shapes: list[tuple[i
                     fh.write(data)
     tg.attrs["ome"] = {
         "version": "0.5",
-        "image-label": {"version": "0.5", "colors": [{"label-value": 1, "rgba": [0, 160, 0, 128]}], "source": {"image": "../../"}},
+        "image-label": {
+            "version": "0.5",
+            "colors": [{"label-value": 1, "rgba": [0, 160, 0, 128]}],
+            "source": {"image": "../../"},
+        },
         "multiscales": ngff_multiscales(TISSUE_LABEL, list(downsamples), mpp),
     }

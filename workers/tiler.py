@@ -68,7 +68,9 @@ class IngestOptions:
         if not (1 <= self.jpeg_quality <= 100):
             raise ConfigError(f"jpeg_quality must be in [1, 100], got {self.jpeg_quality!r}")
         if not (ZSTD_MIN_LEVEL <= self.zstd_level <= 22) or self.zstd_level == 0:
-            raise ConfigError(f"zstd_level must be in [{ZSTD_MIN_LEVEL}, -1] (fast levels) or [1, 22], got {self.zstd_level!r}")
+            raise ConfigError(
+                f"zstd_level must be in [{ZSTD_MIN_LEVEL}, -1] (fast levels) or [1, 22], got {self.zstd_level!r}"
+            )
         if self.mpp is not None and not (self.mpp > 0):
             raise ConfigError(f"mpp must be > 0 microns per pixel, got {self.mpp!r}")
         if self.min_size < 16:
@@ -90,8 +92,14 @@ class Tiler:
         version: the foveate version the stores record (default: the installed distribution's).
     """
 
-    def __init__(self, store_dir: str | Path, options: IngestOptions | None = None, *, cache_size: int = 4,
-                 version: str | None = None):
+    def __init__(
+        self,
+        store_dir: str | Path,
+        options: IngestOptions | None = None,
+        *,
+        cache_size: int = 4,
+        version: str | None = None,
+    ):
         self.store_dir = Path(store_dir)
         self.version = version or installed_version()
         self.options = options or IngestOptions()
@@ -163,17 +171,40 @@ class Tiler:
             mpp = (float(opts.mpp), float(opts.mpp))
         t = opts.tile_size
         jl = info.jpeg_levels
-        passthrough = (opts.codec == "jpeg" and opts.passthrough and opts.mpp is None and bool(jl) and jl[0] is not None
-                       and jl[0][0] == t and jl[0][1] == t)
-        levels = plan_levels((w_l0, h_l0), tile=t, min_size=opts.min_size, codec=opts.codec,
-                             jpeg_levels=jl if passthrough else None, level_dimensions=info.level_dimensions,
-                             level_downsamples=info.level_downsamples)
+        passthrough = (
+            opts.codec == "jpeg"
+            and opts.passthrough
+            and opts.mpp is None
+            and bool(jl)
+            and jl[0] is not None
+            and jl[0][0] == t
+            and jl[0][1] == t
+        )
+        levels = plan_levels(
+            (w_l0, h_l0),
+            tile=t,
+            min_size=opts.min_size,
+            codec=opts.codec,
+            jpeg_levels=jl if passthrough else None,
+            level_dimensions=info.level_dimensions,
+            level_downsamples=info.level_downsamples,
+        )
         stages = plan_stages(levels, tile=t, region_tiles=opts.region_tiles)
-        plan = SlidePlan(slide_id=slide.slide_id, store_path=str(self.store_path(slide.slide_id)), source_path=slide.path,
-                         source=slide.source, info=asdict(info), options=asdict(opts), level_shapes=levels.shapes,
-                         downsamples=levels.downsamples, level_codecs=levels.codecs,
-                         source_levels=levels.source_levels, mpp=mpp, stages=stages,
-                         files=tuple(slide.files))
+        plan = SlidePlan(
+            slide_id=slide.slide_id,
+            store_path=str(self.store_path(slide.slide_id)),
+            source_path=slide.path,
+            source=slide.source,
+            info=asdict(info),
+            options=asdict(opts),
+            level_shapes=levels.shapes,
+            downsamples=levels.downsamples,
+            level_codecs=levels.codecs,
+            source_levels=levels.source_levels,
+            mpp=mpp,
+            stages=stages,
+            files=tuple(slide.files),
+        )
         self._create_or_resume(plan, overwrite=overwrite)
         self._plans[plan.store_path] = plan
         return plan
@@ -200,10 +231,15 @@ class Tiler:
         group = zarr.open_group(str(path), mode="w", zarr_format=3)
         t = plan.tile
         for lvl, ((w, h), codec) in enumerate(zip(plan.level_shapes, plan.level_codecs)):
-            group.create_array(str(lvl), shape=(3, h, w), chunks=(3, t, t), dtype="uint8", fill_value=255,
-                               dimension_names=("c", "y", "x"),
-                               **level_codec_kwargs(codec, zstd_level=self.options.zstd_level,
-                                                    jpeg_quality=self.options.jpeg_quality))
+            group.create_array(
+                str(lvl),
+                shape=(3, h, w),
+                chunks=(3, t, t),
+                dtype="uint8",
+                fill_value=255,
+                dimension_names=("c", "y", "x"),
+                **level_codec_kwargs(codec, zstd_level=self.options.zstd_level, jpeg_quality=self.options.jpeg_quality),
+            )
         (path / PROGRESS_DIR).mkdir()
         write_json_atomic(plan_file, plan.to_json())  # last: a store with a plan file has all its arrays
         plan.todo = [list(st) for st in plan.stages]
@@ -214,8 +250,14 @@ class Tiler:
         w = self._writers.get(plan.store_path)
         if w is None:
             w = self._writers[plan.store_path] = ChunkWriter(
-                plan.store_path, tile=plan.tile, level_shapes=plan.level_shapes, level_codecs=plan.level_codecs,
-                zstd_level=self.options.zstd_level, jpeg_quality=self.options.jpeg_quality, executor=self._executor)
+                plan.store_path,
+                tile=plan.tile,
+                level_shapes=plan.level_shapes,
+                level_codecs=plan.level_codecs,
+                zstd_level=self.options.zstd_level,
+                jpeg_quality=self.options.jpeg_quality,
+                executor=self._executor,
+            )
             while len(self._writers) > 4 * self.cache_size:
                 self._writers.pop(next(iter(self._writers)))
         return w
@@ -261,8 +303,12 @@ class Tiler:
                 for f in pending:
                     f.result()
         marker.write_text("")
-        return {"tiles": self._region_tiles(plan, region), "skipped": False, "seconds": time.perf_counter() - t0,
-                "cpu_seconds": time.process_time() - c0}
+        return {
+            "tiles": self._region_tiles(plan, region),
+            "skipped": False,
+            "seconds": time.perf_counter() - t0,
+            "cpu_seconds": time.process_time() - c0,
+        }
 
     def _level_written(self, region: Region, level: int, pending: list[Future]) -> None:
         """Called after each output level of a decoded region is handed to the writer (``pending``: its chunk
@@ -345,24 +391,43 @@ class Tiler:
         info = plan.info
         passthrough = any(c.startswith("passthrough") for c in plan.level_codecs)
         meta = write_store_metadata(
-            group, slide_id=plan.slide_id, source=plan.source, vendor=info["vendor"], level_shapes=plan.level_shapes,
-            downsamples=plan.downsamples, mpp=plan.mpp, tile_size=plan.tile,
-            codec=("jpeg-passthrough" if passthrough else plan.options["codec"]), version=self.version,
-            source_mpp=tuple(info["mpp"]) if info["mpp"] else None, fingerprint=info["fingerprint"],
-            extra={"source_dimensions": list(info["dimensions"]), "level_codecs": plan.level_codecs,
-                   "source_levels": plan.source_levels, "tile_grid": [[math.ceil(w / plan.tile), math.ceil(h / plan.tile)]
-                                                                      for w, h in plan.level_shapes],
-                   "direct_decode": bool(info["direct"]), "resampled_to_mpp": plan.options.get("mpp")},
+            group,
+            slide_id=plan.slide_id,
+            source=plan.source,
+            vendor=info["vendor"],
+            level_shapes=plan.level_shapes,
+            downsamples=plan.downsamples,
+            mpp=plan.mpp,
+            tile_size=plan.tile,
+            codec=("jpeg-passthrough" if passthrough else plan.options["codec"]),
+            version=self.version,
+            source_mpp=tuple(info["mpp"]) if info["mpp"] else None,
+            fingerprint=info["fingerprint"],
+            extra={
+                "source_dimensions": list(info["dimensions"]),
+                "level_codecs": plan.level_codecs,
+                "source_levels": plan.source_levels,
+                "tile_grid": [[math.ceil(w / plan.tile), math.ceil(h / plan.tile)] for w, h in plan.level_shapes],
+                "direct_decode": bool(info["direct"]),
+                "resampled_to_mpp": plan.options.get("mpp"),
+            },
         )
         shutil.rmtree(prog, ignore_errors=True)
-        mark_complete(path, plan.slide_id, len(plan.downsamples), fingerprint=info["fingerprint"],
-                      foveate_version=self.version)
+        mark_complete(
+            path, plan.slide_id, len(plan.downsamples), fingerprint=info["fingerprint"], foveate_version=self.version
+        )
         self._plans.pop(str(store_path), None)
         self._writers.pop(str(store_path), None)
-        return {"width": plan.level_shapes[0][0], "height": plan.level_shapes[0][1],
-                "mpp": plan.mpp[0] if plan.mpp else None, "tissue_fraction": meta.tissue_fraction,
-                "vendor": info["vendor"], "codec": meta.codec, "levels": len(plan.downsamples),
-                "cpu_seconds": time.process_time() - c0}
+        return {
+            "width": plan.level_shapes[0][0],
+            "height": plan.level_shapes[0][1],
+            "mpp": plan.mpp[0] if plan.mpp else None,
+            "tissue_fraction": meta.tissue_fraction,
+            "vendor": info["vendor"],
+            "codec": meta.codec,
+            "levels": len(plan.downsamples),
+            "cpu_seconds": time.process_time() - c0,
+        }
 
     # ------------------------------------------------------------------ convenience
     def ingest_slide(self, slide: SlideFile, *, overwrite: bool = False) -> dict[str, Any]:

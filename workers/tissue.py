@@ -7,8 +7,9 @@ import numpy as np
 __all__ = ["tissue_mask"]
 
 
-def tissue_mask(rgb: np.ndarray, *, min_object_fraction: float = 1e-3, min_hole_fraction: float = 1e-3,
-                min_saturation: float = 0.04) -> np.ndarray:
+def tissue_mask(
+    rgb: np.ndarray, *, min_object_fraction: float = 1e-3, min_hole_fraction: float = 1e-3, min_saturation: float = 0.04
+) -> np.ndarray:
     """Boolean tissue mask of a low-resolution RGB image.
 
     Args:
@@ -36,8 +37,16 @@ def tissue_mask(rgb: np.ndarray, *, min_object_fraction: float = 1e-3, min_hole_
     area = mask.size
     min_obj = max(1, int(round(min_object_fraction * area)))
     min_hole = max(1, int(round(min_hole_fraction * area)))
-    mask = morphology.remove_small_objects(mask, max_size=min_obj) if _has_max_size() else morphology.remove_small_objects(mask, min_size=min_obj)
-    mask = morphology.remove_small_holes(mask, max_size=min_hole) if _has_max_size() else morphology.remove_small_holes(mask, area_threshold=min_hole)
+    mask = (
+        morphology.remove_small_objects(mask, max_size=min_obj)
+        if _has_max_size()
+        else morphology.remove_small_objects(mask, min_size=min_obj)
+    )
+    mask = (
+        morphology.remove_small_holes(mask, max_size=min_hole)
+        if _has_max_size()
+        else morphology.remove_small_holes(mask, area_threshold=min_hole)
+    )
     return mask
 
 

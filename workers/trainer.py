@@ -211,7 +211,7 @@ class TorchDistCollective:
         offset = 0
         for p, g in zip(params, grads):
             n = g.numel()
-            p.grad = flat[offset:offset + n].view_as(p).clone()
+            p.grad = flat[offset : offset + n].view_as(p).clone()
             offset += n
 
     def reduce_step_stats(self, stats: torch.Tensor) -> torch.Tensor:
@@ -278,9 +278,19 @@ class Trainer:
         log_every: see ``on_step``.
     """
 
-    def __init__(self, model_config: Any, optim: OptimConfig, schedule: ScheduleConfig, *, slides_per_epoch: int,
-                 seed: int = 0, device: str | torch.device = "cpu", collective: Collective | None = None,
-                 on_step: StepCallback | None = None, log_every: int = 1):
+    def __init__(
+        self,
+        model_config: Any,
+        optim: OptimConfig,
+        schedule: ScheduleConfig,
+        *,
+        slides_per_epoch: int,
+        seed: int = 0,
+        device: str | torch.device = "cpu",
+        collective: Collective | None = None,
+        on_step: StepCallback | None = None,
+        log_every: int = 1,
+    ):
         from operators.model import FoveateModel
 
         self.optim_cfg, self.schedule = optim, schedule
@@ -297,7 +307,8 @@ class Trainer:
         self.steps_per_epoch = math.ceil(slides_per_epoch / optim.accumulate)
         self.total_steps = self.steps_per_epoch * optim.epochs
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: lr_factor(s, self.total_steps, optim.warmup, optim.min_lr_ratio))
+            self.optimizer, lambda s: lr_factor(s, self.total_steps, optim.warmup, optim.min_lr_ratio)
+        )
         self.generator = torch.Generator(device=self.device)  # selection noise is drawn on the model's device
         self.generator.manual_seed(seed * 1000 + self.rank)
         self.epoch, self.global_step, self.train_seconds = 0, 0, 0.0
@@ -314,8 +325,14 @@ class Trainer:
     def _forward(self, store, *, training: bool, sigma: float, target: int | None = None):
         from workers.patches import forward_slide
 
-        return forward_slide(self.model, store, training=training, sigma=sigma,
-                             generator=self.generator if training else None, target=target)
+        return forward_slide(
+            self.model,
+            store,
+            training=training,
+            sigma=sigma,
+            generator=self.generator if training else None,
+            target=target,
+        )
 
     # ------------------------------------------------------------------ step
     def step(self, batch: Sequence[Any], result: EpochResult) -> dict[str, float]:
@@ -347,8 +364,11 @@ class Trainer:
         self.scheduler.step()
         self.global_step += 1
         dt = time.perf_counter() - t0
-        stats = torch.tensor([loss_sum, len(batch), correct, patches, dt], dtype=torch.float64,
-                             device=self.collective.stats_device(self.device))
+        stats = torch.tensor(
+            [loss_sum, len(batch), correct, patches, dt],
+            dtype=torch.float64,
+            device=self.collective.stats_device(self.device),
+        )
         s_loss, s_n, s_correct, s_patches, s_dt = self.collective.reduce_step_stats(stats).cpu().tolist()
         result.loss += s_loss
         result.n += int(s_n)
@@ -373,13 +393,20 @@ class Trainer:
         result = EpochResult(started=time.perf_counter())
         acc = self.optim_cfg.accumulate
         for i in range(self.steps_per_epoch):
-            metrics = self.step(records[i * acc:(i + 1) * acc], result)
+            metrics = self.step(records[i * acc : (i + 1) * acc], result)
             last = i == self.steps_per_epoch - 1
             if self.on_step is not None and (self.global_step % self.log_every == 0 or last):
                 metrics["peak_memory_mb"] = peak_memory_mb(self.device)
                 self.on_step(metrics, self.global_step)
-                log.info("epoch %d step %d/%d loss %.4f sigma %.4f %.2fs/step", self.epoch + 1, i + 1,
-                         self.steps_per_epoch, metrics["loss"], metrics["sigma"], metrics["seconds_per_step"])
+                log.info(
+                    "epoch %d step %d/%d loss %.4f sigma %.4f %.2fs/step",
+                    self.epoch + 1,
+                    i + 1,
+                    self.steps_per_epoch,
+                    metrics["loss"],
+                    metrics["sigma"],
+                    metrics["seconds_per_step"],
+                )
         self.train_seconds += time.perf_counter() - result.started
         self.epoch += 1
         return result
@@ -393,8 +420,9 @@ class Trainer:
             for rec in records:
                 out = self._forward(self._store(rec.store), training=False, sigma=0.0)
                 logits = out.logits.reshape(1, -1).float()
-                loss_sum += float(torch.nn.functional.cross_entropy(
-                    logits, torch.tensor([rec.target], device=logits.device)))
+                loss_sum += float(
+                    torch.nn.functional.cross_entropy(logits, torch.tensor([rec.target], device=logits.device))
+                )
                 probs.append(torch.softmax(logits, -1)[0].cpu().tolist())
                 targets.append(rec.target)
                 patches += num_patches(out)
@@ -405,8 +433,9 @@ class Trainer:
         over all workers (full on rank 0; only ``epoch`` and ``global_step`` on the others)."""
         ep = self.train_epoch(train_records)
         val = self.evaluate(val_records)
-        gathered = self.collective.all_gather({"train": (ep.targets, ep.probs),
-                                               "val": (val.targets, val.probs, val.loss, val.patches)})
+        gathered = self.collective.all_gather(
+            {"train": (ep.targets, ep.probs), "val": (val.targets, val.probs, val.loss, val.patches)}
+        )
         metrics: dict[str, float] = {"epoch": self.epoch, "global_step": self.global_step}
         if self.rank == 0:
             tt = [t for g in gathered for t in g["train"][0]]
