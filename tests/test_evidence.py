@@ -50,7 +50,7 @@ def test_rank_loss_pushes_high_evidence_cells_up_and_is_zero_without_evidence_sp
     assert s.grad[0] < 0 < s.grad[1]  # gradient descent raises cell 0, lowers cell 1
     assert s.grad[2] > 0
     flat = evidence_rank_loss(s.detach().requires_grad_(True), torch.full((3,), 0.4, dtype=torch.float64))
-    assert float(flat) == 0.0
+    assert float(flat.detach()) == 0.0
     # correctly ordered with a wide margin: ~0
     good = evidence_rank_loss(
         torch.tensor([1.0, 0.0], dtype=torch.float64), torch.tensor([1.0, 0.0], dtype=torch.float64), temperature=0.05
