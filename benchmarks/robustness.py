@@ -462,7 +462,7 @@ def main(argv: list[str] | None = None) -> int:
                 write_json()
         if args.no_train:
             continue
-        jobs = [(c, s) for c in configs for s in seeds]
+        jobs = [(c, s) for s in seeds for c in configs]  # seed-major: a cut-short sweep still covers every config
 
         def one(job):
             config, seed = job
