@@ -11,11 +11,13 @@ Per run: test accuracy and AUC (from the run's MLflow metrics ``val_accuracy`` /
 (``train_seconds``: the training loop, without Ray/MLflow start-up), and the *hit rate*: the fraction of the
 trained model's hard top-k test patches (re-run here from the run's checkpoint) that overlap a ground-truth
 informative object of the synthetic slide's sidecar (checker: the candidate structures; objects: the
-informative objects, not the distractors), next to the *chance* hit rate of uniformly random tissue cells.
+informative objects, not the distractors), next to the *chance* hit rate of uniformly random tissue cells;
+the same for the distractors (objects task: does the scorer look at ink at all?).
 Also the fraction of informative objects that at least one chosen patch touches (``recall``).
 
 Per task x config the table shows: success rate (test accuracy >= 0.95), median and worst accuracy, median
-AUC, median hit rate (and chance), median object recall, median train seconds.
+AUC, median hit rate (and chance), median object recall, median distractor hit rate (and chance), median
+train seconds.
 
 ``--oracle``: a learnability check. The same feature network + aggregator (from the first config) is trained
 on the patches a perfect scorer would choose (the grid cells with the largest overlap with each informative
@@ -163,6 +165,7 @@ class Split:
     train: list
     test: list
     boxes: dict[str, list[dict]] = field(default_factory=dict)  # store -> informative boxes (level 0)
+    distractors: dict[str, list[dict]] = field(default_factory=dict)  # store -> distractor boxes (objects task)
 
 
 def load_split(config: str, stores: Path, overrides: list[str]) -> Split:
@@ -181,13 +184,15 @@ def load_split(config: str, stores: Path, overrides: list[str]) -> Split:
     man = pd.read_parquet(stores / "manifest.parquet") if (stores / "manifest.parquet").is_file() \
         else pd.read_csv(stores / "manifest.csv")
     src = {Path(s).resolve().name: r for s, r in zip(man["store"], man["source"])} if "store" in man.columns else {}
-    boxes = {}
+    boxes, distractors = {}, {}
     for rec in train + test:
         source = src.get(Path(rec.store).resolve().name)
         if source is None:  # manifest without a store column: match on the slide id
             source = man.loc[man["slide_id"] == rec.slide_id, "source"].iloc[0]
-        boxes[rec.store] = json.loads(sidecar_path(source).read_text())["structures"]
-    return Split(list(table.class_names), train, test, boxes)
+        side = json.loads(sidecar_path(source).read_text())
+        boxes[rec.store] = side["structures"]
+        distractors[rec.store] = side.get("distractors", [])
+    return Split(list(table.class_names), train, test, boxes, distractors)
 
 
 def _cell_boxes(grid, cells) -> np.ndarray:
@@ -206,8 +211,9 @@ def hits_of(xy: np.ndarray, patch: int, boxes: list[dict]) -> tuple[np.ndarray, 
     return ov.any(1), int(ov.any(0).sum())
 
 
-def chance_hit_rate(split: Split, model_cfg) -> float:
-    """Mean over test slides of the fraction of tissue cells that overlap an informative object."""
+def chance_hit_rate(split: Split, model_cfg, which: str = "boxes") -> float:
+    """Mean over test slides of the fraction of tissue cells that overlap an informative object (``which=
+    "distractors"``: a distractor)."""
     import torch
 
     from workers.patches import prepare_slide
@@ -218,7 +224,7 @@ def chance_hit_rate(split: Split, model_cfg) -> float:
         cells = torch.nonzero(si.cell_mask.flatten()).flatten()
         if len(cells) == 0:
             continue
-        h, _ = hits_of(_cell_boxes(si.grid, cells), si.grid.patch_size, split.boxes[rec.store])
+        h, _ = hits_of(_cell_boxes(si.grid, cells), si.grid.patch_size, getattr(split, which)[rec.store])
         rates.append(h.mean())
     return float(np.mean(rates)) if rates else float("nan")
 
@@ -234,7 +240,7 @@ def evaluate_checkpoint(checkpoint: str, split: Split) -> dict[str, float]:
 
     model, cfg, _ = load_checkpoint(checkpoint)
     model.eval()
-    probs, ys, hit, rec_frac = [], [], [], []
+    probs, ys, hit, rec_frac, dhit = [], [], [], [], []
     with torch.no_grad():
         for rec in split.test:
             out = forward_slide(model, SlideStore(rec.store), training=False, sigma=0.0)
@@ -242,10 +248,11 @@ def evaluate_checkpoint(checkpoint: str, split: Split) -> dict[str, float]:
             ys.append(rec.target)
             h, touched = hits_of(out.coords_l0.numpy().reshape(-1, 2), cfg.patch_size, split.boxes[rec.store])
             hit.append(h.mean())
+            dhit.append(hits_of(out.coords_l0.numpy().reshape(-1, 2), cfg.patch_size, split.distractors[rec.store])[0].mean())
             rec_frac.append(touched / max(len(split.boxes[rec.store]), 1))
     m = classification_metrics(ys, np.array(probs))
     return {"eval_accuracy": m["accuracy"], "eval_auc": m["auc"], "hit_rate": float(np.mean(hit)),
-            "object_recall": float(np.mean(rec_frac))}
+            "object_recall": float(np.mean(rec_frac)), "distractor_hit_rate": float(np.mean(dhit))}
 
 
 # ---------------------------------------------------------------------------------------------- oracle
@@ -354,6 +361,8 @@ def summarise(rows: list[dict]) -> list[dict]:
                     "median_accuracy": med("test_accuracy"), "worst_accuracy": float(min(accs)) if accs else float("nan"),
                     "median_auc": med("test_auc"), "median_hit_rate": med("hit_rate"),
                     "chance_hit_rate": med("chance_hit_rate"), "median_object_recall": med("object_recall"),
+                    "median_distractor_hit_rate": med("distractor_hit_rate"),
+                    "chance_distractor_hit_rate": med("chance_distractor_hit_rate"),
                     "median_train_seconds": med("train_seconds"),
                     "accuracies": accs})
     return out
@@ -362,11 +371,12 @@ def summarise(rows: list[dict]) -> list[dict]:
 def print_table(summary: list[dict], oracle: list[dict]) -> None:
     print()
     print(f"{'task':<22} {'config':<22} {'success':>8} {'med acc':>8} {'worst':>6} {'med AUC':>8} "
-          f"{'hit':>6} {'chance':>7} {'recall':>7} {'train s':>8}  accuracies")
+          f"{'hit':>6} {'chance':>7} {'recall':>7} {'d.hit':>6} {'d.chance':>8} {'train s':>8}  accuracies")
     for s in summary:
         print(f"{s['task']:<22} {s['config']:<22} {s['successes']:>3}/{s['runs']:<4} {s['median_accuracy']:>8.3f} "
               f"{s['worst_accuracy']:>6.3f} {s['median_auc']:>8.3f} {s['median_hit_rate']:>6.3f} "
-              f"{s['chance_hit_rate']:>7.3f} {s['median_object_recall']:>7.3f} {s['median_train_seconds']:>8.1f}  "
+              f"{s['chance_hit_rate']:>7.3f} {s['median_object_recall']:>7.3f} {s['median_distractor_hit_rate']:>6.3f} "
+              f"{s['chance_distractor_hit_rate']:>8.3f} {s['median_train_seconds']:>8.1f}  "
               + " ".join(f"{a:.2f}" for a in s["accuracies"]) + (f"  ({s['failed_runs']} crashed)" if s["failed_runs"] else ""))
     for o in oracle:
         print(f"{o['task']:<22} {'oracle (' + o['config'] + ')':<22} acc {o['test_accuracy']:.3f} AUC {o['test_auc']:.3f} "
@@ -447,10 +457,12 @@ def main(argv: list[str] | None = None) -> int:
 
         mcfg = load_config(TrainConfig, ROOT / "configs" / f"{configs[0]}.yaml", overrides).model
         chance = chance_hit_rate(split, mcfg)
+        dchance = chance_hit_rate(split, mcfg, "distractors")
         data_info[task.name].update({"classes": split.class_names, "train_slides": len(split.train),
-                                     "test_slides": len(split.test), "chance_hit_rate": chance})
+                                     "test_slides": len(split.test), "chance_hit_rate": chance,
+                                     "chance_distractor_hit_rate": dchance})
         print(f"[{task.name}] {len(split.train)} train / {len(split.test)} test slides, classes {split.class_names}, "
-              f"chance hit rate {chance:.4f}", flush=True)
+              f"chance hit rate {chance:.4f} (distractors {dchance:.4f})", flush=True)
         if args.oracle:
             for seed in seeds:
                 o = run_oracle(configs[0], split, seed, args.epochs or
@@ -469,7 +481,7 @@ def main(argv: list[str] | None = None) -> int:
             stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
             name = f"{task.key}-{config}-s{seed}-{stamp}"
             row: dict[str, Any] = {"task": task.name, "config": config, "seed": seed, "run_name": name,
-                                   "chance_hit_rate": chance}
+                                   "chance_hit_rate": chance, "chance_distractor_hit_rate": dchance}
             try:
                 res = run_training(config, stores, seed, overrides, workdir, name, workdir / "logs" / f"{name}.log")
                 m = res["metrics"]
@@ -490,7 +502,8 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"[{task.name}] {row['config']} seed {row['seed']}: test acc {row['test_accuracy']:.3f} "
                           f"(re-eval {row['eval_accuracy']:.3f}) AUC {row['test_auc']:.3f} train acc "
                           f"{row['train_accuracy']:.3f} hit {row['hit_rate']:.3f} (chance {chance:.3f}) recall "
-                          f"{row['object_recall']:.2f} train {row['train_seconds']:.0f}s wall {row['wall_seconds']:.0f}s",
+                          f"{row['object_recall']:.2f} distractor hit {row['distractor_hit_rate']:.3f} "
+                          f"(chance {dchance:.3f}) train {row['train_seconds']:.0f}s wall {row['wall_seconds']:.0f}s",
                           flush=True)
                 write_json()
     write_json()
