@@ -402,6 +402,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--oracle", action="store_true", help="also train the first config's feature network on oracle patches")
     p.add_argument("--no-train", action="store_true", help="skip the selection-model runs (e.g. only --oracle)")
     p.add_argument("--json", default=None, help="output JSON (default WORKDIR/robustness.json)")
+    p.add_argument("--resume", action="store_true",
+                   help="keep the successful runs (and oracle rows) already in the output JSON and run only the "
+                        "missing or crashed (task, config, seed) combinations")
     args = p.parse_args(argv)
 
     tasks = []
@@ -433,6 +436,13 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.perf_counter()
     rows: list[dict] = []
     oracle_rows: list[dict] = []
+    if args.resume and out_json.is_file():
+        old = json.loads(out_json.read_text())
+        rows = [r for r in old.get("rows", []) if "error" not in r]
+        oracle_rows = list(old.get("oracle", []))
+        print(f"--resume: keeping {len(rows)} run(s) and {len(oracle_rows)} oracle row(s) from {out_json}", flush=True)
+    done = {(r["task"], r["config"], r["seed"]) for r in rows}
+    oracle_done = {(r["task"], r["config"], r["seed"]) for r in oracle_rows}
     data_info: dict[str, Any] = {}
 
     def write_json() -> None:
@@ -465,6 +475,8 @@ def main(argv: list[str] | None = None) -> int:
               f"chance hit rate {chance:.4f} (distractors {dchance:.4f})", flush=True)
         if args.oracle:
             for seed in seeds:
+                if (task.name, configs[0], seed) in oracle_done:
+                    continue
                 o = run_oracle(configs[0], split, seed, args.epochs or
                                load_config(TrainConfig, ROOT / "configs" / f"{configs[0]}.yaml", overrides).optim.epochs,
                                overrides)
@@ -474,7 +486,8 @@ def main(argv: list[str] | None = None) -> int:
                 write_json()
         if args.no_train:
             continue
-        jobs = [(c, s) for s in seeds for c in configs]  # seed-major: a cut-short sweep still covers every config
+        jobs = [(c, s) for s in seeds for c in configs  # seed-major: a cut-short sweep still covers every config
+                if (task.name, c, s) not in done]
 
         def one(job):
             config, seed = job
