@@ -1,0 +1,529 @@
+"""Benchmark: how reliably do the selection models learn where to look? Seeds x selector configs x tasks.
+
+For every task the data is made once (``foveate synth`` -> ``foveate ingest``, cached under
+``WORKDIR/data/<task>-<count>x<size>/`` and reused when complete), then for every config in ``configs/``
+(default: every training config there except ``demo`` and ``runtime_env``) and every training seed one
+``foveate train`` runs in a subprocess (:func:`run_training`; swap it for an in-process trainer later). The
+"validation" split of ``foveate train`` (stratified, ``data.val_fraction``, ``data.seed``) is the held-out
+test set, never used for model selection: the model after the last epoch is evaluated with hard top-k.
+
+Per run: test accuracy and AUC (from the run's MLflow metrics ``val_accuracy`` / ``val_auc``), train seconds
+(``train_seconds``: the training loop, without Ray/MLflow start-up), and the *hit rate*: the fraction of the
+trained model's hard top-k test patches (re-run here from the run's checkpoint) that overlap a ground-truth
+informative object of the synthetic slide's sidecar (checker: the candidate structures; objects: the
+informative objects, not the distractors), next to the *chance* hit rate of uniformly random tissue cells;
+the same for the distractors (objects task: does the scorer look at ink at all?).
+Also the fraction of informative objects that at least one chosen patch touches (``recall``).
+
+Per task x config the table shows: success rate (test accuracy >= 0.95), median and worst accuracy, median
+AUC, median hit rate (and chance), median object recall, median distractor hit rate (and chance), median
+train seconds.
+
+``--oracle``: a learnability check. The same feature network + aggregator (from the first config) is trained
+on the patches a perfect scorer would choose (the grid cells with the largest overlap with each informative
+object, then the rest of the K slots filled with random tissue cells) and evaluated the same way; it shows
+whether the task is learnable once the scorer looks at the right place.
+
+Tasks (``--tasks``): ``checker`` (the 80-slide task of ``benchmarks/accuracy.py``: 80 slides of 2048-3072 px),
+``objects-binary`` and ``objects-4class`` (``foveate synth --task objects``, 64 slides of 4096 px by default;
+``--count`` / ``--size`` change every task's size), and quick variants ``checker-quick`` (32 x 2048),
+``objects-binary-quick`` and ``objects-4class-quick`` (32 x 4096).
+
+Usage:
+  python benchmarks/robustness.py --tasks objects-binary-quick --configs perturbed_mean --seeds 0,1,2 --epochs 10
+  python benchmarks/robustness.py --tasks objects-binary,objects-4class --configs perturbed_mean,attention_sampling \\
+      --seeds 0,1,2 --oracle --json benchmarks/results/robustness_objects.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import json
+import math
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+import numpy as np  # noqa: E402
+
+PY = sys.executable
+SUCCESS = 0.95
+NOT_CONFIGS = ("demo", "runtime_env")
+
+
+@dataclass(frozen=True)
+class Task:
+    name: str
+    family: str  # "checker" | "objects"
+    classes: int
+    count: int
+    size: str
+    codec: str  # foveate ingest --codec
+
+    @property
+    def key(self) -> str:
+        return f"{self.name.removesuffix('-quick')}-{self.count}x{self.size.replace(':', '-')}"
+
+
+TASKS = {
+    "checker": Task("checker", "checker", 2, 80, "2048:3072", "zstd"),
+    "objects-binary": Task("objects-binary", "objects", 2, 64, "4096", "jpeg"),
+    "objects-4class": Task("objects-4class", "objects", 4, 64, "4096", "jpeg"),
+    "checker-quick": Task("checker-quick", "checker", 2, 32, "2048", "zstd"),
+    "objects-binary-quick": Task("objects-binary-quick", "objects", 2, 32, "4096", "jpeg"),
+    "objects-4class-quick": Task("objects-4class-quick", "objects", 4, 32, "4096", "jpeg"),
+}
+
+
+def available_configs() -> list[str]:
+    return sorted(p.stem for p in (ROOT / "configs").glob("*.yaml") if p.stem not in NOT_CONFIGS)
+
+
+# ---------------------------------------------------------------------------------------------- data
+def _run(cmd: list[str], log: Path) -> None:
+    with open(log, "a") as fh:
+        fh.write("$ " + " ".join(cmd) + "\n")
+        fh.flush()
+        rc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT).returncode
+    if rc != 0:
+        raise RuntimeError(f"{' '.join(cmd[:4])} ... exited with {rc}; see {log}")
+
+
+def prepare_data(task: Task, workdir: Path, seed: int = 0) -> Path:
+    """synth + ingest once; returns the stores folder. A completed dataset has a ``READY`` marker."""
+    d = workdir / "data" / task.key
+    slides, stores = d / "slides", d / "stores"
+    if (d / "READY").is_file():
+        return stores
+    d.mkdir(parents=True, exist_ok=True)
+    log = d / "prepare.log"
+    t0 = time.perf_counter()
+    if not (slides / "labels.csv").is_file():
+        cmd = [PY, "-m", "pipeline", "synth", str(slides), "--count", str(task.count), "--size", task.size,
+               "--format", "tiff", "--seed", str(seed)]
+        if task.family == "objects":
+            cmd += ["--task", "objects", "--classes", str(task.classes)]
+        _run(cmd, log)
+    t1 = time.perf_counter()
+    _run([PY, "-m", "pipeline", "ingest", str(slides / "labels.csv"), "--out", str(stores), "--workers", "2",
+          "--codec", task.codec], log)
+    t2 = time.perf_counter()
+    (d / "READY").write_text(json.dumps({"task": task.__dict__, "synth_seconds": t1 - t0,
+                                         "ingest_seconds": t2 - t1}) + "\n")
+    print(f"[data] {task.key}: synth {t1 - t0:.0f}s, ingest {t2 - t1:.0f}s", flush=True)
+    return stores
+
+
+# ---------------------------------------------------------------------------------------------- one training
+def run_training(config: str, stores: Path, seed: int, overrides: list[str], workdir: Path, run_name: str,
+                 log: Path) -> dict[str, Any]:
+    """Train one model with ``foveate train`` in a subprocess. Returns ``{"metrics", "checkpoint", "run_dir",
+    "run_id", "wall_seconds"}``. The only place that knows how a training is launched."""
+    run_dir = workdir / "train" / run_name
+    if run_dir.exists():  # a crashed earlier attempt: start over
+        shutil.rmtree(run_dir)
+    cmd = [PY, "-m", "pipeline", "train", "--config", str(ROOT / "configs" / f"{config}.yaml"),
+           "--set", f"data.stores={stores}", "--set", "data.labels=manifest", "--set", f"seed={seed}",
+           "--set", f"tracking.run_name={run_name}", "--set", "tracking.experiment=foveate-robustness",
+           "--set", "threads=1", "--set", "tracking.artifact_slides=0",
+           *[a for o in overrides for a in ("--set", o)], "--workdir", str(workdir)]
+    t0 = time.perf_counter()
+    env = dict(os.environ, MLFLOW_TRACKING_URI=f"sqlite:///{workdir / 'mlflow.db'}")
+    with open(log, "w") as fh:
+        fh.write("$ " + " ".join(cmd) + "\n")
+        fh.flush()
+        rc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT, env=env).returncode
+    wall = time.perf_counter() - t0
+    if rc != 0:
+        raise RuntimeError(f"training {run_name} exited with {rc}; see {log}")
+    state = json.loads((run_dir / "train_state.json").read_text())
+    from mlflow.tracking import MlflowClient
+
+    metrics = dict(MlflowClient(state["tracking_uri"]).get_run(state["run_id"]).data.metrics)
+    ckpts = sorted(run_dir.rglob("model.pt"), key=lambda p: p.stat().st_mtime)
+    if not ckpts:
+        raise RuntimeError(f"no checkpoint under {run_dir}")
+    return {"metrics": metrics, "checkpoint": str(ckpts[-1]), "run_dir": str(run_dir), "run_id": state["run_id"],
+            "wall_seconds": wall}
+
+
+# ---------------------------------------------------------------------------------------------- ground truth
+@dataclass
+class Split:
+    class_names: list[str]
+    train: list
+    test: list
+    boxes: dict[str, list[dict]] = field(default_factory=dict)  # store -> informative boxes (level 0)
+    distractors: dict[str, list[dict]] = field(default_factory=dict)  # store -> distractor boxes (objects task)
+
+
+def load_split(config: str, stores: Path, overrides: list[str]) -> Split:
+    """The train/test split ``foveate train`` makes for this config, plus each slide's informative boxes."""
+    import pandas as pd
+
+    from pipeline.config import load_config
+    from pipeline.data import build_slide_table, split_train_val
+    from pipeline.train import TrainConfig
+    from workers.synth import sidecar_path
+
+    cfg = load_config(TrainConfig, ROOT / "configs" / f"{config}.yaml",
+                      [f"data.stores={stores}", "data.labels=manifest", *overrides])
+    table = build_slide_table(cfg.data)
+    train, test = split_train_val(table.records, cfg.data.val_fraction, cfg.data.seed)
+    man = pd.read_parquet(stores / "manifest.parquet") if (stores / "manifest.parquet").is_file() \
+        else pd.read_csv(stores / "manifest.csv")
+    src = {Path(s).resolve().name: r for s, r in zip(man["store"], man["source"])} if "store" in man.columns else {}
+    boxes, distractors = {}, {}
+    for rec in train + test:
+        source = src.get(Path(rec.store).resolve().name)
+        if source is None:  # manifest without a store column: match on the slide id
+            source = man.loc[man["slide_id"] == rec.slide_id, "source"].iloc[0]
+        side = json.loads(sidecar_path(source).read_text())
+        boxes[rec.store] = side["structures"]
+        distractors[rec.store] = side.get("distractors", [])
+    return Split(list(table.class_names), train, test, boxes, distractors)
+
+
+def _cell_boxes(grid, cells) -> np.ndarray:
+    xy = grid.cell_xy_l0(cells).numpy().reshape(-1, 2)
+    return xy
+
+
+def hits_of(xy: np.ndarray, patch: int, boxes: list[dict]) -> tuple[np.ndarray, int]:
+    """Per chosen patch (level-0 top-left ``xy``, side ``patch``): does it overlap an informative box; and how
+    many distinct boxes are touched."""
+    if not boxes:
+        return np.zeros(len(xy), bool), 0
+    b = np.array([[o["x"], o["y"], o["x"] + o["width"], o["y"] + o["height"]] for o in boxes], np.float64)
+    x, y = xy[:, 0:1].astype(np.float64), xy[:, 1:2].astype(np.float64)
+    ov = (x < b[None, :, 2]) & (b[None, :, 0] < x + patch) & (y < b[None, :, 3]) & (b[None, :, 1] < y + patch)
+    return ov.any(1), int(ov.any(0).sum())
+
+
+def chance_hit_rate(split: Split, model_cfg, which: str = "boxes") -> float:
+    """Mean over test slides of the fraction of tissue cells that overlap an informative object (``which=
+    "distractors"``: a distractor)."""
+    import torch
+
+    from workers.patches import prepare_slide
+
+    rates = []
+    for rec in split.test:
+        si = prepare_slide(rec.store, model_cfg)
+        cells = torch.nonzero(si.cell_mask.flatten()).flatten()
+        if len(cells) == 0:
+            continue
+        h, _ = hits_of(_cell_boxes(si.grid, cells), si.grid.patch_size, getattr(split, which)[rec.store])
+        rates.append(h.mean())
+    return float(np.mean(rates)) if rates else float("nan")
+
+
+def evaluate_checkpoint(checkpoint: str, split: Split) -> dict[str, float]:
+    """Hard top-k on the test slides from a trained checkpoint: accuracy, hit rate, object recall."""
+    import torch
+
+    from pipeline.model_io import load_checkpoint
+    from pipeline.train import classification_metrics
+    from workers.patches import forward_slide
+    from workers.store import SlideStore
+
+    model, cfg, _ = load_checkpoint(checkpoint)
+    model.eval()
+    probs, ys, hit, rec_frac, dhit = [], [], [], [], []
+    with torch.no_grad():
+        for rec in split.test:
+            out = forward_slide(model, SlideStore(rec.store), training=False, sigma=0.0)
+            probs.append(torch.softmax(out.logits.reshape(1, -1).float(), -1)[0].numpy())
+            ys.append(rec.target)
+            h, touched = hits_of(out.coords_l0.numpy().reshape(-1, 2), cfg.patch_size, split.boxes[rec.store])
+            hit.append(h.mean())
+            dhit.append(hits_of(out.coords_l0.numpy().reshape(-1, 2), cfg.patch_size, split.distractors[rec.store])[0].mean())
+            rec_frac.append(touched / max(len(split.boxes[rec.store]), 1))
+    m = classification_metrics(ys, np.array(probs))
+    return {"eval_accuracy": m["accuracy"], "eval_auc": m["auc"], "hit_rate": float(np.mean(hit)),
+            "object_recall": float(np.mean(rec_frac)), "distractor_hit_rate": float(np.mean(dhit))}
+
+
+# ---------------------------------------------------------------------------------------------- oracle
+def oracle_cells(si, boxes: list[dict], k: int, rng: np.random.Generator) -> np.ndarray:
+    """K cells a perfect scorer would pick: per object its best-overlapping cell, then other overlapping
+    cells by overlap, then random tissue cells."""
+    import torch
+
+    g = si.grid
+    n = g.num_cells
+    xy = _cell_boxes(g, torch.arange(n)).astype(np.float64)
+    p = g.patch_size
+    best: list[int] = []
+    extra: list[tuple[float, int]] = []
+    for o in boxes:
+        ox0, oy0, ox1, oy1 = o["x"], o["y"], o["x"] + o["width"], o["y"] + o["height"]
+        w = np.clip(np.minimum(xy[:, 0] + p, ox1) - np.maximum(xy[:, 0], ox0), 0, None)
+        h = np.clip(np.minimum(xy[:, 1] + p, oy1) - np.maximum(xy[:, 1], oy0), 0, None)
+        area = w * h
+        order = np.argsort(-area)
+        order = order[area[order] > 0]
+        if len(order):
+            best.append(int(order[0]))
+            extra += [(float(area[c]), int(c)) for c in order[1:]]
+    chosen = list(dict.fromkeys(best))[:k]
+    for _, c in sorted(extra, reverse=True):
+        if len(chosen) >= k:
+            break
+        if c not in chosen:
+            chosen.append(c)
+    tissue = np.flatnonzero(si.cell_mask.flatten().numpy())
+    pool = np.setdiff1d(tissue if len(tissue) else np.arange(n), chosen)
+    fill = rng.choice(pool, size=min(k - len(chosen), len(pool)), replace=False) if len(chosen) < k else []
+    cells = np.array(chosen + [int(c) for c in fill], np.int64)
+    return cells[rng.permutation(len(cells))]
+
+
+def run_oracle(config: str, split: Split, seed: int, epochs: int, overrides: list[str]) -> dict[str, float]:
+    """Train the config's feature network + aggregator on oracle patches; test accuracy on oracle patches."""
+    import torch
+
+    from pipeline.config import load_config
+    from pipeline.model_io import build_model, with_num_classes
+    from pipeline.train import TrainConfig, classification_metrics, lr_factor
+    from workers.patches import prepare_slide
+
+    cfg = load_config(TrainConfig, ROOT / "configs" / f"{config}.yaml", overrides)
+    mcfg = with_num_classes(cfg.model, len(split.class_names))
+    torch.manual_seed(seed)
+    model, mcfg = build_model(mcfg)
+    rng = np.random.default_rng(seed)
+
+    def item(rec):
+        si = prepare_slide(rec.store, mcfg)
+        cells = torch.from_numpy(oracle_cells(si, split.boxes[rec.store], mcfg.k, rng))
+        return si.reader.read(cells), si.grid.cell_centres(cells), rec.target
+
+    t0 = time.perf_counter()
+    train_items = [item(r) for r in split.train]
+    test_items = [item(r) for r in split.test]
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
+    acc = cfg.optim.accumulate
+    total = epochs * math.ceil(len(train_items) / acc)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, total, cfg.optim.warmup, cfg.optim.min_lr_ratio))
+    for _ in range(epochs):
+        model.train()
+        order = rng.permutation(len(train_items))
+        for s in range(0, len(order), acc):
+            opt.zero_grad(set_to_none=True)
+            batch = order[s:s + acc]
+            for i in batch:
+                x, pos, y = train_items[i]
+                logits = model.classify(x[None].float().div(255.0), pos[None])
+                loss = torch.nn.functional.cross_entropy(logits.reshape(1, -1), torch.tensor([y]))
+                (loss / len(batch)).backward()
+            torch.nn.utils.clip_grad_norm_(params, cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else 1e9)
+            opt.step()
+            sched.step()
+    model.eval()
+    probs, ys, hit = [], [], []
+    with torch.no_grad():
+        for x, pos, y in test_items:
+            probs.append(torch.softmax(model.classify(x[None].float().div(255.0), pos[None]).reshape(1, -1), -1)[0].numpy())
+            ys.append(y)
+    m = classification_metrics(ys, np.array(probs))
+    return {"test_accuracy": m["accuracy"], "test_auc": m["auc"], "train_seconds": time.perf_counter() - t0}
+
+
+# ---------------------------------------------------------------------------------------------- table
+def summarise(rows: list[dict]) -> list[dict]:
+    out = []
+    keys = list(dict.fromkeys((r["task"], r["config"]) for r in rows))
+    for task, config in keys:
+        rs = [r for r in rows if r["task"] == task and r["config"] == config and "error" not in r]
+        errs = [r for r in rows if r["task"] == task and r["config"] == config and "error" in r]
+        accs = [r["test_accuracy"] for r in rs]
+
+        def med(k):
+            v = [r[k] for r in rs if r.get(k) is not None and not (isinstance(r[k], float) and math.isnan(r[k]))]
+            return float(np.median(v)) if v else float("nan")
+
+        out.append({"task": task, "config": config, "runs": len(rs), "failed_runs": len(errs),
+                    "successes": int(sum(a >= SUCCESS for a in accs)),
+                    "success_rate": float(np.mean([a >= SUCCESS for a in accs])) if accs else float("nan"),
+                    "median_accuracy": med("test_accuracy"), "worst_accuracy": float(min(accs)) if accs else float("nan"),
+                    "median_auc": med("test_auc"), "median_hit_rate": med("hit_rate"),
+                    "chance_hit_rate": med("chance_hit_rate"), "median_object_recall": med("object_recall"),
+                    "median_distractor_hit_rate": med("distractor_hit_rate"),
+                    "chance_distractor_hit_rate": med("chance_distractor_hit_rate"),
+                    "median_train_seconds": med("train_seconds"),
+                    "accuracies": accs})
+    return out
+
+
+def print_table(summary: list[dict], oracle: list[dict]) -> None:
+    print()
+    print(f"{'task':<22} {'config':<22} {'success':>8} {'med acc':>8} {'worst':>6} {'med AUC':>8} "
+          f"{'hit':>6} {'chance':>7} {'recall':>7} {'d.hit':>6} {'d.chance':>8} {'train s':>8}  accuracies")
+    for s in summary:
+        print(f"{s['task']:<22} {s['config']:<22} {s['successes']:>3}/{s['runs']:<4} {s['median_accuracy']:>8.3f} "
+              f"{s['worst_accuracy']:>6.3f} {s['median_auc']:>8.3f} {s['median_hit_rate']:>6.3f} "
+              f"{s['chance_hit_rate']:>7.3f} {s['median_object_recall']:>7.3f} {s['median_distractor_hit_rate']:>6.3f} "
+              f"{s['chance_distractor_hit_rate']:>8.3f} {s['median_train_seconds']:>8.1f}  "
+              + " ".join(f"{a:.2f}" for a in s["accuracies"]) + (f"  ({s['failed_runs']} crashed)" if s["failed_runs"] else ""))
+    for o in oracle:
+        print(f"{o['task']:<22} {'oracle (' + o['config'] + ')':<22} acc {o['test_accuracy']:.3f} AUC {o['test_auc']:.3f} "
+              f"seed {o['seed']} ({o['train_seconds']:.0f}s)")
+
+
+# ---------------------------------------------------------------------------------------------- main
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
+    p.add_argument("--tasks", default="checker,objects-binary,objects-4class",
+                   help=f"comma-separated, from {list(TASKS)} (default checker,objects-binary,objects-4class)")
+    p.add_argument("--configs", default=None, help=f"comma-separated config names (default: all, {available_configs()})")
+    p.add_argument("--seeds", default="0,1,2", help="training seeds (default 0,1,2)")
+    p.add_argument("--epochs", type=int, default=None, help="optim.epochs (default: the config's)")
+    p.add_argument("--count", type=int, default=None, help="slides per task (overrides every task's count)")
+    p.add_argument("--size", default=None, help="slide size, as foveate synth --size (overrides every task's)")
+    p.add_argument("--data-seed", type=int, default=0, help="foveate synth --seed (default 0)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="train-config override passed to every run (repeatable)")
+    p.add_argument("--workdir", default=str(ROOT / "benchmarks" / "_work" / "robustness"))
+    p.add_argument("--jobs", type=int, default=1, help="trainings at once (default 1)")
+    p.add_argument("--oracle", action="store_true", help="also train the first config's feature network on oracle patches")
+    p.add_argument("--no-train", action="store_true", help="skip the selection-model runs (e.g. only --oracle)")
+    p.add_argument("--json", default=None, help="output JSON (default WORKDIR/robustness.json)")
+    p.add_argument("--resume", action="store_true",
+                   help="keep the successful runs (and oracle rows) already in the output JSON and run only the "
+                        "missing or crashed (task, config, seed) combinations")
+    args = p.parse_args(argv)
+
+    tasks = []
+    for t in [t.strip() for t in args.tasks.split(",") if t.strip()]:
+        if t not in TASKS:
+            p.error(f"unknown task {t!r}; choose from {list(TASKS)}")
+        task = TASKS[t]
+        if args.count or args.size:
+            task = Task(task.name, task.family, task.classes, args.count or task.count, args.size or task.size, task.codec)
+        tasks.append(task)
+    configs = [c.strip() for c in (args.configs or ",".join(available_configs())).split(",") if c.strip()]
+    unknown = [c for c in configs if not (ROOT / "configs" / f"{c}.yaml").is_file()]
+    if unknown:
+        p.error(f"unknown config(s) {unknown}; choose from {available_configs()}")
+    try:
+        seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+    except ValueError:
+        p.error(f"--seeds must be comma-separated integers, got {args.seeds!r}")
+    if args.jobs < 1:
+        p.error("--jobs must be >= 1")
+    overrides = list(args.overrides) + ([f"optim.epochs={args.epochs}"] if args.epochs else [])
+    workdir = Path(args.workdir).resolve()
+    (workdir / "logs").mkdir(parents=True, exist_ok=True)
+    out_json = Path(args.json) if args.json else workdir / "robustness.json"
+
+    import torch
+
+    torch.set_num_threads(1)
+    t_start = time.perf_counter()
+    rows: list[dict] = []
+    oracle_rows: list[dict] = []
+    if args.resume and out_json.is_file():
+        old = json.loads(out_json.read_text())
+        rows = [r for r in old.get("rows", []) if "error" not in r]
+        oracle_rows = list(old.get("oracle", []))
+        print(f"--resume: keeping {len(rows)} run(s) and {len(oracle_rows)} oracle row(s) from {out_json}", flush=True)
+    done = {(r["task"], r["config"], r["seed"]) for r in rows}
+    oracle_done = {(r["task"], r["config"], r["seed"]) for r in oracle_rows}
+    data_info: dict[str, Any] = {}
+
+    def write_json() -> None:
+        out = {
+            "command": " ".join([Path(sys.executable).name, *sys.argv]),
+            "started_utc": started, "machine": f"{platform.machine()} {os.cpu_count()} CPU(s), {platform.platform()}",
+            "torch": torch.__version__, "tasks": [t.__dict__ for t in tasks], "configs": configs, "seeds": seeds,
+            "overrides": overrides, "success_threshold": SUCCESS, "data": data_info,
+            "summary": summarise(rows), "oracle": oracle_rows, "rows": rows,
+            "total_seconds": time.perf_counter() - t_start,
+        }
+        out_json.parent.mkdir(parents=True, exist_ok=True)
+        out_json.write_text(json.dumps(out, indent=2, default=float))
+
+    started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+    for task in tasks:
+        stores = prepare_data(task, workdir, args.data_seed)
+        data_info[task.name] = json.loads((stores.parent / "READY").read_text())
+        split = load_split(configs[0], stores, overrides)
+        from pipeline.config import load_config
+        from pipeline.train import TrainConfig
+
+        mcfg = load_config(TrainConfig, ROOT / "configs" / f"{configs[0]}.yaml", overrides).model
+        chance = chance_hit_rate(split, mcfg)
+        dchance = chance_hit_rate(split, mcfg, "distractors")
+        data_info[task.name].update({"classes": split.class_names, "train_slides": len(split.train),
+                                     "test_slides": len(split.test), "chance_hit_rate": chance,
+                                     "chance_distractor_hit_rate": dchance})
+        print(f"[{task.name}] {len(split.train)} train / {len(split.test)} test slides, classes {split.class_names}, "
+              f"chance hit rate {chance:.4f} (distractors {dchance:.4f})", flush=True)
+        if args.oracle:
+            for seed in seeds:
+                if (task.name, configs[0], seed) in oracle_done:
+                    continue
+                o = run_oracle(configs[0], split, seed, args.epochs or
+                               load_config(TrainConfig, ROOT / "configs" / f"{configs[0]}.yaml", overrides).optim.epochs,
+                               overrides)
+                oracle_rows.append({"task": task.name, "config": configs[0], "seed": seed, **o})
+                print(f"[{task.name}] oracle {configs[0]} seed {seed}: acc {o['test_accuracy']:.3f} "
+                      f"AUC {o['test_auc']:.3f} ({o['train_seconds']:.0f}s)", flush=True)
+                write_json()
+        if args.no_train:
+            continue
+        jobs = [(c, s) for s in seeds for c in configs  # seed-major: a cut-short sweep still covers every config
+                if (task.name, c, s) not in done]
+
+        def one(job):
+            config, seed = job
+            stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+            name = f"{task.key}-{config}-s{seed}-{stamp}"
+            row: dict[str, Any] = {"task": task.name, "config": config, "seed": seed, "run_name": name,
+                                   "chance_hit_rate": chance, "chance_distractor_hit_rate": dchance}
+            try:
+                res = run_training(config, stores, seed, overrides, workdir, name, workdir / "logs" / f"{name}.log")
+                m = res["metrics"]
+                row.update({"test_accuracy": m.get("val_accuracy"), "test_auc": m.get("val_auc"),
+                            "train_seconds": m.get("train_seconds"), "train_accuracy": m.get("epoch_train_accuracy"),
+                            "wall_seconds": res["wall_seconds"], "run_id": res["run_id"], "checkpoint": res["checkpoint"]})
+                row.update(evaluate_checkpoint(res["checkpoint"], split))
+            except Exception as exc:  # keep going: one crashed run is a data point, not the end of the sweep
+                row["error"] = f"{type(exc).__name__}: {exc}"
+            return row
+
+        with cf.ThreadPoolExecutor(max_workers=args.jobs) as ex:
+            for row in ex.map(one, jobs):
+                rows.append(row)
+                if "error" in row:
+                    print(f"[{task.name}] {row['config']} seed {row['seed']}: FAILED {row['error']}", flush=True)
+                else:
+                    print(f"[{task.name}] {row['config']} seed {row['seed']}: test acc {row['test_accuracy']:.3f} "
+                          f"(re-eval {row['eval_accuracy']:.3f}) AUC {row['test_auc']:.3f} train acc "
+                          f"{row['train_accuracy']:.3f} hit {row['hit_rate']:.3f} (chance {chance:.3f}) recall "
+                          f"{row['object_recall']:.2f} distractor hit {row['distractor_hit_rate']:.3f} "
+                          f"(chance {dchance:.3f}) train {row['train_seconds']:.0f}s wall {row['wall_seconds']:.0f}s",
+                          flush=True)
+                write_json()
+    write_json()
+    print_table(summarise(rows), oracle_rows)
+    print(f"total {time.perf_counter() - t_start:.0f}s; wrote {out_json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

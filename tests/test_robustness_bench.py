@@ -1,0 +1,77 @@
+"""benchmarks/robustness.py: the hit-rate geometry, the oracle's cell choice, the summary and argument checks
+(no training here)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def rb():
+    spec = importlib.util.spec_from_file_location("robustness_bench", ROOT / "benchmarks" / "robustness.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["robustness_bench"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_hits_of(rb):
+    boxes = [{"x": 100, "y": 100, "width": 40, "height": 40}, {"x": 1000, "y": 0, "width": 32, "height": 32}]
+    xy = np.array([[64, 64], [128, 128], [140, 100], [0, 0], [968, 0], [1032, 0]])
+    hit, touched = rb.hits_of(xy, 64, boxes)
+    assert hit.tolist() == [True, True, False, False, True, False]  # half-open boxes: x=140 misses [100, 140)
+    assert touched == 2
+    assert rb.hits_of(xy, 64, [])[1] == 0
+
+
+class _Grid:
+    def __init__(self, gh, gw, p):
+        self.shape, self.stride, self.patch_size, self.num_cells = (gh, gw), p, p, gh * gw
+
+    def cell_xy_l0(self, idx):
+        idx = torch.as_tensor(idx)
+        return torch.stack([(idx % self.shape[1]) * self.stride, (idx // self.shape[1]) * self.stride], -1)
+
+
+class _Slide:
+    def __init__(self):
+        self.grid = _Grid(10, 10, 64)
+        self.cell_mask = torch.ones(10, 10, dtype=torch.bool)
+
+
+def test_oracle_cells_cover_every_object_first(rb):
+    si = _Slide()
+    # object 0 straddles four cells, mostly in cell (1, 1); object 1 inside cell (5, 7)
+    boxes = [{"x": 50, "y": 50, "width": 40, "height": 40}, {"x": 7 * 64 + 8, "y": 5 * 64 + 8, "width": 40, "height": 40}]
+    cells = rb.oracle_cells(si, boxes, 3, np.random.default_rng(0))
+    assert len(cells) == 3 and len(set(cells.tolist())) == 3
+    assert {11, 57} <= set(cells.tolist())  # each object's best cell
+    cells8 = rb.oracle_cells(si, boxes, 8, np.random.default_rng(0))
+    assert {0, 1, 10, 11, 57} <= set(cells8.tolist()) and len(set(cells8.tolist())) == 8
+
+
+def test_summary_success_rate(rb):
+    rows = [{"task": "t", "config": "c", "seed": s, "test_accuracy": a, "hit_rate": h, "train_seconds": 10.0}
+            for s, (a, h) in enumerate([(1.0, 0.5), (0.96, 0.4), (0.5, 0.0)])]
+    rows.append({"task": "t", "config": "c", "seed": 9, "error": "RuntimeError: boom"})
+    (s,) = rb.summarise(rows)
+    assert s["runs"] == 3 and s["failed_runs"] == 1 and s["successes"] == 2
+    assert s["median_accuracy"] == 0.96 and s["worst_accuracy"] == 0.5 and s["median_hit_rate"] == 0.4
+
+
+def test_cli_rejects_unknown_task_and_config(rb, capsys):
+    with pytest.raises(SystemExit):
+        rb.main(["--tasks", "nope"])
+    assert "unknown task 'nope'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        rb.main(["--tasks", "checker-quick", "--configs", "nope"])
+    assert "unknown config(s) ['nope']" in capsys.readouterr().err
+    assert "perturbed_mean" in rb.available_configs() and "demo" not in rb.available_configs()
