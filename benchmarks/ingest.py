@@ -13,7 +13,7 @@ Measures, in megapixels of level 0 per second (MP/s):
 Ray is started once before the timed runs (start-up is not counted; actor start-up is). "MP per CPU-s"
 divides by the CPU time of the process (decode floor, naive) or of the tiler actors (ingest; plan tasks
 excluded), which is less sensitive to other load on a shared machine than wall-clock MP/s. Store sizes are
-reported against the source file size. The synthetic slide (``workers.synth``, SVS, 256-px JPEG tiles,
+reported against the source file size. The synthetic slide (``pipeline.synthetic``, SVS, 256-px JPEG tiles,
 quality 90) is cached in ``--work-dir``.
 
     python benchmarks/ingest.py                      # 32768 x 32768 (1.07 gigapixel), workers 1 and 2
@@ -48,7 +48,7 @@ def du(path: Path) -> int:
 
 
 def make_slide(work: Path, size: int) -> Path:
-    from workers.synth import write_synthetic_slide
+    from pipeline.synthetic import write_synthetic_slide
 
     path = work / f"bench_{size}.svs"
     if not path.is_file():

@@ -55,7 +55,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
-import numpy as np  # noqa: E402
+import numpy as np
 
 PY = sys.executable
 SUCCESS = 0.95
@@ -110,34 +110,83 @@ def prepare_data(task: Task, workdir: Path, seed: int = 0) -> Path:
     log = d / "prepare.log"
     t0 = time.perf_counter()
     if not (slides / "labels.csv").is_file():
-        cmd = [PY, "-m", "pipeline", "synth", str(slides), "--count", str(task.count), "--size", task.size,
-               "--format", "tiff", "--seed", str(seed)]
+        cmd = [
+            PY,
+            "-m",
+            "pipeline",
+            "synth",
+            str(slides),
+            "--count",
+            str(task.count),
+            "--size",
+            task.size,
+            "--format",
+            "tiff",
+            "--seed",
+            str(seed),
+        ]
         if task.family == "objects":
             cmd += ["--task", "objects", "--classes", str(task.classes)]
         _run(cmd, log)
     t1 = time.perf_counter()
-    _run([PY, "-m", "pipeline", "ingest", str(slides / "labels.csv"), "--out", str(stores), "--workers", "2",
-          "--codec", task.codec], log)
+    _run(
+        [
+            PY,
+            "-m",
+            "pipeline",
+            "ingest",
+            str(slides / "labels.csv"),
+            "--out",
+            str(stores),
+            "--workers",
+            "2",
+            "--codec",
+            task.codec,
+        ],
+        log,
+    )
     t2 = time.perf_counter()
-    (d / "READY").write_text(json.dumps({"task": task.__dict__, "synth_seconds": t1 - t0,
-                                         "ingest_seconds": t2 - t1}) + "\n")
+    (d / "READY").write_text(
+        json.dumps({"task": task.__dict__, "synth_seconds": t1 - t0, "ingest_seconds": t2 - t1}) + "\n"
+    )
     print(f"[data] {task.key}: synth {t1 - t0:.0f}s, ingest {t2 - t1:.0f}s", flush=True)
     return stores
 
 
 # ---------------------------------------------------------------------------------------------- one training
-def run_training(config: str, stores: Path, seed: int, overrides: list[str], workdir: Path, run_name: str,
-                 log: Path) -> dict[str, Any]:
+def run_training(
+    config: str, stores: Path, seed: int, overrides: list[str], workdir: Path, run_name: str, log: Path
+) -> dict[str, Any]:
     """Train one model with ``foveate train`` in a subprocess. Returns ``{"metrics", "checkpoint", "run_dir",
     "run_id", "wall_seconds"}``. The only place that knows how a training is launched."""
     run_dir = workdir / "train" / run_name
     if run_dir.exists():  # a crashed earlier attempt: start over
         shutil.rmtree(run_dir)
-    cmd = [PY, "-m", "pipeline", "train", "--config", str(ROOT / "configs" / f"{config}.yaml"),
-           "--set", f"data.stores={stores}", "--set", "data.labels=manifest", "--set", f"seed={seed}",
-           "--set", f"tracking.run_name={run_name}", "--set", "tracking.experiment=foveate-robustness",
-           "--set", "threads=1", "--set", "tracking.artifact_slides=0",
-           *[a for o in overrides for a in ("--set", o)], "--workdir", str(workdir)]
+    cmd = [
+        PY,
+        "-m",
+        "pipeline",
+        "train",
+        "--config",
+        str(ROOT / "configs" / f"{config}.yaml"),
+        "--set",
+        f"data.stores={stores}",
+        "--set",
+        "data.labels=manifest",
+        "--set",
+        f"seed={seed}",
+        "--set",
+        f"tracking.run_name={run_name}",
+        "--set",
+        "tracking.experiment=foveate-robustness",
+        "--set",
+        "threads=1",
+        "--set",
+        "tracking.artifact_slides=0",
+        *[a for o in overrides for a in ("--set", o)],
+        "--workdir",
+        str(workdir),
+    ]
     t0 = time.perf_counter()
     env = dict(os.environ, MLFLOW_TRACKING_URI=f"sqlite:///{workdir / 'mlflow.db'}")
     with open(log, "w") as fh:
@@ -154,8 +203,13 @@ def run_training(config: str, stores: Path, seed: int, overrides: list[str], wor
     ckpts = sorted(run_dir.rglob("model.pt"), key=lambda p: p.stat().st_mtime)
     if not ckpts:
         raise RuntimeError(f"no checkpoint under {run_dir}")
-    return {"metrics": metrics, "checkpoint": str(ckpts[-1]), "run_dir": str(run_dir), "run_id": state["run_id"],
-            "wall_seconds": wall}
+    return {
+        "metrics": metrics,
+        "checkpoint": str(ckpts[-1]),
+        "run_dir": str(run_dir),
+        "run_id": state["run_id"],
+        "wall_seconds": wall,
+    }
 
 
 # ---------------------------------------------------------------------------------------------- ground truth
@@ -174,15 +228,19 @@ def load_split(config: str, stores: Path, overrides: list[str]) -> Split:
 
     from pipeline.config import load_config
     from pipeline.data import build_slide_table, split_train_val
+    from pipeline.synthetic import sidecar_path
     from pipeline.train import TrainConfig
-    from workers.synth import sidecar_path
 
-    cfg = load_config(TrainConfig, ROOT / "configs" / f"{config}.yaml",
-                      [f"data.stores={stores}", "data.labels=manifest", *overrides])
+    cfg = load_config(
+        TrainConfig, ROOT / "configs" / f"{config}.yaml", [f"data.stores={stores}", "data.labels=manifest", *overrides]
+    )
     table = build_slide_table(cfg.data)
     train, test = split_train_val(table.records, cfg.data.val_fraction, cfg.data.seed)
-    man = pd.read_parquet(stores / "manifest.parquet") if (stores / "manifest.parquet").is_file() \
+    man = (
+        pd.read_parquet(stores / "manifest.parquet")
+        if (stores / "manifest.parquet").is_file()
         else pd.read_csv(stores / "manifest.csv")
+    )
     src = {Path(s).resolve().name: r for s, r in zip(man["store"], man["source"])} if "store" in man.columns else {}
     boxes, distractors = {}, {}
     for rec in train + test:
@@ -248,11 +306,18 @@ def evaluate_checkpoint(checkpoint: str, split: Split) -> dict[str, float]:
             ys.append(rec.target)
             h, touched = hits_of(out.coords_l0.numpy().reshape(-1, 2), cfg.patch_size, split.boxes[rec.store])
             hit.append(h.mean())
-            dhit.append(hits_of(out.coords_l0.numpy().reshape(-1, 2), cfg.patch_size, split.distractors[rec.store])[0].mean())
+            dhit.append(
+                hits_of(out.coords_l0.numpy().reshape(-1, 2), cfg.patch_size, split.distractors[rec.store])[0].mean()
+            )
             rec_frac.append(touched / max(len(split.boxes[rec.store]), 1))
     m = classification_metrics(ys, np.array(probs))
-    return {"eval_accuracy": m["accuracy"], "eval_auc": m["auc"], "hit_rate": float(np.mean(hit)),
-            "object_recall": float(np.mean(rec_frac)), "distractor_hit_rate": float(np.mean(dhit))}
+    return {
+        "eval_accuracy": m["accuracy"],
+        "eval_auc": m["auc"],
+        "hit_rate": float(np.mean(hit)),
+        "object_recall": float(np.mean(rec_frac)),
+        "distractor_hit_rate": float(np.mean(dhit)),
+    }
 
 
 # ---------------------------------------------------------------------------------------------- oracle
@@ -317,13 +382,15 @@ def run_oracle(config: str, split: Split, seed: int, epochs: int, overrides: lis
     opt = torch.optim.AdamW(params, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
     acc = cfg.optim.accumulate
     total = epochs * math.ceil(len(train_items) / acc)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, total, cfg.optim.warmup, cfg.optim.min_lr_ratio))
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: lr_factor(s, total, cfg.optim.warmup, cfg.optim.min_lr_ratio)
+    )
     for _ in range(epochs):
         model.train()
         order = rng.permutation(len(train_items))
         for s in range(0, len(order), acc):
             opt.zero_grad(set_to_none=True)
-            batch = order[s:s + acc]
+            batch = order[s : s + acc]
             for i in batch:
                 x, pos, y = train_items[i]
                 logits = model.classify(x[None].float().div(255.0), pos[None])
@@ -333,10 +400,12 @@ def run_oracle(config: str, split: Split, seed: int, epochs: int, overrides: lis
             opt.step()
             sched.step()
     model.eval()
-    probs, ys, hit = [], [], []
+    probs, ys = [], []
     with torch.no_grad():
         for x, pos, y in test_items:
-            probs.append(torch.softmax(model.classify(x[None].float().div(255.0), pos[None]).reshape(1, -1), -1)[0].numpy())
+            probs.append(
+                torch.softmax(model.classify(x[None].float().div(255.0), pos[None]).reshape(1, -1), -1)[0].numpy()
+            )
             ys.append(y)
     m = classification_metrics(ys, np.array(probs))
     return {"test_accuracy": m["accuracy"], "test_auc": m["auc"], "train_seconds": time.perf_counter() - t0}
@@ -355,56 +424,92 @@ def summarise(rows: list[dict]) -> list[dict]:
             v = [r[k] for r in rs if r.get(k) is not None and not (isinstance(r[k], float) and math.isnan(r[k]))]
             return float(np.median(v)) if v else float("nan")
 
-        out.append({"task": task, "config": config, "runs": len(rs), "failed_runs": len(errs),
-                    "successes": int(sum(a >= SUCCESS for a in accs)),
-                    "success_rate": float(np.mean([a >= SUCCESS for a in accs])) if accs else float("nan"),
-                    "median_accuracy": med("test_accuracy"), "worst_accuracy": float(min(accs)) if accs else float("nan"),
-                    "median_auc": med("test_auc"), "median_hit_rate": med("hit_rate"),
-                    "chance_hit_rate": med("chance_hit_rate"), "median_object_recall": med("object_recall"),
-                    "median_distractor_hit_rate": med("distractor_hit_rate"),
-                    "chance_distractor_hit_rate": med("chance_distractor_hit_rate"),
-                    "median_train_seconds": med("train_seconds"),
-                    "accuracies": accs})
+        out.append(
+            {
+                "task": task,
+                "config": config,
+                "runs": len(rs),
+                "failed_runs": len(errs),
+                "successes": int(sum(a >= SUCCESS for a in accs)),
+                "success_rate": float(np.mean([a >= SUCCESS for a in accs])) if accs else float("nan"),
+                "median_accuracy": med("test_accuracy"),
+                "worst_accuracy": float(min(accs)) if accs else float("nan"),
+                "median_auc": med("test_auc"),
+                "median_hit_rate": med("hit_rate"),
+                "chance_hit_rate": med("chance_hit_rate"),
+                "median_object_recall": med("object_recall"),
+                "median_distractor_hit_rate": med("distractor_hit_rate"),
+                "chance_distractor_hit_rate": med("chance_distractor_hit_rate"),
+                "median_train_seconds": med("train_seconds"),
+                "accuracies": accs,
+            }
+        )
     return out
 
 
 def print_table(summary: list[dict], oracle: list[dict]) -> None:
     print()
-    print(f"{'task':<22} {'config':<22} {'success':>8} {'med acc':>8} {'worst':>6} {'med AUC':>8} "
-          f"{'hit':>6} {'chance':>7} {'recall':>7} {'d.hit':>6} {'d.chance':>8} {'train s':>8}  accuracies")
+    print(
+        f"{'task':<22} {'config':<22} {'success':>8} {'med acc':>8} {'worst':>6} {'med AUC':>8} "
+        f"{'hit':>6} {'chance':>7} {'recall':>7} {'d.hit':>6} {'d.chance':>8} {'train s':>8}  accuracies"
+    )
     for s in summary:
-        print(f"{s['task']:<22} {s['config']:<22} {s['successes']:>3}/{s['runs']:<4} {s['median_accuracy']:>8.3f} "
-              f"{s['worst_accuracy']:>6.3f} {s['median_auc']:>8.3f} {s['median_hit_rate']:>6.3f} "
-              f"{s['chance_hit_rate']:>7.3f} {s['median_object_recall']:>7.3f} {s['median_distractor_hit_rate']:>6.3f} "
-              f"{s['chance_distractor_hit_rate']:>8.3f} {s['median_train_seconds']:>8.1f}  "
-              + " ".join(f"{a:.2f}" for a in s["accuracies"]) + (f"  ({s['failed_runs']} crashed)" if s["failed_runs"] else ""))
+        print(
+            f"{s['task']:<22} {s['config']:<22} {s['successes']:>3}/{s['runs']:<4} {s['median_accuracy']:>8.3f} "
+            f"{s['worst_accuracy']:>6.3f} {s['median_auc']:>8.3f} {s['median_hit_rate']:>6.3f} "
+            f"{s['chance_hit_rate']:>7.3f} {s['median_object_recall']:>7.3f} {s['median_distractor_hit_rate']:>6.3f} "
+            f"{s['chance_distractor_hit_rate']:>8.3f} {s['median_train_seconds']:>8.1f}  "
+            + " ".join(f"{a:.2f}" for a in s["accuracies"])
+            + (f"  ({s['failed_runs']} crashed)" if s["failed_runs"] else "")
+        )
     for o in oracle:
-        print(f"{o['task']:<22} {'oracle (' + o['config'] + ')':<22} acc {o['test_accuracy']:.3f} AUC {o['test_auc']:.3f} "
-              f"seed {o['seed']} ({o['train_seconds']:.0f}s)")
+        print(
+            f"{o['task']:<22} {'oracle (' + o['config'] + ')':<22} acc {o['test_accuracy']:.3f} AUC {o['test_auc']:.3f} "
+            f"seed {o['seed']} ({o['train_seconds']:.0f}s)"
+        )
 
 
 # ---------------------------------------------------------------------------------------------- main
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
-    p.add_argument("--tasks", default="checker,objects-binary,objects-4class",
-                   help=f"comma-separated, from {list(TASKS)} (default checker,objects-binary,objects-4class)")
-    p.add_argument("--configs", default=None, help=f"comma-separated config names (default: all, {available_configs()})")
+    p = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("\n\n", 1)[1],
+    )
+    p.add_argument(
+        "--tasks",
+        default="checker,objects-binary,objects-4class",
+        help=f"comma-separated, from {list(TASKS)} (default checker,objects-binary,objects-4class)",
+    )
+    p.add_argument(
+        "--configs", default=None, help=f"comma-separated config names (default: all, {available_configs()})"
+    )
     p.add_argument("--seeds", default="0,1,2", help="training seeds (default 0,1,2)")
     p.add_argument("--epochs", type=int, default=None, help="optim.epochs (default: the config's)")
     p.add_argument("--count", type=int, default=None, help="slides per task (overrides every task's count)")
     p.add_argument("--size", default=None, help="slide size, as foveate synth --size (overrides every task's)")
     p.add_argument("--data-seed", type=int, default=0, help="foveate synth --seed (default 0)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="train-config override passed to every run (repeatable)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="train-config override passed to every run (repeatable)",
+    )
     p.add_argument("--workdir", default=str(ROOT / "benchmarks" / "_work" / "robustness"))
     p.add_argument("--jobs", type=int, default=1, help="trainings at once (default 1)")
-    p.add_argument("--oracle", action="store_true", help="also train the first config's feature network on oracle patches")
+    p.add_argument(
+        "--oracle", action="store_true", help="also train the first config's feature network on oracle patches"
+    )
     p.add_argument("--no-train", action="store_true", help="skip the selection-model runs (e.g. only --oracle)")
     p.add_argument("--json", default=None, help="output JSON (default WORKDIR/robustness.json)")
-    p.add_argument("--resume", action="store_true",
-                   help="keep the successful runs (and oracle rows) already in the output JSON and run only the "
-                        "missing or crashed (task, config, seed) combinations")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="keep the successful runs (and oracle rows) already in the output JSON and run only the "
+        "missing or crashed (task, config, seed) combinations",
+    )
     args = p.parse_args(argv)
 
     tasks = []
@@ -413,7 +518,9 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"unknown task {t!r}; choose from {list(TASKS)}")
         task = TASKS[t]
         if args.count or args.size:
-            task = Task(task.name, task.family, task.classes, args.count or task.count, args.size or task.size, task.codec)
+            task = Task(
+                task.name, task.family, task.classes, args.count or task.count, args.size or task.size, task.codec
+            )
         tasks.append(task)
     configs = [c.strip() for c in (args.configs or ",".join(available_configs())).split(",") if c.strip()]
     unknown = [c for c in configs if not (ROOT / "configs" / f"{c}.yaml").is_file()]
@@ -448,10 +555,18 @@ def main(argv: list[str] | None = None) -> int:
     def write_json() -> None:
         out = {
             "command": " ".join([Path(sys.executable).name, *sys.argv]),
-            "started_utc": started, "machine": f"{platform.machine()} {os.cpu_count()} CPU(s), {platform.platform()}",
-            "torch": torch.__version__, "tasks": [t.__dict__ for t in tasks], "configs": configs, "seeds": seeds,
-            "overrides": overrides, "success_threshold": SUCCESS, "data": data_info,
-            "summary": summarise(rows), "oracle": oracle_rows, "rows": rows,
+            "started_utc": started,
+            "machine": f"{platform.machine()} {os.cpu_count()} CPU(s), {platform.platform()}",
+            "torch": torch.__version__,
+            "tasks": [t.__dict__ for t in tasks],
+            "configs": configs,
+            "seeds": seeds,
+            "overrides": overrides,
+            "success_threshold": SUCCESS,
+            "data": data_info,
+            "summary": summarise(rows),
+            "oracle": oracle_rows,
+            "rows": rows,
             "total_seconds": time.perf_counter() - t_start,
         }
         out_json.parent.mkdir(parents=True, exist_ok=True)
@@ -468,39 +583,74 @@ def main(argv: list[str] | None = None) -> int:
         mcfg = load_config(TrainConfig, ROOT / "configs" / f"{configs[0]}.yaml", overrides).model
         chance = chance_hit_rate(split, mcfg)
         dchance = chance_hit_rate(split, mcfg, "distractors")
-        data_info[task.name].update({"classes": split.class_names, "train_slides": len(split.train),
-                                     "test_slides": len(split.test), "chance_hit_rate": chance,
-                                     "chance_distractor_hit_rate": dchance})
-        print(f"[{task.name}] {len(split.train)} train / {len(split.test)} test slides, classes {split.class_names}, "
-              f"chance hit rate {chance:.4f} (distractors {dchance:.4f})", flush=True)
+        data_info[task.name].update(
+            {
+                "classes": split.class_names,
+                "train_slides": len(split.train),
+                "test_slides": len(split.test),
+                "chance_hit_rate": chance,
+                "chance_distractor_hit_rate": dchance,
+            }
+        )
+        print(
+            f"[{task.name}] {len(split.train)} train / {len(split.test)} test slides, classes {split.class_names}, "
+            f"chance hit rate {chance:.4f} (distractors {dchance:.4f})",
+            flush=True,
+        )
         if args.oracle:
             for seed in seeds:
                 if (task.name, configs[0], seed) in oracle_done:
                     continue
-                o = run_oracle(configs[0], split, seed, args.epochs or
-                               load_config(TrainConfig, ROOT / "configs" / f"{configs[0]}.yaml", overrides).optim.epochs,
-                               overrides)
+                o = run_oracle(
+                    configs[0],
+                    split,
+                    seed,
+                    args.epochs
+                    or load_config(TrainConfig, ROOT / "configs" / f"{configs[0]}.yaml", overrides).optim.epochs,
+                    overrides,
+                )
                 oracle_rows.append({"task": task.name, "config": configs[0], "seed": seed, **o})
-                print(f"[{task.name}] oracle {configs[0]} seed {seed}: acc {o['test_accuracy']:.3f} "
-                      f"AUC {o['test_auc']:.3f} ({o['train_seconds']:.0f}s)", flush=True)
+                print(
+                    f"[{task.name}] oracle {configs[0]} seed {seed}: acc {o['test_accuracy']:.3f} "
+                    f"AUC {o['test_auc']:.3f} ({o['train_seconds']:.0f}s)",
+                    flush=True,
+                )
                 write_json()
         if args.no_train:
             continue
-        jobs = [(c, s) for s in seeds for c in configs  # seed-major: a cut-short sweep still covers every config
-                if (task.name, c, s) not in done]
+        jobs = [
+            (c, s)
+            for s in seeds
+            for c in configs  # seed-major: a cut-short sweep still covers every config
+            if (task.name, c, s) not in done
+        ]
 
         def one(job):
             config, seed = job
             stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
             name = f"{task.key}-{config}-s{seed}-{stamp}"
-            row: dict[str, Any] = {"task": task.name, "config": config, "seed": seed, "run_name": name,
-                                   "chance_hit_rate": chance, "chance_distractor_hit_rate": dchance}
+            row: dict[str, Any] = {
+                "task": task.name,
+                "config": config,
+                "seed": seed,
+                "run_name": name,
+                "chance_hit_rate": chance,
+                "chance_distractor_hit_rate": dchance,
+            }
             try:
                 res = run_training(config, stores, seed, overrides, workdir, name, workdir / "logs" / f"{name}.log")
                 m = res["metrics"]
-                row.update({"test_accuracy": m.get("val_accuracy"), "test_auc": m.get("val_auc"),
-                            "train_seconds": m.get("train_seconds"), "train_accuracy": m.get("epoch_train_accuracy"),
-                            "wall_seconds": res["wall_seconds"], "run_id": res["run_id"], "checkpoint": res["checkpoint"]})
+                row.update(
+                    {
+                        "test_accuracy": m.get("val_accuracy"),
+                        "test_auc": m.get("val_auc"),
+                        "train_seconds": m.get("train_seconds"),
+                        "train_accuracy": m.get("epoch_train_accuracy"),
+                        "wall_seconds": res["wall_seconds"],
+                        "run_id": res["run_id"],
+                        "checkpoint": res["checkpoint"],
+                    }
+                )
                 row.update(evaluate_checkpoint(res["checkpoint"], split))
             except Exception as exc:  # keep going: one crashed run is a data point, not the end of the sweep
                 row["error"] = f"{type(exc).__name__}: {exc}"
@@ -512,12 +662,14 @@ def main(argv: list[str] | None = None) -> int:
                 if "error" in row:
                     print(f"[{task.name}] {row['config']} seed {row['seed']}: FAILED {row['error']}", flush=True)
                 else:
-                    print(f"[{task.name}] {row['config']} seed {row['seed']}: test acc {row['test_accuracy']:.3f} "
-                          f"(re-eval {row['eval_accuracy']:.3f}) AUC {row['test_auc']:.3f} train acc "
-                          f"{row['train_accuracy']:.3f} hit {row['hit_rate']:.3f} (chance {chance:.3f}) recall "
-                          f"{row['object_recall']:.2f} distractor hit {row['distractor_hit_rate']:.3f} "
-                          f"(chance {dchance:.3f}) train {row['train_seconds']:.0f}s wall {row['wall_seconds']:.0f}s",
-                          flush=True)
+                    print(
+                        f"[{task.name}] {row['config']} seed {row['seed']}: test acc {row['test_accuracy']:.3f} "
+                        f"(re-eval {row['eval_accuracy']:.3f}) AUC {row['test_auc']:.3f} train acc "
+                        f"{row['train_accuracy']:.3f} hit {row['hit_rate']:.3f} (chance {chance:.3f}) recall "
+                        f"{row['object_recall']:.2f} distractor hit {row['distractor_hit_rate']:.3f} "
+                        f"(chance {dchance:.3f}) train {row['train_seconds']:.0f}s wall {row['wall_seconds']:.0f}s",
+                        flush=True,
+                    )
                 write_json()
     write_json()
     print_table(summarise(rows), oracle_rows)

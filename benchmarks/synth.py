@@ -1,4 +1,4 @@
-"""Benchmark: time and peak RSS of writing one synthetic slide (``workers.synth.write_synthetic_slide``).
+"""Benchmark: time and peak RSS of writing one synthetic slide (``pipeline.synthetic.write_synthetic_slide``).
 
 Usage: python benchmarks/synth.py [--size 32768] [--format svs] [--out DIR] [--json FILE]
 Prints a table and writes JSON. Peak RSS is the process's ru_maxrss (includes the interpreter and imports).
@@ -27,7 +27,7 @@ def main() -> int:
     p.add_argument("--out", default=None, help="folder for the slide (default: a temporary one, deleted)")
     p.add_argument("--json", default="benchmarks/synth.json")
     args = p.parse_args()
-    from workers.synth import write_synthetic_slide
+    from pipeline.synthetic import write_synthetic_slide
 
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     with tempfile.TemporaryDirectory() as tmp:

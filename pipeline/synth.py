@@ -1,9 +1,9 @@
 """``foveate synth OUT_DIR``: write synthetic slides (Aperio SVS / generic tiled TIFF) and ``labels.csv``.
 
 Two task families (``--task``): ``checker`` (default; binary) and ``objects`` (``--classes 2..5``); see
-:mod:`workers.synth`.
+:mod:`pipeline.synthetic`.
 
-The work is done by :mod:`workers.synth`; this module is the command line around it.
+The work is done by :mod:`pipeline.synthetic`; this module is the command line around it.
 """
 
 from __future__ import annotations
@@ -20,21 +20,41 @@ log = logging.getLogger(__name__)
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("out_dir", metavar="OUT_DIR", help="output folder (created if missing)")
     parser.add_argument("--count", type=int, default=4, help="number of slides (default 4)")
-    parser.add_argument("--task", choices=("checker", "objects"), default="checker",
-                        help="task family: checker (3..6 dark round structures, label = checkerboard vs flat "
-                             "texture inside them) or objects (label = the kind of the majority of 3..7 small "
-                             "textured objects among 20..60 textured distractor strokes/rings) (default checker)")
-    parser.add_argument("--classes", type=int, default=None,
-                        help="number of classes: 2..5 for --task objects (default 4); checker is binary (2)")
-    parser.add_argument("--size", default=None,
-                        help="level-0 size: N (square), WxH, or LO:HI (width and height each drawn from the range); "
-                             "sides in [2000, 100000] (default 4096; 8192 for --task objects)")
-    parser.add_argument("--format", dest="fmt", choices=("svs", "tiff", "mixed"), default="svs",
-                        help="svs (Aperio), tiff (generic pyramidal TIFF) or mixed (alternating) (default svs)")
+    parser.add_argument(
+        "--task",
+        choices=("checker", "objects"),
+        default="checker",
+        help="task family: checker (3..6 dark round structures, label = checkerboard vs flat "
+        "texture inside them) or objects (label = the kind of the majority of 3..7 small "
+        "textured objects among 20..60 textured distractor strokes/rings) (default checker)",
+    )
+    parser.add_argument(
+        "--classes",
+        type=int,
+        default=None,
+        help="number of classes: 2..5 for --task objects (default 4); checker is binary (2)",
+    )
+    parser.add_argument(
+        "--size",
+        default=None,
+        help="level-0 size: N (square), WxH, or LO:HI (width and height each drawn from the range); "
+        "sides in [2000, 100000] (default 4096; 8192 for --task objects)",
+    )
+    parser.add_argument(
+        "--format",
+        dest="fmt",
+        choices=("svs", "tiff", "mixed"),
+        default="svs",
+        help="svs (Aperio), tiff (generic pyramidal TIFF) or mixed (alternating) (default svs)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed; same arguments give the same bytes (default 0)")
-    parser.add_argument("--positive-fraction", type=float, default=None,
-                        help="fraction of label-1 slides, exact up to rounding (default 0.5; checker only: "
-                             "the objects task has balanced classes)")
+    parser.add_argument(
+        "--positive-fraction",
+        type=float,
+        default=None,
+        help="fraction of label-1 slides, exact up to rounding (default 0.5; checker only: "
+        "the objects task has balanced classes)",
+    )
     parser.add_argument("--tile-size", type=int, default=256, help="JPEG tile side, multiple of 16 (default 256)")
     parser.add_argument("--mpp", type=float, default=0.25, help="microns per pixel at level 0 (default 0.25)")
     parser.add_argument("--quality", type=int, default=90, help="JPEG quality 1..100 (default 90)")
@@ -42,7 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from pipeline.progress import Progress
-    from workers.synth import OBJECTS_DEFAULT_SIZE, check_task, synth_archive
+    from pipeline.synthetic import OBJECTS_DEFAULT_SIZE, check_task, synth_archive
 
     task = args.task
     classes = args.classes if args.classes is not None else (4 if task == "objects" else 2)
@@ -54,10 +74,21 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out_dir)
     bar = Progress(None, "synth", unit="tile")
     try:
-        df = synth_archive(out, count=args.count, size=size, fmt=args.fmt, seed=args.seed,
-                           positive_fraction=positive_fraction, tile_size=args.tile_size, mpp=args.mpp,
-                           quality=args.quality, progress=lambda n, name: bar.update(n, postfix=name),
-                           on_total=bar.set_total, task=task, classes=classes)
+        df = synth_archive(
+            out,
+            count=args.count,
+            size=size,
+            fmt=args.fmt,
+            seed=args.seed,
+            positive_fraction=positive_fraction,
+            tile_size=args.tile_size,
+            mpp=args.mpp,
+            quality=args.quality,
+            progress=lambda n, name: bar.update(n, postfix=name),
+            on_total=bar.set_total,
+            task=task,
+            classes=classes,
+        )
     finally:
         bar.close()
     if task == "objects":

@@ -1,6 +1,6 @@
 """foveate ingest without Ray: the Tiler, the source readers, the JPEG codec and passthrough, the store format.
 
-Real OpenSlide on OpenSlide's own fixtures and on synthetic SVS / TIFF slides written by workers.synth.
+Real OpenSlide on OpenSlide's own fixtures and on synthetic SVS / TIFF slides written by pipeline.synthetic.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def reference_pyramid(level0_hwc, n):
 
 @pytest.fixture(scope="module")
 def synth_slides(tmp_path_factory):
-    from workers.synth import write_synthetic_slide
+    from pipeline.synthetic import write_synthetic_slide
 
     d = tmp_path_factory.mktemp("synth")
     svs = d / "syn_a.svs"

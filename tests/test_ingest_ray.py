@@ -18,7 +18,7 @@ from workers.tiler import PROGRESS_DIR, IngestOptions, Tiler
 
 @pytest.fixture(scope="module")
 def synth_svs(tmp_path_factory):
-    from workers.synth import write_synthetic_slide
+    from pipeline.synthetic import write_synthetic_slide
 
     p = tmp_path_factory.mktemp("synth") / "big.svs"
     write_synthetic_slide(p, width=2048, height=2048, label=1, seed=5, fmt="svs", tile_size=256)

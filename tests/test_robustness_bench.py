@@ -50,7 +50,10 @@ class _Slide:
 def test_oracle_cells_cover_every_object_first(rb):
     si = _Slide()
     # object 0 straddles four cells, mostly in cell (1, 1); object 1 inside cell (5, 7)
-    boxes = [{"x": 50, "y": 50, "width": 40, "height": 40}, {"x": 7 * 64 + 8, "y": 5 * 64 + 8, "width": 40, "height": 40}]
+    boxes = [
+        {"x": 50, "y": 50, "width": 40, "height": 40},
+        {"x": 7 * 64 + 8, "y": 5 * 64 + 8, "width": 40, "height": 40},
+    ]
     cells = rb.oracle_cells(si, boxes, 3, np.random.default_rng(0))
     assert len(cells) == 3 and len(set(cells.tolist())) == 3
     assert {11, 57} <= set(cells.tolist())  # each object's best cell
@@ -59,8 +62,10 @@ def test_oracle_cells_cover_every_object_first(rb):
 
 
 def test_summary_success_rate(rb):
-    rows = [{"task": "t", "config": "c", "seed": s, "test_accuracy": a, "hit_rate": h, "train_seconds": 10.0}
-            for s, (a, h) in enumerate([(1.0, 0.5), (0.96, 0.4), (0.5, 0.0)])]
+    rows = [
+        {"task": "t", "config": "c", "seed": s, "test_accuracy": a, "hit_rate": h, "train_seconds": 10.0}
+        for s, (a, h) in enumerate([(1.0, 0.5), (0.96, 0.4), (0.5, 0.0)])
+    ]
     rows.append({"task": "t", "config": "c", "seed": 9, "error": "RuntimeError: boom"})
     (s,) = rb.summarise(rows)
     assert s["runs"] == 3 and s["failed_runs"] == 1 and s["successes"] == 2

@@ -13,7 +13,7 @@ import pandas as pd
 import pytest
 
 from pipeline.cli import main as cli_main
-from workers.synth import (
+from pipeline.synthetic import (
     level_dimensions,
     make_layout,
     parse_size,
@@ -95,7 +95,7 @@ def test_level0_pixels_match_generator(slides, fmt):
         assert st["x"] > 0 and st["y"] > 0 and st["x"] + st["width"] < W and st["y"] + st["height"] < H
         r = int(st["radius"] * 0.6)
         cx, cy = int(st["cx"]), int(st["cy"])
-        patch = got[cy - r:cy + r, cx - r:cx + r]
+        patch = got[cy - r : cy + r, cx - r : cx + r]
         assert np.abs(patch.mean((0, 1)) - [135, 85, 165]).max() < 6
         assert patch[..., 1].std() > 40  # checkerboard amplitude 60 in green
         # fine: neighbouring 2x2 cells alternate
@@ -124,7 +124,7 @@ def test_render_region_is_tiling_independent():
     neg = make_layout(3000, 2500, 0, 3)
     np.testing.assert_array_equal(neg.structures, lay.structures)
     other = render_region(neg, x0, y0, 600, 600)
-    yy, xx = np.mgrid[y0:y0 + 600, x0:x0 + 600] + 0.5
+    yy, xx = np.mgrid[y0 : y0 + 600, x0 : x0 + 600] + 0.5
     outside = np.ones((600, 600), bool)
     for sx, sy, sr in lay.structures:
         outside &= np.hypot(xx - sx, yy - sy) > sr + 1
@@ -155,8 +155,8 @@ def test_label_invisible_at_1_16_visible_at_full_resolution(slides):
         ring = lown[by0 - 3, bx0:bx1].mean(0)
         assert (ring - centre).mean() > 30
         rr = int(r * 0.7)
-        full_p = gp[int(st["cy"]) - rr:int(st["cy"]) + rr, int(st["cx"]) - rr:int(st["cx"]) + rr]
-        full_n = gn[int(st["cy"]) - rr:int(st["cy"]) + rr, int(st["cx"]) - rr:int(st["cx"]) + rr]
+        full_p = gp[int(st["cy"]) - rr : int(st["cy"]) + rr, int(st["cx"]) - rr : int(st["cx"]) + rr]
+        full_n = gn[int(st["cy"]) - rr : int(st["cy"]) + rr, int(st["cx"]) - rr : int(st["cx"]) + rr]
         assert np.abs(full_p - full_n).mean() > 40
         assert full_n[..., 1].std() < 8 < 40 < full_p[..., 1].std()
     # the overall 1/16 images of the two slides differ only by JPEG noise
@@ -169,8 +169,9 @@ def test_deterministic_bytes(tmp_path, slides):
     # the file name is part of the Aperio description; compare with a same-named file
     a = tmp_path / "a"
     a.mkdir()
-    p1 = write_synthetic_slide(a / Path(info["path"]).name, width=W, height=H, label=1, seed=SEED, fmt="svs",
-                               mpp=0.5)["path"]
+    p1 = write_synthetic_slide(a / Path(info["path"]).name, width=W, height=H, label=1, seed=SEED, fmt="svs", mpp=0.5)[
+        "path"
+    ]
     assert Path(p1).read_bytes() == Path(info["path"]).read_bytes()
     assert again["structures"] == info["structures"]
     other = write_synthetic_slide(a / "other.svs", width=W, height=H, label=1, seed=SEED + 1, fmt="svs", mpp=0.5)
@@ -204,17 +205,20 @@ def test_cli(tmp_path, capsys):
     assert cli_main(["synth", str(out), "--size", "1999"]) == 2
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    ({"width": 1999}, r"width must be in \[2000, 100000\], got 1999"),
-    ({"height": 100001}, r"height must be in \[2000, 100000\], got 100001"),
-    ({"label": 2}, r"label must be in \[0, 1\], got 2"),
-    ({"seed": -1}, r"seed must be in"),
-    ({"fmt": "ndpi"}, r"fmt must be one of \('svs', 'tiff'\), got 'ndpi'"),
-    ({"tile_size": 200}, r"tile_size must be a multiple of 16 in \[64, 2048\], got 200"),
-    ({"tile_size": 32}, r"tile_size must be in \[64, 2048\], got 32"),
-    ({"mpp": 0.0}, r"mpp must be a number in \(0, 100\], got 0.0"),
-    ({"quality": 101}, r"quality must be in \[1, 100\], got 101"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"width": 1999}, r"width must be in \[2000, 100000\], got 1999"),
+        ({"height": 100001}, r"height must be in \[2000, 100000\], got 100001"),
+        ({"label": 2}, r"label must be in \[0, 1\], got 2"),
+        ({"seed": -1}, r"seed must be in"),
+        ({"fmt": "ndpi"}, r"fmt must be one of \('svs', 'tiff'\), got 'ndpi'"),
+        ({"tile_size": 200}, r"tile_size must be a multiple of 16 in \[64, 2048\], got 200"),
+        ({"tile_size": 32}, r"tile_size must be in \[64, 2048\], got 32"),
+        ({"mpp": 0.0}, r"mpp must be a number in \(0, 100\], got 0.0"),
+        ({"quality": 101}, r"quality must be in \[1, 100\], got 101"),
+    ],
+)
 def test_bad_slide_args(tmp_path, kwargs, match):
     args = dict(width=2000, height=2000, label=0, seed=0)
     args.update(kwargs)
@@ -223,14 +227,17 @@ def test_bad_slide_args(tmp_path, kwargs, match):
     assert not list(tmp_path.iterdir())
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    ({"count": 0}, r"count must be in \[1, 100000\], got 0"),
-    ({"fmt": "jpg"}, r"fmt must be one of \('svs', 'tiff', 'mixed'\), got 'jpg'"),
-    ({"positive_fraction": 1.5}, r"positive_fraction must be a number in \[0, 1\], got 1.5"),
-    ({"size": "3000:2500"}, r"LO <= HI"),
-    ({"size": "abc"}, r"size must be N, WxH or LO:HI"),
-    ({"size": 100_001}, r"size sides must be integers in \[2000, 100000\]"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"count": 0}, r"count must be in \[1, 100000\], got 0"),
+        ({"fmt": "jpg"}, r"fmt must be one of \('svs', 'tiff', 'mixed'\), got 'jpg'"),
+        ({"positive_fraction": 1.5}, r"positive_fraction must be a number in \[0, 1\], got 1.5"),
+        ({"size": "3000:2500"}, r"LO <= HI"),
+        ({"size": "abc"}, r"size must be N, WxH or LO:HI"),
+        ({"size": 100_001}, r"size sides must be integers in \[2000, 100000\]"),
+    ],
+)
 def test_bad_archive_args(tmp_path, kwargs, match):
     args = dict(count=1, size=2000)
     args.update(kwargs)

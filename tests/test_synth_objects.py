@@ -14,7 +14,7 @@ import pandas as pd
 import pytest
 
 from pipeline.cli import main as cli_main
-from workers.synth import (
+from pipeline.synthetic import (
     OBJECT_KINDS,
     _tissue_field,
     check_task,
@@ -42,8 +42,12 @@ def _read(slide: openslide.OpenSlide, level: int) -> np.ndarray:
 @pytest.fixture(scope="module")
 def slides(tmp_path_factory) -> dict:
     d = tmp_path_factory.mktemp("objects")
-    return {label: write_synthetic_slide(d / f"o{label}.tiff", width=S, height=S, label=label, seed=SEED, fmt="tiff",
-                                         task="objects", classes=4) for label in range(4)}
+    return {
+        label: write_synthetic_slide(
+            d / f"o{label}.tiff", width=S, height=S, label=label, seed=SEED, fmt="tiff", task="objects", classes=4
+        )
+        for label in range(4)
+    }
 
 
 def test_sidecar_lists_objects_and_distractors(slides):
@@ -96,8 +100,9 @@ def test_coverage_bounds():
 
 def test_deterministic(tmp_path, slides):
     info = slides[1]
-    again = write_synthetic_slide(tmp_path / Path(info["path"]).name, width=S, height=S, label=1, seed=SEED,
-                                  fmt="tiff", task="objects", classes=4)
+    again = write_synthetic_slide(
+        tmp_path / Path(info["path"]).name, width=S, height=S, label=1, seed=SEED, fmt="tiff", task="objects", classes=4
+    )
     assert Path(again["path"]).read_bytes() == Path(info["path"]).read_bytes()
     assert again["structures"] == info["structures"] and again["distractors"] == info["distractors"]
     other = make_objects_layout(S, S, 1, SEED + 1, 4)
@@ -106,7 +111,7 @@ def test_deterministic(tmp_path, slides):
     lay = make_objects_layout(S, S, 2, SEED, 4)
     big = render_objects_region(lay, 0, 0, 1024, 1024)
     for x, y, w, h in ((0, 0, 300, 200), (300, 0, 724, 200), (0, 200, 1024, 824)):
-        np.testing.assert_array_equal(render_objects_region(lay, x, y, w, h), big[y:y + h, x:x + w])
+        np.testing.assert_array_equal(render_objects_region(lay, x, y, w, h), big[y : y + h, x : x + w])
 
 
 def test_label_invisible_at_quarter_scale_visible_at_full_resolution(slides):
@@ -127,8 +132,9 @@ def test_label_invisible_at_quarter_scale_visible_at_full_resolution(slides):
     for o in side["structures"]:
         r = int(o["radius"] * 0.6)
         cx, cy = int(o["cx"]), int(o["cy"])
-        crops = [np.asarray(s.read_region((cx - r, cy - r), 0, (2 * r, 2 * r)).convert("L")).astype(np.float64)
-                 for s in osl]
+        crops = [
+            np.asarray(s.read_region((cx - r, cy - r), 0, (2 * r, 2 * r)).convert("L")).astype(np.float64) for s in osl
+        ]
         for c in crops:
             assert c.std() > 15  # textured
         kinds = [json.loads(sidecar_path(slides[lb]["path"]).read_text())["structures"] for lb in range(4)]
@@ -150,7 +156,7 @@ def test_boxes_match_rendered_pixels(slides):
     for b in info["structures"] + info["distractors"]:
         x0, y0 = max(b["x"], 0), max(b["y"], 0)
         x1, y1 = min(b["x"] + b["width"], S), min(b["y"] + b["height"], S)
-        covered[max(y0 - 3, 0):y1 + 3, max(x0 - 3, 0):x1 + 3] = True
+        covered[max(y0 - 3, 0) : y1 + 3, max(x0 - 3, 0) : x1 + 3] = True
         assert (diff[y0:y1, x0:x1] > 60).mean() > (0.5 if b in info["structures"] else 0.03), b
         # the written file shows the object too (ink is much darker than tissue)
         region = np.asarray(osl.read_region((x0, y0), 0, (x1 - x0, y1 - y0)).convert("RGB")).astype(np.int16)
@@ -169,8 +175,27 @@ def test_archive_and_cli(tmp_path, capsys):
     for p, label in zip(df["path"], df["label"]):
         assert json.loads(sidecar_path(p).read_text())["label"] == label
     out = tmp_path / "cli"
-    assert cli_main(["synth", str(out), "--task", "objects", "--classes", "4", "--count", "4", "--size", "2048",
-                     "--format", "tiff", "--seed", "1"]) == 0
+    assert (
+        cli_main(
+            [
+                "synth",
+                str(out),
+                "--task",
+                "objects",
+                "--classes",
+                "4",
+                "--count",
+                "4",
+                "--size",
+                "2048",
+                "--format",
+                "tiff",
+                "--seed",
+                "1",
+            ]
+        )
+        == 0
+    )
     assert sorted(pd.read_csv(out / "labels.csv")["label"]) == sorted(object_class_names(4))
     assert "wrote 4 slides" in capsys.readouterr().out
 
@@ -191,12 +216,15 @@ def test_cli_validation(tmp_path, capsys, caplog):
     assert not (tmp_path / "x").exists()
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    ({"task": "dots"}, r"task must be one of \('checker', 'objects'\), got 'dots'"),
-    ({"task": "objects", "classes": 6}, r"classes must be an int in \[2, 5\] for task 'objects'"),
-    ({"task": "checker", "classes": 4}, r"classes must be 2 for task 'checker'"),
-    ({"task": "objects", "classes": 4, "label": 4}, r"label must be in \[0, 3\], got 4"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"task": "dots"}, r"task must be one of \('checker', 'objects'\), got 'dots'"),
+        ({"task": "objects", "classes": 6}, r"classes must be an int in \[2, 5\] for task 'objects'"),
+        ({"task": "checker", "classes": 4}, r"classes must be 2 for task 'checker'"),
+        ({"task": "objects", "classes": 4, "label": 4}, r"label must be in \[0, 3\], got 4"),
+    ],
+)
 def test_bad_args(tmp_path, kwargs, match):
     args = dict(width=2048, height=2048, label=0, seed=0)
     args.update(kwargs)

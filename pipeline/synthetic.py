@@ -97,6 +97,7 @@ _M32 = np.uint32(0xFFFFFFFF)
 
 # ----------------------------------------------------------------------------------------- layout
 
+
 @dataclass(frozen=True)
 class SlideLayout:
     """Everything that decides a slide's pixels. Built by :func:`make_layout`; depends on the seed only
@@ -133,8 +134,18 @@ class SlideLayout:
         for cx, cy, r in self.structures:
             x0, y0 = int(math.floor(cx - r)), int(math.floor(cy - r))
             x1, y1 = int(math.ceil(cx + r)), int(math.ceil(cy + r))
-            out.append({"x": x0, "y": y0, "width": x1 - x0, "height": y1 - y0,
-                        "cx": float(cx), "cy": float(cy), "radius": float(r), "textured": bool(self.label)})
+            out.append(
+                {
+                    "x": x0,
+                    "y": y0,
+                    "width": x1 - x0,
+                    "height": y1 - y0,
+                    "cx": float(cx),
+                    "cy": float(cy),
+                    "radius": float(r),
+                    "textured": bool(self.label),
+                }
+            )
         return out
 
 
@@ -164,8 +175,13 @@ def make_layout(width: int, height: int, label: int, seed: int) -> SlideLayout:
     n_blobs = int(rng.integers(2, 5))
     blobs = np.empty((n_blobs, 5))
     for i in range(n_blobs):
-        blobs[i] = (rng.uniform(0.3, 0.7) * width, rng.uniform(0.3, 0.7) * height,
-                    rng.uniform(0.18, 0.34) * width, rng.uniform(0.18, 0.34) * height, rng.uniform(0, math.pi))
+        blobs[i] = (
+            rng.uniform(0.3, 0.7) * width,
+            rng.uniform(0.3, 0.7) * height,
+            rng.uniform(0.18, 0.34) * width,
+            rng.uniform(0.18, 0.34) * height,
+            rng.uniform(0, math.pi),
+        )
     n_waves = 4
     waves = np.empty((n_waves, 4))
     for i in range(n_waves):
@@ -181,8 +197,9 @@ def make_layout(width: int, height: int, label: int, seed: int) -> SlideLayout:
         colour_waves[i] = (k * math.cos(angle), k * math.sin(angle), rng.uniform(0, 2 * math.pi))
     lipschitz = 1.0 + float(np.sum(np.hypot(waves[:, 0], waves[:, 1]) * waves[:, 3]))
     hash_seed = int(rng.integers(1, 2**32 - 1))
-    layout = SlideLayout(width, height, label, seed, blobs, waves, colour_waves, margin, lipschitz,
-                         np.zeros((0, 3)), hash_seed)
+    layout = SlideLayout(
+        width, height, label, seed, blobs, waves, colour_waves, margin, lipschitz, np.zeros((0, 3)), hash_seed
+    )
     # candidate structures: K in 3..6, radius 24..48 px, well inside tissue, apart from each other
     k = int(rng.integers(3, 7))
     placed: list[tuple[float, float, float]] = []
@@ -198,11 +215,23 @@ def make_layout(width: int, height: int, label: int, seed: int) -> SlideLayout:
         placed.append((cx, cy, r))
     if len(placed) < 3:  # pragma: no cover - the tissue always has room for three
         raise RuntimeError(f"could not place candidate structures for seed {seed}")
-    return SlideLayout(width, height, label, seed, blobs, waves, colour_waves, margin, lipschitz,
-                       np.array(placed, dtype=np.float64), hash_seed)
+    return SlideLayout(
+        width,
+        height,
+        label,
+        seed,
+        blobs,
+        waves,
+        colour_waves,
+        margin,
+        lipschitz,
+        np.array(placed, dtype=np.float64),
+        hash_seed,
+    )
 
 
 # ------------------------------------------------------------------------------------- rendering
+
 
 def _separable_sines(xs: np.ndarray, ys: np.ndarray, waves: np.ndarray, amps: np.ndarray) -> np.ndarray:
     """``sum_k amps[k] * sin(kx_k x + ky_k y + phase_k)`` on the grid ``ys (h, 1) x xs (1, w)`` as one matmul.
@@ -271,9 +300,9 @@ def _noise_texture(key: int) -> np.ndarray:
     i = np.arange(_NOISE_PERIOD, dtype=np.uint32)
     n = np.empty((_NOISE_PERIOD, _NOISE_PERIOD), np.float32)
     for r0 in range(0, _NOISE_PERIOD, 128):  # in row chunks: small transient memory
-        hp = _coord_hash(i[None, :], i[r0:r0 + 128, None], key)
-        n[r0:r0 + 128] = (hp & np.uint32(0xFF)).astype(np.float32)
-        n[r0:r0 + 128] += ((hp >> np.uint32(8)) & np.uint32(0xFF)).astype(np.float32)
+        hp = _coord_hash(i[None, :], i[r0 : r0 + 128, None], key)
+        n[r0 : r0 + 128] = (hp & np.uint32(0xFF)).astype(np.float32)
+        n[r0 : r0 + 128] += ((hp >> np.uint32(8)) & np.uint32(0xFF)).astype(np.float32)
     n *= np.float32(_NOISE_AMPLITUDE / 255.0)
     n -= np.float32(_NOISE_AMPLITUDE)
     n.setflags(write=False)
@@ -352,8 +381,8 @@ def render_region(layout: SlideLayout, x: int, y: int, width: int, height: int) 
         y0, y1 = max(int(math.floor(scy - r - 2)), y), min(int(math.ceil(scy + r + 2)), y + height)
         if x0 >= x1 or y0 >= y1:
             continue
-        sx = xs[:, x0 - x:x1 - x]
-        sy = ys[y0 - y:y1 - y, :]
+        sx = xs[:, x0 - x : x1 - x]
+        sy = ys[y0 - y : y1 - y, :]
         dist = np.sqrt((sx - f32(scx)) ** 2 + (sy - f32(scy)) ** 2)
         a = np.clip(f32(r) - dist + f32(0.5), 0.0, 1.0)[..., None]
         target = np.broadcast_to(STRUCTURE_MEAN, a.shape[:2] + (3,)).astype(f32)
@@ -363,14 +392,14 @@ def render_region(layout: SlideLayout, x: int, y: int, width: int, height: int) 
             cy_i = np.arange(y0, y1) // CHECKER_CELL
             checker = ((cx_i[None, :] + cy_i[:, None]) % 2).astype(f32) * f32(2.0) - f32(1.0)
             target = target + (checker * env)[..., None] * STRUCTURE_AMPLITUDE
-        sub = col[y0 - y:y1 - y, x0 - x:x1 - x]
+        sub = col[y0 - y : y1 - y, x0 - x : x1 - x]
         sub += a * (target - sub)
 
     # per-pixel luminance noise (triangular; a periodic 1024 px hashed texture)
     tex = _noise_texture(layout.hash_seed)
     px, py = x % _NOISE_PERIOD, y % _NOISE_PERIOD
     if px + width <= _NOISE_PERIOD and py + height <= _NOISE_PERIOD:
-        noise = tex[py:py + height, px:px + width]
+        noise = tex[py : py + height, px : px + width]
     else:
         noise = tex[np.ix_(iy % _NOISE_PERIOD, ix % _NOISE_PERIOD)]
     col += noise[..., None]
@@ -385,6 +414,7 @@ def render_region(layout: SlideLayout, x: int, y: int, width: int, height: int) 
 
 
 # ---------------------------------------------------------------------------------------- writing
+
 
 def level_dimensions(width: int, height: int) -> list[tuple[int, int]]:
     """Pyramid sizes: level 0, then halving (ceil) while the larger side of the last level exceeds 1024."""
@@ -411,8 +441,16 @@ def _downsample2x(a: np.ndarray) -> np.ndarray:
 class _PyramidWriter:
     """Streams level-0 tiles and builds the lower levels band by band (see module docstring)."""
 
-    def __init__(self, layout: SlideLayout, tile: int, quality: int, dims: list[tuple[int, int]],
-                 spool, progress: Callable[[int], None] | None, render: Callable[..., np.ndarray] | None = None):
+    def __init__(
+        self,
+        layout: SlideLayout,
+        tile: int,
+        quality: int,
+        dims: list[tuple[int, int]],
+        spool,
+        progress: Callable[[int], None] | None,
+        render: Callable[..., np.ndarray] | None = None,
+    ):
         import imagecodecs
 
         self.layout, self.tile, self.quality, self.dims = layout, tile, quality, dims
@@ -421,8 +459,9 @@ class _PyramidWriter:
         self.progress = progress
         self.ntiles = [(-(-w // tile), -(-h // tile)) for w, h in dims]
         self.offsets: list[list[tuple[int, int]]] = [[] for _ in dims]
-        self.bands = [np.full((tile, nx * tile, 3), 255, np.uint8) if lvl else None
-                      for lvl, (nx, _) in enumerate(self.ntiles)]
+        self.bands = [
+            np.full((tile, nx * tile, 3), 255, np.uint8) if lvl else None for lvl, (nx, _) in enumerate(self.ntiles)
+        ]
         self._encode = imagecodecs.jpeg8_encode
 
     def encode(self, tile: np.ndarray) -> bytes:
@@ -437,7 +476,7 @@ class _PyramidWriter:
                 px = self.render(self.layout, tx * t, ty * t, t, t)
                 if nlev > 1:
                     r0 = (ty % 2) * half
-                    self.bands[1][r0:r0 + half, tx * half:(tx + 1) * half] = _downsample2x(px)
+                    self.bands[1][r0 : r0 + half, tx * half : (tx + 1) * half] = _downsample2x(px)
                 data = self.encode(px)
                 if tx == nx - 1 and nlev > 1 and (ty % 2 == 1 or ty == ny - 1):
                     self._band_done(1, ty // 2)  # before yielding: tifffile may stop pulling after the last tile
@@ -451,7 +490,7 @@ class _PyramidWriter:
         buf = self.bands[level]
         nx, ny = self.ntiles[level]
         for tx in range(nx):
-            data = self.encode(np.ascontiguousarray(buf[:, tx * t:(tx + 1) * t]))
+            data = self.encode(np.ascontiguousarray(buf[:, tx * t : (tx + 1) * t]))
             self.offsets[level].append((self.spool.tell(), len(data)))
             self.spool.write(data)
         if self.progress is not None:
@@ -460,7 +499,7 @@ class _PyramidWriter:
             r0 = (band % 2) * half
             small = _downsample2x(buf)
             nxt = self.bands[level + 1]
-            nxt[r0:r0 + half, :small.shape[1]] = small
+            nxt[r0 : r0 + half, : small.shape[1]] = small
             if band % 2 == 1 or band == ny - 1:
                 self._band_done(level + 1, band // 2)
         buf.fill(255)
@@ -476,10 +515,22 @@ def _fmt_num(v: float) -> str:
     return f"{v:.6g}"
 
 
-def write_synthetic_slide(path: str | os.PathLike, *, width: int, height: int, label: int, seed: int,
-                          fmt: str = "svs", tile_size: int = 256, mpp: float = 0.25, quality: int = 90,
-                          progress: Callable[[int], None] | None = None, sidecar: bool = True,
-                          task: str = "checker", classes: int = 2) -> dict[str, Any]:
+def write_synthetic_slide(
+    path: str | os.PathLike,
+    *,
+    width: int,
+    height: int,
+    label: int,
+    seed: int,
+    fmt: str = "svs",
+    tile_size: int = 256,
+    mpp: float = 0.25,
+    quality: int = 90,
+    progress: Callable[[int], None] | None = None,
+    sidecar: bool = True,
+    task: str = "checker",
+    classes: int = 2,
+) -> dict[str, Any]:
     """Write one synthetic slide (JPEG tiles, power-of-two pyramid as TIFF pages) and its ground truth.
 
     Args:
@@ -512,8 +563,12 @@ def write_synthetic_slide(path: str | os.PathLike, *, width: int, height: int, l
     if tile_size % 16:
         raise ValueError(f"tile_size must be a multiple of 16 in [64, 2048], got {tile_size}")
     quality = _check_int("quality", quality, 1, 100)
-    if isinstance(mpp, bool) or not isinstance(mpp, (int, float)) or not (0 < float(mpp) <= 100) \
-            or not math.isfinite(float(mpp)):
+    if (
+        isinstance(mpp, bool)
+        or not isinstance(mpp, (int, float))
+        or not (0 < float(mpp) <= 100)
+        or not math.isfinite(float(mpp))
+    ):
         raise ValueError(f"mpp must be a number in (0, 100], got {mpp!r}")
     mpp = float(mpp)
     task, classes = check_task(task, classes)
@@ -533,36 +588,56 @@ def write_synthetic_slide(path: str | os.PathLike, *, width: int, height: int, l
     mag = 10.0 / mpp
     partial = path.with_name(path.name + ".partial")
     try:
-        with tempfile.TemporaryFile(dir=path.parent, prefix=".synth-spool-") as spool, \
-                tifffile.TiffWriter(partial, bigtiff=bigtiff) as tw:
+        with (
+            tempfile.TemporaryFile(dir=path.parent, prefix=".synth-spool-") as spool,
+            tifffile.TiffWriter(partial, bigtiff=bigtiff) as tw,
+        ):
             pw = _PyramidWriter(layout, tile_size, quality, dims, spool, progress, render)
             for lvl, (w, h) in enumerate(dims):
                 kw: dict[str, Any] = {}
                 if fmt == "svs":
                     if lvl == 0:
-                        head = (f"{w}x{h} [0,0 {w}x{h}] ({tile_size}x{tile_size}) JPEG/RGB Q={quality}")
+                        head = f"{w}x{h} [0,0 {w}x{h}] ({tile_size}x{tile_size}) JPEG/RGB Q={quality}"
                     else:
                         head = f"{dims[0][0]}x{dims[0][1]} -> {w}x{h} - "
                     kw["description"] = (
                         f"Aperio Image Library v12.0.15 \r\n{head}|AppMag = {_fmt_num(mag)}"
                         f"|MPP = {_fmt_num(mpp)}|Filename = {path.stem}|Title = foveate synthetic slide"
-                        f"|foveate.seed = {layout.seed}")  # no label: the pixels alone must decide it
+                        f"|foveate.seed = {layout.seed}"
+                    )  # no label: the pixels alone must decide it
                 else:
                     res = 1e4 / (mpp * 2**lvl)
                     kw["resolution"] = (res, res)
                     kw["resolutionunit"] = "CENTIMETER"
                     kw["subfiletype"] = 1 if lvl else 0
                 tiles = pw.level0_tiles() if lvl == 0 else pw.level_tiles(lvl)
-                tw.write(tiles, shape=(h, w, 3), dtype=np.uint8, tile=(tile_size, tile_size),
-                         photometric="rgb", compression="jpeg", metadata=None, software=False, **kw)
+                tw.write(
+                    tiles,
+                    shape=(h, w, 3),
+                    dtype=np.uint8,
+                    tile=(tile_size, tile_size),
+                    photometric="rgb",
+                    compression="jpeg",
+                    metadata=None,
+                    software=False,
+                    **kw,
+                )
         os.replace(partial, path)
     except BaseException:
         partial.unlink(missing_ok=True)
         raise
     info: dict[str, Any] = {
-        "path": str(path.resolve()), "format": fmt, "width": layout.width, "height": layout.height,
-        "label": layout.label, "seed": layout.seed, "tile_size": tile_size, "mpp": mpp, "quality": quality,
-        "levels": [list(d) for d in dims], "structures": layout.structure_boxes(),
+        "path": str(path.resolve()),
+        "format": fmt,
+        "width": layout.width,
+        "height": layout.height,
+        "label": layout.label,
+        "seed": layout.seed,
+        "tile_size": tile_size,
+        "mpp": mpp,
+        "quality": quality,
+        "levels": [list(d) for d in dims],
+        "structures": layout.structure_boxes(),
     }
     if task == "objects":
         info.update(layout.sidecar_info())
@@ -574,18 +649,21 @@ def write_synthetic_slide(path: str | os.PathLike, *, width: int, height: int, l
 
 # ---------------------------------------------------------------------------------------- archive
 
+
 def parse_size(size: Any) -> tuple[tuple[int, int], tuple[int, int]]:
     """Size spec -> ``((wmin, wmax), (hmin, hmax))``.
 
     Accepts an int (square), ``"4096"``, ``"6000x4000"``, a range ``"2048:8192"`` (width and height
     each drawn from it), a ``(lo, hi)`` tuple (range) or the same nested. Sides in [2000, 100000].
     """
+
     def side(v: Any) -> int:
         try:
             iv = int(str(v).strip()) if not isinstance(v, (int, np.integer)) or isinstance(v, bool) else int(v)
         except ValueError:
-            raise ValueError(f"size must be N, WxH or LO:HI with integer sides in [{MIN_SIDE}, {MAX_SIDE}], "
-                             f"got {size!r}") from None
+            raise ValueError(
+                f"size must be N, WxH or LO:HI with integer sides in [{MIN_SIDE}, {MAX_SIDE}], got {size!r}"
+            ) from None
         if isinstance(v, bool) or not MIN_SIDE <= iv <= MAX_SIDE:
             raise ValueError(f"size sides must be integers in [{MIN_SIDE}, {MAX_SIDE}], got {size!r}")
         return iv
@@ -616,10 +694,22 @@ def parse_size(size: Any) -> tuple[tuple[int, int], tuple[int, int]]:
     return rng, rng
 
 
-def synth_archive(out_dir: str | os.PathLike, *, count: int, size: Any = 4096, fmt: str = "svs", seed: int = 0,
-                  positive_fraction: float = 0.5, tile_size: int = 256, mpp: float = 0.25, quality: int = 90,
-                  progress: Callable[[int, str], None] | None = None,
-                  on_total: Callable[[int], None] | None = None, task: str = "checker", classes: int = 2):
+def synth_archive(
+    out_dir: str | os.PathLike,
+    *,
+    count: int,
+    size: Any = 4096,
+    fmt: str = "svs",
+    seed: int = 0,
+    positive_fraction: float = 0.5,
+    tile_size: int = 256,
+    mpp: float = 0.25,
+    quality: int = 90,
+    progress: Callable[[int, str], None] | None = None,
+    on_total: Callable[[int], None] | None = None,
+    task: str = "checker",
+    classes: int = 2,
+):
     """Write ``count`` synthetic slides into ``out_dir`` plus ``labels.csv`` (columns ``path,label``).
 
     ``path`` holds absolute paths. Exactly ``floor(count * positive_fraction + 0.5)`` slides are positive,
@@ -651,16 +741,29 @@ def synth_archive(out_dir: str | os.PathLike, *, count: int, size: Any = 4096, f
 
     task, classes = check_task(task, classes)
     if task == "objects":
-        return _synth_objects_archive(out_dir, count=count, size=size, fmt=fmt, seed=seed, classes=classes,
-                                      tile_size=tile_size, mpp=mpp, quality=quality, progress=progress,
-                                      on_total=on_total)
+        return _synth_objects_archive(
+            out_dir,
+            count=count,
+            size=size,
+            fmt=fmt,
+            seed=seed,
+            classes=classes,
+            tile_size=tile_size,
+            mpp=mpp,
+            quality=quality,
+            progress=progress,
+            on_total=on_total,
+        )
 
     count = _check_int("count", count, 1, 100_000)
     if fmt not in ARCHIVE_FORMATS:
         raise ValueError(f"fmt must be one of {ARCHIVE_FORMATS}, got {fmt!r}")
     seed = _check_int("seed", seed, 0, 2**63 - 1)
-    if isinstance(positive_fraction, bool) or not isinstance(positive_fraction, (int, float)) \
-            or not 0.0 <= float(positive_fraction) <= 1.0:
+    if (
+        isinstance(positive_fraction, bool)
+        or not isinstance(positive_fraction, (int, float))
+        or not 0.0 <= float(positive_fraction) <= 1.0
+    ):
         raise ValueError(f"positive_fraction must be a number in [0, 1], got {positive_fraction!r}")
     (wlo, whi), (hlo, hhi) = parse_size(size)
     tile_size = _check_int("tile_size", tile_size, 64, 2048)
@@ -691,11 +794,21 @@ def synth_archive(out_dir: str | os.PathLike, *, count: int, size: Any = 4096, f
     for i in range(count):
         name = f"synth_{i:05d}{EXTENSIONS[fmts[i]]}"
         cb = (lambda n, _name=name: progress(n, _name)) if progress is not None else None
-        info = write_synthetic_slide(out / name, width=int(widths[i]), height=int(heights[i]), label=int(labels[i]),
-                                     seed=int(slide_seeds[i]), fmt=fmts[i], tile_size=tile_size, mpp=float(mpp),
-                                     quality=quality, progress=cb)
-        log.debug("wrote %s (%dx%d, label %d) in %.1fs", name, info["width"], info["height"], info["label"],
-                  info["seconds"])
+        info = write_synthetic_slide(
+            out / name,
+            width=int(widths[i]),
+            height=int(heights[i]),
+            label=int(labels[i]),
+            seed=int(slide_seeds[i]),
+            fmt=fmts[i],
+            tile_size=tile_size,
+            mpp=float(mpp),
+            quality=quality,
+            progress=cb,
+        )
+        log.debug(
+            "wrote %s (%dx%d, label %d) in %.1fs", name, info["width"], info["height"], info["label"], info["seconds"]
+        )
         rows.append({"path": info["path"], "label": int(labels[i])})
     df = pd.DataFrame(rows, columns=["path", "label"])
     df.to_csv(out / "labels.csv", index=False)
@@ -749,19 +862,26 @@ def check_task(task: Any, classes: Any) -> tuple[str, int]:
         raise ValueError(f"task must be one of {TASKS}, got {task!r}")
     if task == "checker":
         if isinstance(classes, bool) or not isinstance(classes, (int, np.integer)) or int(classes) != 2:
-            raise ValueError(f"classes must be 2 for task 'checker' (binary), got {classes!r}; "
-                             f"task 'objects' takes {OBJECTS_MIN_CLASSES}..{OBJECTS_MAX_CLASSES}")
+            raise ValueError(
+                f"classes must be 2 for task 'checker' (binary), got {classes!r}; "
+                f"task 'objects' takes {OBJECTS_MIN_CLASSES}..{OBJECTS_MAX_CLASSES}"
+            )
         return task, 2
-    if isinstance(classes, bool) or not isinstance(classes, (int, np.integer)) \
-            or not OBJECTS_MIN_CLASSES <= int(classes) <= OBJECTS_MAX_CLASSES:
-        raise ValueError(f"classes must be an int in [{OBJECTS_MIN_CLASSES}, {OBJECTS_MAX_CLASSES}] for task "
-                         f"'objects' (kinds {OBJECT_KINDS[:OBJECTS_MAX_CLASSES]}), got {classes!r}")
+    if (
+        isinstance(classes, bool)
+        or not isinstance(classes, (int, np.integer))
+        or not OBJECTS_MIN_CLASSES <= int(classes) <= OBJECTS_MAX_CLASSES
+    ):
+        raise ValueError(
+            f"classes must be an int in [{OBJECTS_MIN_CLASSES}, {OBJECTS_MAX_CLASSES}] for task "
+            f"'objects' (kinds {OBJECT_KINDS[:OBJECTS_MAX_CLASSES]}), got {classes!r}"
+        )
     return task, int(classes)
 
 
 def object_class_names(classes: int) -> tuple[str, ...]:
     """Class names of the ``objects`` task with ``classes`` classes (index -> name)."""
-    return OBJECT_KINDS[:check_task("objects", classes)[1]]
+    return OBJECT_KINDS[: check_task("objects", classes)[1]]
 
 
 @dataclass(frozen=True)
@@ -803,8 +923,19 @@ class ObjectsLayout:
         for cx, cy, r, kind in self.objects:
             x0, y0 = int(math.floor(cx - r)), int(math.floor(cy - r))
             x1, y1 = int(math.ceil(cx + r)), int(math.ceil(cy + r))
-            out.append({"x": x0, "y": y0, "width": x1 - x0, "height": y1 - y0, "cx": float(cx), "cy": float(cy),
-                        "radius": float(r), "kind": OBJECT_KINDS[int(kind)], "informative": True})
+            out.append(
+                {
+                    "x": x0,
+                    "y": y0,
+                    "width": x1 - x0,
+                    "height": y1 - y0,
+                    "cx": float(cx),
+                    "cy": float(cy),
+                    "radius": float(r),
+                    "kind": OBJECT_KINDS[int(kind)],
+                    "informative": True,
+                }
+            )
         return out
 
     def distractor_boxes(self) -> list[dict[str, Any]]:
@@ -813,24 +944,49 @@ class ObjectsLayout:
         for cx, cy, ro, ri, kind in self.rings:
             x0, y0 = int(math.floor(cx - ro)), int(math.floor(cy - ro))
             x1, y1 = int(math.ceil(cx + ro)), int(math.ceil(cy + ro))
-            out.append({"x": x0, "y": y0, "width": x1 - x0, "height": y1 - y0, "shape": "ring",
-                        "cx": float(cx), "cy": float(cy), "radius": float(ro), "inner_radius": float(ri),
-                        "kind": OBJECT_KINDS[int(kind)]})
+            out.append(
+                {
+                    "x": x0,
+                    "y": y0,
+                    "width": x1 - x0,
+                    "height": y1 - y0,
+                    "shape": "ring",
+                    "cx": float(cx),
+                    "cy": float(cy),
+                    "radius": float(ro),
+                    "inner_radius": float(ri),
+                    "kind": OBJECT_KINDS[int(kind)],
+                }
+            )
         for pts, hw, kind in self.strokes:
             x0, y0 = int(math.floor(pts[:, 0].min() - hw)), int(math.floor(pts[:, 1].min() - hw))
             x1, y1 = int(math.ceil(pts[:, 0].max() + hw)), int(math.ceil(pts[:, 1].max() + hw))
-            out.append({"x": x0, "y": y0, "width": x1 - x0, "height": y1 - y0, "shape": "stroke",
-                        "half_width": float(hw), "points": [[float(a), float(b)] for a, b in pts],
-                        "kind": OBJECT_KINDS[int(kind)]})
+            out.append(
+                {
+                    "x": x0,
+                    "y": y0,
+                    "width": x1 - x0,
+                    "height": y1 - y0,
+                    "shape": "stroke",
+                    "half_width": float(hw),
+                    "points": [[float(a), float(b)] for a, b in pts],
+                    "kind": OBJECT_KINDS[int(kind)],
+                }
+            )
         return out
 
     def sidecar_info(self) -> dict[str, Any]:
-        names = OBJECT_KINDS[:self.classes]
+        names = OBJECT_KINDS[: self.classes]
         kinds = [int(k) for k in self.objects[:, 3]]
-        return {"task": "objects", "classes": self.classes, "class_names": list(names),
-                "label": names[self.label], "label_index": self.label,
-                "kind_counts": {n: kinds.count(i) for i, n in enumerate(names)},
-                "distractors": self.distractor_boxes()}
+        return {
+            "task": "objects",
+            "classes": self.classes,
+            "class_names": list(names),
+            "label": names[self.label],
+            "label_index": self.label,
+            "kind_counts": {n: kinds.count(i) for i, n in enumerate(names)},
+            "distractors": self.distractor_boxes(),
+        }
 
 
 def _objects_base(width: int, height: int, seed: int, rng: np.random.Generator) -> SlideLayout:
@@ -839,8 +995,13 @@ def _objects_base(width: int, height: int, seed: int, rng: np.random.Generator) 
     margin = 0.02 * s + 32.0
     blobs = np.empty((3, 5))
     for i in range(3):
-        blobs[i] = (rng.uniform(0.42, 0.58) * width, rng.uniform(0.42, 0.58) * height,
-                    rng.uniform(0.5, 0.62) * width, rng.uniform(0.5, 0.62) * height, rng.uniform(0, math.pi))
+        blobs[i] = (
+            rng.uniform(0.42, 0.58) * width,
+            rng.uniform(0.42, 0.58) * height,
+            rng.uniform(0.5, 0.62) * width,
+            rng.uniform(0.5, 0.62) * height,
+            rng.uniform(0, math.pi),
+        )
     waves = np.empty((4, 4))
     for i in range(4):
         wavelength = rng.uniform(0.12, 0.4) * s
@@ -855,8 +1016,9 @@ def _objects_base(width: int, height: int, seed: int, rng: np.random.Generator) 
         colour_waves[i] = (k * math.cos(angle), k * math.sin(angle), rng.uniform(0, 2 * math.pi))
     lipschitz = 1.0 + float(np.sum(np.hypot(waves[:, 0], waves[:, 1]) * waves[:, 3]))
     hash_seed = int(rng.integers(1, 2**32 - 1))
-    return SlideLayout(width, height, 0, seed, blobs, waves, colour_waves, margin, lipschitz, np.zeros((0, 3)),
-                       hash_seed)
+    return SlideLayout(
+        width, height, 0, seed, blobs, waves, colour_waves, margin, lipschitz, np.zeros((0, 3)), hash_seed
+    )
 
 
 def _seg_dist(px: np.ndarray, py: np.ndarray, pts: np.ndarray, reach: float | None = None) -> np.ndarray:
@@ -869,8 +1031,12 @@ def _seg_dist(px: np.ndarray, py: np.ndarray, pts: np.ndarray, reach: float | No
     if reach is not None:
         lo_x, hi_x, lo_y, hi_y = float(np.min(px)), float(np.max(px)), float(np.min(py)), float(np.max(py))
     for (ax, ay), (bx, by) in zip(pts[:-1], pts[1:]):
-        if reach is not None and (min(ax, bx) - reach > hi_x or max(ax, bx) + reach < lo_x
-                                  or min(ay, by) - reach > hi_y or max(ay, by) + reach < lo_y):
+        if reach is not None and (
+            min(ax, bx) - reach > hi_x
+            or max(ax, bx) + reach < lo_x
+            or min(ay, by) - reach > hi_y
+            or max(ay, by) + reach < lo_y
+        ):
             continue
         dx, dy = bx - ax, by - ay
         ll = dx * dx + dy * dy
@@ -959,8 +1125,9 @@ def make_objects_layout(width: int, height: int, label: int, seed: int, classes:
                 continue
             strokes.append((pts, hw, kind))
             break
-    return ObjectsLayout(base, label, classes, objects, np.array(rings, dtype=np.float64).reshape(-1, 5),
-                         tuple(strokes))
+    return ObjectsLayout(
+        base, label, classes, objects, np.array(rings, dtype=np.float64).reshape(-1, 5), tuple(strokes)
+    )
 
 
 def _kind_sign(kind: int, ix: np.ndarray, iy: np.ndarray) -> np.ndarray:
@@ -979,8 +1146,15 @@ def _kind_sign(kind: int, ix: np.ndarray, iy: np.ndarray) -> np.ndarray:
     return t.astype(np.float32) * np.float32(2.0) - np.float32(1.0)
 
 
-def _paint(col: np.ndarray, noise: np.ndarray, x: int, y: int, box: tuple[float, float, float, float],
-           inside: Callable[[np.ndarray, np.ndarray], np.ndarray], kind: int) -> None:
+def _paint(
+    col: np.ndarray,
+    noise: np.ndarray,
+    x: int,
+    y: int,
+    box: tuple[float, float, float, float],
+    inside: Callable[[np.ndarray, np.ndarray], np.ndarray],
+    kind: int,
+) -> None:
     """Composite one ink shape into ``col`` (float32 (h, w, 3) of the window at ``x, y``).
 
     ``inside(px, py)`` is the shape's signed depth (px, positive inside) at points; ``box`` its level-0 extent.
@@ -1004,8 +1178,8 @@ def _paint(col: np.ndarray, noise: np.ndarray, x: int, y: int, box: tuple[float,
     env = (benv >= _BLOCK_INSET).astype(np.float32)[jy - jy[0, 0], jx - jx[0, 0]]
     target = (_kind_sign(kind, ix, iy) * env)[..., None] * INK_AMPLITUDE
     target += INK_MEAN
-    target += noise[y0 - y:y1 - y, x0 - x:x1 - x, None]
-    sub = col[y0 - y:y1 - y, x0 - x:x1 - x]
+    target += noise[y0 - y : y1 - y, x0 - x : x1 - x, None]
+    sub = col[y0 - y : y1 - y, x0 - x : x1 - x]
     sub += a[..., None] * (target - sub)
 
 
@@ -1020,20 +1194,28 @@ def render_objects_region(layout: ObjectsLayout, x: int, y: int, width: int, hei
     shapes: list[tuple[tuple[float, float, float, float], Callable, int]] = []
     for cx, cy, r, kind in layout.objects:
         if cx + r + 2 > x and cx - r - 2 < x1 and cy + r + 2 > y and cy - r - 2 < y1:
-            shapes.append(((cx - r, cy - r, cx + r, cy + r),
-                           lambda px, py, cx=cx, cy=cy, r=r: r - np.hypot(px - cx, py - cy), int(kind)))
+            shapes.append(
+                (
+                    (cx - r, cy - r, cx + r, cy + r),
+                    lambda px, py, cx=cx, cy=cy, r=r: r - np.hypot(px - cx, py - cy),
+                    int(kind),
+                )
+            )
     for cx, cy, ro, ri, kind in layout.rings:
         if cx + ro + 2 > x and cx - ro - 2 < x1 and cy + ro + 2 > y and cy - ro - 2 < y1:
+
             def ring(px, py, cx=cx, cy=cy, ro=ro, ri=ri):
                 d = np.hypot(px - cx, py - cy)
                 return np.minimum(ro - d, d - ri)
+
             shapes.append(((cx - ro, cy - ro, cx + ro, cy + ro), ring, int(kind)))
     for pts, hw, kind in layout.strokes:
         bx0, by0 = pts[:, 0].min() - hw, pts[:, 1].min() - hw
         bx1, by1 = pts[:, 0].max() + hw, pts[:, 1].max() + hw
         if bx1 + 2 > x and bx0 - 2 < x1 and by1 + 2 > y and by0 - 2 < y1:
-            shapes.append(((bx0, by0, bx1, by1),
-                           lambda px, py, pts=pts, hw=hw: hw - _seg_dist(px, py, pts, hw + 8.0), int(kind)))
+            shapes.append(
+                ((bx0, by0, bx1, by1), lambda px, py, pts=pts, hw=hw: hw - _seg_dist(px, py, pts, hw + 8.0), int(kind))
+            )
     if not shapes:
         return base
     col = base.astype(np.float32)
@@ -1042,7 +1224,7 @@ def render_objects_region(layout: ObjectsLayout, x: int, y: int, width: int, hei
     iy = np.arange(y, y1, dtype=np.int64)
     px, py = x % _NOISE_PERIOD, y % _NOISE_PERIOD
     if px + width <= _NOISE_PERIOD and py + height <= _NOISE_PERIOD:
-        noise = tex[py:py + height, px:px + width]
+        noise = tex[py : py + height, px : px + width]
     else:
         noise = tex[np.ix_(iy % _NOISE_PERIOD, ix % _NOISE_PERIOD)]
     for box, inside, kind in shapes:
@@ -1078,15 +1260,32 @@ def _synth_objects_archive(out_dir, *, count, size, fmt, seed, classes, tile_siz
     slide_seeds = rng.integers(0, 2**62, size=count)
     fmts = [("svs" if i % 2 == 0 else "tiff") if fmt == "mixed" else fmt for i in range(count)]
     if on_total is not None:
-        on_total(int(sum(sum(-(-lw // tile_size) * -(-lh // tile_size) for lw, lh in level_dimensions(int(w), int(h)))
-                         for w, h in zip(widths, heights))))
+        on_total(
+            int(
+                sum(
+                    sum(-(-lw // tile_size) * -(-lh // tile_size) for lw, lh in level_dimensions(int(w), int(h)))
+                    for w, h in zip(widths, heights)
+                )
+            )
+        )
     rows = []
     for i in range(count):
         name = f"synth_{i:05d}{EXTENSIONS[fmts[i]]}"
         cb = (lambda n, _name=name: progress(n, _name)) if progress is not None else None
-        info = write_synthetic_slide(out / name, width=int(widths[i]), height=int(heights[i]), label=int(labels[i]),
-                                     seed=int(slide_seeds[i]), fmt=fmts[i], tile_size=tile_size, mpp=float(mpp),
-                                     quality=quality, progress=cb, task="objects", classes=classes)
+        info = write_synthetic_slide(
+            out / name,
+            width=int(widths[i]),
+            height=int(heights[i]),
+            label=int(labels[i]),
+            seed=int(slide_seeds[i]),
+            fmt=fmts[i],
+            tile_size=tile_size,
+            mpp=float(mpp),
+            quality=quality,
+            progress=cb,
+            task="objects",
+            classes=classes,
+        )
         log.debug("wrote %s (%dx%d, %s) in %.1fs", name, info["width"], info["height"], info["label"], info["seconds"])
         rows.append({"path": info["path"], "label": names[int(labels[i])]})
     df = pd.DataFrame(rows, columns=["path", "label"])
