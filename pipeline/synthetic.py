@@ -48,6 +48,8 @@ from typing import Any
 
 import numpy as np
 
+from workers.pyramid import downsample2x  # the one 2x box downsampler (round half up)
+
 __all__ = [
     "FORMATS",
     "MIN_SIDE",
@@ -431,13 +433,6 @@ def sidecar_path(slide_path: str | os.PathLike) -> Path:
     return p.with_name(p.name + ".json")
 
 
-def _downsample2x(a: np.ndarray) -> np.ndarray:
-    """2x box downsample of (h, w, 3) uint8 with even h, w; round half up."""
-    h, w, c = a.shape
-    s = a.reshape(h // 2, 2, w // 2, 2, c).sum(axis=(1, 3), dtype=np.uint16)
-    return ((s + 2) >> 2).astype(np.uint8)
-
-
 class _PyramidWriter:
     """Streams level-0 tiles and builds the lower levels band by band (see module docstring)."""
 
@@ -476,7 +471,7 @@ class _PyramidWriter:
                 px = self.render(self.layout, tx * t, ty * t, t, t)
                 if nlev > 1:
                     r0 = (ty % 2) * half
-                    self.bands[1][r0 : r0 + half, tx * half : (tx + 1) * half] = _downsample2x(px)
+                    self.bands[1][r0 : r0 + half, tx * half : (tx + 1) * half] = downsample2x(px)
                 data = self.encode(px)
                 if tx == nx - 1 and nlev > 1 and (ty % 2 == 1 or ty == ny - 1):
                     self._band_done(1, ty // 2)  # before yielding: tifffile may stop pulling after the last tile
@@ -497,7 +492,7 @@ class _PyramidWriter:
             self.progress(nx)
         if level + 1 < len(self.dims):
             r0 = (band % 2) * half
-            small = _downsample2x(buf)
+            small = downsample2x(buf)
             nxt = self.bands[level + 1]
             nxt[r0 : r0 + half, : small.shape[1]] = small
             if band % 2 == 1 or band == ny - 1:
