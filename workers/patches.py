@@ -12,6 +12,11 @@
   exactly once per call (chunk-aligned reads, cropped in memory; never a whole-level read).
 * :func:`prepare_slide` / :func:`gather_patches` / :func:`forward_slide` — the model chain for one slide
   (slides differ in grid size, so B = 1 per call; the trainer accumulates over slides).
+* :func:`cell_strata` — cells grouped by low-resolution appearance, for the stratified exploration draws of
+  evidence distillation (``operators.evidence``).
+
+Coordinate frames (level 0, store levels, the patch grid, the scorer's low-res view) are defined once in
+:mod:`workers.frames`; names ending in ``_l0`` are level-0 pixels.
 """
 
 from __future__ import annotations
