@@ -212,6 +212,51 @@ def run_training(
     }
 
 
+def run_training_in_process(
+    config: str, stores: Path, seed: int, overrides: list[str], workdir: Path, run_name: str, log: Path
+) -> dict[str, Any]:
+    """Train one model in this process with ``workers.trainer.Trainer`` (the numerics of ``foveate train`` on one
+    worker, without Ray Train start-up, MLflow and model logging). Same return value as :func:`run_training`."""
+    import dataclasses
+
+    import torch
+
+    from operators.model_io import checkpoint_dict
+    from pipeline.config import load_config
+    from pipeline.data import build_slide_table, shard, split_train_val
+    from pipeline.train import TrainConfig
+    from workers.trainer import Trainer
+
+    torch.set_num_threads(1)
+    cfg = load_config(
+        TrainConfig,
+        ROOT / "configs" / f"{config}.yaml",
+        [f"data.stores={stores}", "data.labels=manifest", f"seed={seed}", *overrides],
+    )
+    table = build_slide_table(cfg.data)
+    train, val = split_train_val(table.records, cfg.data.val_fraction, cfg.data.seed)
+    model_cfg = dataclasses.replace(cfg.model, num_classes=table.num_classes)
+    t0 = time.perf_counter()
+    trainer = Trainer(model_cfg, cfg.optim, cfg.schedule, slides_per_epoch=len(train), seed=cfg.seed)
+    metrics: dict[str, float] = {}
+    with open(log, "w") as fh:
+        for epoch in range(cfg.optim.epochs):
+            metrics = trainer.run_epoch(shard(train, 0, 1, epoch=epoch, seed=cfg.data.seed), val)
+            fh.write(json.dumps(metrics) + "\n")
+            fh.flush()
+    run_dir = workdir / "train" / run_name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    ckpt = run_dir / "model.pt"
+    torch.save(checkpoint_dict(trainer.model, model_cfg, list(table.class_names)), ckpt)
+    return {
+        "metrics": metrics,
+        "checkpoint": str(ckpt),
+        "run_dir": str(run_dir),
+        "run_id": "",
+        "wall_seconds": time.perf_counter() - t0,
+    }
+
+
 # ---------------------------------------------------------------------------------------------- ground truth
 @dataclass
 class Split:
@@ -503,6 +548,12 @@ def main(argv: list[str] | None = None) -> int:
         "--oracle", action="store_true", help="also train the first config's feature network on oracle patches"
     )
     p.add_argument("--no-train", action="store_true", help="skip the selection-model runs (e.g. only --oracle)")
+    p.add_argument(
+        "--in-process",
+        action="store_true",
+        help="train with workers.trainer.Trainer in this process (same numerics as foveate train on one worker, "
+        "no Ray/MLflow start-up per run; use --jobs 1)",
+    )
     p.add_argument("--json", default=None, help="output JSON (default WORKDIR/robustness.json)")
     p.add_argument(
         "--resume",
@@ -638,7 +689,8 @@ def main(argv: list[str] | None = None) -> int:
                 "chance_distractor_hit_rate": dchance,
             }
             try:
-                res = run_training(config, stores, seed, overrides, workdir, name, workdir / "logs" / f"{name}.log")
+                runner = run_training_in_process if args.in_process else run_training
+                res = runner(config, stores, seed, overrides, workdir, name, workdir / "logs" / f"{name}.log")
                 m = res["metrics"]
                 row.update(
                     {
