@@ -735,21 +735,6 @@ def synth_archive(
     import pandas as pd
 
     task, classes = check_task(task, classes)
-    if task == "objects":
-        return _synth_objects_archive(
-            out_dir,
-            count=count,
-            size=size,
-            fmt=fmt,
-            seed=seed,
-            classes=classes,
-            tile_size=tile_size,
-            mpp=mpp,
-            quality=quality,
-            progress=progress,
-            on_total=on_total,
-        )
-
     count = _check_int("count", count, 1, 100_000)
     if fmt not in ARCHIVE_FORMATS:
         raise ValueError(f"fmt must be one of {ARCHIVE_FORMATS}, got {fmt!r}")
@@ -770,10 +755,16 @@ def synth_archive(
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(np.random.SeedSequence([seed, 0xA4C1]))
-    n_pos = int(math.floor(count * float(positive_fraction) + 0.5))  # round half up (not to even)
-    labels = np.zeros(count, np.int64)
-    labels[:n_pos] = 1
+    if task == "objects":  # balanced classes; labels.csv holds the class names
+        names = list(object_class_names(classes))
+        rng = np.random.default_rng(np.random.SeedSequence([seed, 0x0B1EC7, classes]))
+        labels = np.arange(count, dtype=np.int64) % classes
+    else:
+        names = None
+        rng = np.random.default_rng(np.random.SeedSequence([seed, 0xA4C1]))
+        n_pos = int(math.floor(count * float(positive_fraction) + 0.5))  # round half up (not to even)
+        labels = np.zeros(count, np.int64)
+        labels[:n_pos] = 1
     rng.shuffle(labels)
     widths = rng.integers(wlo, whi + 1, size=count)
     heights = rng.integers(hlo, hhi + 1, size=count)
@@ -800,11 +791,13 @@ def synth_archive(
             mpp=float(mpp),
             quality=quality,
             progress=cb,
+            task=task,
+            classes=classes,
         )
         log.debug(
-            "wrote %s (%dx%d, label %d) in %.1fs", name, info["width"], info["height"], info["label"], info["seconds"]
+            "wrote %s (%dx%d, label %s) in %.1fs", name, info["width"], info["height"], info["label"], info["seconds"]
         )
-        rows.append({"path": info["path"], "label": int(labels[i])})
+        rows.append({"path": info["path"], "label": int(labels[i]) if names is None else names[int(labels[i])]})
     df = pd.DataFrame(rows, columns=["path", "label"])
     df.to_csv(out / "labels.csv", index=False)
     return df
@@ -1227,62 +1220,3 @@ def render_objects_region(layout: ObjectsLayout, x: int, y: int, width: int, hei
     col += np.float32(0.5)
     np.clip(col, 0, 255, out=col)
     return col.astype(np.uint8)
-
-
-def _synth_objects_archive(out_dir, *, count, size, fmt, seed, classes, tile_size, mpp, quality, progress, on_total):
-    """:func:`synth_archive` for ``task="objects"`` (arguments as there, already partly checked)."""
-    import pandas as pd
-
-    count = _check_int("count", count, 1, 100_000)
-    if fmt not in ARCHIVE_FORMATS:
-        raise ValueError(f"fmt must be one of {ARCHIVE_FORMATS}, got {fmt!r}")
-    seed = _check_int("seed", seed, 0, 2**63 - 1)
-    (wlo, whi), (hlo, hhi) = parse_size(size)
-    tile_size = _check_int("tile_size", tile_size, 64, 2048)
-    if tile_size % 16:
-        raise ValueError(f"tile_size must be a multiple of 16 in [64, 2048], got {tile_size}")
-    quality = _check_int("quality", quality, 1, 100)
-    if isinstance(mpp, bool) or not isinstance(mpp, (int, float)) or not (0 < float(mpp) <= 100):
-        raise ValueError(f"mpp must be a number in (0, 100], got {mpp!r}")
-    names = object_class_names(classes)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(np.random.SeedSequence([seed, 0x0B1EC7, classes]))
-    labels = np.arange(count, dtype=np.int64) % classes
-    rng.shuffle(labels)
-    widths = rng.integers(wlo, whi + 1, size=count)
-    heights = rng.integers(hlo, hhi + 1, size=count)
-    slide_seeds = rng.integers(0, 2**62, size=count)
-    fmts = [("svs" if i % 2 == 0 else "tiff") if fmt == "mixed" else fmt for i in range(count)]
-    if on_total is not None:
-        on_total(
-            int(
-                sum(
-                    sum(-(-lw // tile_size) * -(-lh // tile_size) for lw, lh in level_dimensions(int(w), int(h)))
-                    for w, h in zip(widths, heights)
-                )
-            )
-        )
-    rows = []
-    for i in range(count):
-        name = f"synth_{i:05d}{EXTENSIONS[fmts[i]]}"
-        cb = (lambda n, _name=name: progress(n, _name)) if progress is not None else None
-        info = write_synthetic_slide(
-            out / name,
-            width=int(widths[i]),
-            height=int(heights[i]),
-            label=int(labels[i]),
-            seed=int(slide_seeds[i]),
-            fmt=fmts[i],
-            tile_size=tile_size,
-            mpp=float(mpp),
-            quality=quality,
-            progress=cb,
-            task="objects",
-            classes=classes,
-        )
-        log.debug("wrote %s (%dx%d, %s) in %.1fs", name, info["width"], info["height"], info["label"], info["seconds"])
-        rows.append({"path": info["path"], "label": names[int(labels[i])]})
-    df = pd.DataFrame(rows, columns=["path", "label"])
-    df.to_csv(out / "labels.csv", index=False)
-    return df
