@@ -33,6 +33,9 @@ from workers.metrics import classification_metrics
 from workers.patches import forward_slide
 from workers.trainer import Trainer
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from robustness import hits_of  # the same patch/box overlap as the robustness benchmark
+
 
 def structure_boxes(stores: str) -> dict[str, list[dict]]:
     """Ground-truth informative structures per store path (``structures`` of the synth sidecar)."""
@@ -46,15 +49,9 @@ def structure_boxes(stores: str) -> dict[str, list[dict]]:
 
 
 def hit_rate(coords, boxes, patch: int) -> float:
-    """Fraction of patches (level-0 top-left ``coords[K, 2]``) overlapping any box."""
-    hits = [
-        any(
-            x < s["x"] + s["width"] and s["x"] < x + patch and y < s["y"] + s["height"] and s["y"] < y + patch
-            for s in boxes
-        )
-        for x, y in coords.tolist()
-    ]
-    return float(np.mean(hits)) if hits else 0.0
+    """Fraction of patches (level-0 top-left ``coords[K, 2]``) overlapping any box (``robustness.hits_of``)."""
+    hits, _ = hits_of(coords.cpu().numpy().reshape(-1, 2), patch, boxes)
+    return float(hits.mean()) if len(hits) else 0.0
 
 
 def main() -> None:
