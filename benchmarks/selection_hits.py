@@ -1,9 +1,10 @@
 """Diagnostic: train one selection model in-process with the trainer of ``foveate train`` (``workers.trainer.Trainer``,
 one worker: the same loss, optimiser, schedules, slide order and seeds, without Ray/MLflow) on the stores of a
-``foveate synth`` task and print per epoch: training cross-entropy, the attention entropy relative to uniform
-(``Hrel``, attention sampling), the fraction of chosen patches that overlap a ground-truth informative structure
-(``trainhit`` for hard top-k on the training slides, ``testhit`` on the held-out split; from the synth sidecars,
-diagnostic only, never used for training), the median gradient norm, held-out accuracy/AUC, and the mean of
+``foveate synth`` task and print per epoch: training cross-entropy; the fraction of chosen patches that overlap a
+ground-truth informative structure (``trainhit`` for hard top-k on the training slides, ``testhit`` on the
+held-out split; from the synth sidecars, diagnostic only, never used for training); the fraction of informative
+structures that some chosen test patch touches (``recall``); the fraction of chosen test patches on a distractor
+(``dhit``, objects task); the median gradient norm; train and held-out accuracy, held-out AUC; and the mean of
 every auxiliary loss term (``loss_instance``, ``loss_rank`` for evidence distillation).
 
 Usage: python benchmarks/selection_hits.py --config attention_sampling --stores WORKDIR/stores [--seed SPLIT]
@@ -37,21 +38,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from robustness import hits_of  # the same patch/box overlap as the robustness benchmark
 
 
-def structure_boxes(stores: str) -> dict[str, list[dict]]:
-    """Ground-truth informative structures per store path (``structures`` of the synth sidecar)."""
+def structure_boxes(stores: str, which: str = "structures") -> dict[str, list[dict]]:
+    """Ground-truth boxes per store path from the synth sidecar: ``structures`` (the informative ones) or
+    ``distractors`` (objects task)."""
     man = pd.read_csv(f"{stores}/manifest.csv")
     out = {}
     for r in man.itertuples():
         side = Path(str(r.source) + ".json")
         if side.is_file():
-            out[str(Path(r.store).resolve())] = json.loads(side.read_text())["structures"]
+            out[str(Path(r.store).resolve())] = json.loads(side.read_text()).get(which, [])
     return out
 
 
-def hit_rate(coords, boxes, patch: int) -> float:
-    """Fraction of patches (level-0 top-left ``coords[K, 2]``) overlapping any box (``robustness.hits_of``)."""
-    hits, _ = hits_of(coords.cpu().numpy().reshape(-1, 2), patch, boxes)
-    return float(hits.mean()) if len(hits) else 0.0
+def hit_rate(coords, boxes, patch: int) -> tuple[float, float]:
+    """Fraction of patches (level-0 top-left ``coords[K, 2]``) overlapping any box (``robustness.hits_of``), and
+    the fraction of the boxes that some patch overlaps (recall)."""
+    hits, touched = hits_of(coords.cpu().numpy().reshape(-1, 2), patch, boxes)
+    return (float(hits.mean()) if len(hits) else 0.0), (touched / len(boxes) if boxes else 0.0)
 
 
 def main() -> None:
@@ -84,6 +87,7 @@ def main() -> None:
     table = build_slide_table(cfg.data)
     tr, te = split_train_val(table.records, cfg.data.val_fraction, cfg.data.seed)
     boxes = structure_boxes(a.stores)
+    distractors = structure_boxes(a.stores, "distractors")
     model_cfg = dataclasses.replace(cfg.model, num_classes=table.num_classes)
     trainer = Trainer(model_cfg, cfg.optim, cfg.schedule, slides_per_epoch=len(tr), seed=cfg.seed)
     patch = model_cfg.patch_size
@@ -105,13 +109,22 @@ def main() -> None:
         res = {}
         with torch.no_grad():
             for name, recs in (("train", tr), ("test", te)):
-                probs, ys, hits = [], [], []
+                probs, ys, hits, recall, dhits = [], [], [], [], []
                 for rec in recs:
                     out = forward_slide(model, trainer._store(rec.store), training=False)
                     probs.append(torch.softmax(out.logits.reshape(1, -1).float(), -1)[0].numpy())
                     ys.append(rec.target)
-                    hits.append(hit_rate(out.coords_l0, boxes.get(str(Path(rec.store).resolve()), []), patch))
-                res[name] = (classification_metrics(ys, np.array(probs)), float(np.mean(hits)))
+                    key = str(Path(rec.store).resolve())
+                    h, r = hit_rate(out.coords_l0, boxes.get(key, []), patch)
+                    hits.append(h)
+                    recall.append(r)
+                    dhits.append(hit_rate(out.coords_l0, distractors.get(key, []), patch)[0])
+                res[name] = (
+                    classification_metrics(ys, np.array(probs)),
+                    float(np.mean(hits)),
+                    float(np.mean(recall)),
+                    float(np.mean(dhits)),
+                )
         soft = ""
         if a.soft_eval:  # the training-time (soft / sampled) selection at the start sigma, without gradients
             probs, ys = [], []
@@ -127,10 +140,11 @@ def main() -> None:
             soft = f"soft acc {soft_acc:.2f} "
         ce = np.mean(aux.get("loss_ce", [ep.loss / max(ep.n, 1)]))
         extra = " ".join(f"{k[5:]} {np.mean(v):.3f}" for k, v in aux.items() if k != "loss_ce")
-        m, th = res["test"]
+        m, th, trec, tdh = res["test"]
         print(
-            f"ep {trainer.epoch:2d} ce {ce:.3f} Hrel 0.000 trainhit {res['train'][1]:.2f} testhit {th:.2f} "
-            f"|g_scorer| 0 |g| {np.median(grad):.3g} test acc {m['accuracy']:.2f} auc {m['auc']:.2f} "
+            f"ep {trainer.epoch:2d} ce {ce:.3f} trainhit {res['train'][1]:.2f} testhit {th:.2f} recall {trec:.2f} "
+            f"dhit {tdh:.2f} |g| {np.median(grad):.3g} train acc {res['train'][0]['accuracy']:.2f} "
+            f"test acc {m['accuracy']:.2f} auc {m['auc']:.2f} "
             f"{soft}t {time.time() - t0:.0f}s {extra}",
             flush=True,
         )
@@ -141,6 +155,8 @@ def main() -> None:
                 "test_accuracy": m["accuracy"],
                 "test_auc": m["auc"],
                 "test_hits": th,
+                "test_recall": trec,
+                "test_distractor_hits": tdh,
             }
         )
     )
