@@ -66,10 +66,12 @@ class ModelConfig:
         entropy_weight: weight of the attention-entropy regulariser (``aux_losses["entropy"] = -w * H``).
         attention_temperature: attention sampling's attention is ``softmax(s / T)`` over the candidates, with
             ``s`` the min–max normalised scores in [0, 1] (as for the top-k selectors), so its sharpness does not
-            depend on the scale of the scorer's raw output: at T = 0.2 the best candidate weighs at most
-            ``e^5 ~ 150`` times the worst. (The raw scorer output spans ~0.1 at initialisation, so a softmax
+            depend on the scale of the scorer's raw output: at T = 0.05 the best candidate weighs at most
+            ``e^20`` times the worst. (The raw scorer output spans ~0.1 at initialisation, so a softmax
             over it is uniform (entropy 0.99996 log N) and the scorer's gradient ~100x too small: attention sampling
-            never learnt.)
+            never learnt. At T = 0.2 (at most ``e^5``) the attention stayed near uniform over the ~400 tissue cells
+            of a slide even after the scorer ranked the informative cells first, so training read random cells
+            and one seed in ten ended at chance; ``benchmarks/RESULTS.md``.)
         explore_temperature: SOFT top-k and LapSum in training read the top-k cells of
             ``s / T + Gumbel`` (``T`` this value; K cells drawn without replacement from ``softmax(s / T)``) instead
             of the hard top-k, and gate them with their mask values; 0 (default) reads the hard top-k. Without it
@@ -127,7 +129,7 @@ class ModelConfig:
     alpha: float = 0.05
     replace: bool = False
     entropy_weight: float = 0.01
-    attention_temperature: float = 0.2
+    attention_temperature: float = 0.05
     explore_temperature: float = 0.0
     mask_extra: int = 0
     candidate_dropout: float = 0.0

@@ -118,6 +118,7 @@ def find_checkpoint(root: Path) -> Path | None:
     if root.is_file():
         return root
     for candidate in (
+        root / "artifacts" / CHECKPOINT_NAME,
         root / "extra_files" / CHECKPOINT_NAME,
         root / "checkpoint" / CHECKPOINT_NAME,
         root / CHECKPOINT_NAME,
