@@ -27,6 +27,8 @@ __all__ = [
     "format_table",
     "plot_accuracy_vs_time",
     "compare",
+    "Promotion",
+    "promote",
     "add_arguments",
     "run",
 ]
@@ -255,6 +257,70 @@ def compare(
     return CompareResult(table, csv_path, png_path, exp_id, uri)
 
 
+@dataclass(frozen=True)
+class Promotion:
+    """What :func:`promote` did: ``alias`` now points at ``name`` version ``version`` (from run ``run_id``,
+    whose ``metric`` was ``value``)."""
+
+    name: str
+    version: str
+    alias: str
+    run_id: str
+    metric: str
+    value: float
+
+
+def promote(
+    experiment: str, alias: str, by: str, *, tracking_uri: str | None = None, minimize: bool = False
+) -> list[Promotion]:
+    """Point registry alias ``alias`` at the model version logged by the experiment's best finished training
+    run by metric ``by`` (largest; smallest with ``minimize``), for every registered model that run has a
+    version of (``tracking.registered_model`` when training). Each promoted version is tagged
+    ``foveate.promoted_by = "<metric>=<value> in <experiment>"``.
+
+    Raises:
+        ValueError: bad alias/metric, no finished run with the metric, or the best run has no registered
+            model version.
+    """
+    import mlflow
+
+    if not isinstance(alias, str) or not alias.strip() or alias.strip().lower() == "latest" or "/" in alias:
+        raise ValueError(f"--promote takes an alias name (letters, digits, - or _; not 'latest'), got {alias!r}")
+    if not isinstance(by, str) or not by:
+        raise ValueError(f"--by takes a metric name (e.g. val_auc, val_accuracy), got {by!r}")
+    from pipeline.tracking import resolve_tracking_uri
+
+    uri = resolve_tracking_uri(tracking_uri)
+    client = mlflow.MlflowClient(tracking_uri=uri)
+    exp = client.get_experiment_by_name(experiment)
+    if exp is None:
+        raise ValueError(f"experiment {experiment!r} not found at {uri}")
+    runs = [
+        r
+        for r in client.search_runs(
+            [exp.experiment_id], filter_string="attributes.status = 'FINISHED'", max_results=5000
+        )
+        if r.data.tags.get("foveate.stage") != "score" and by in r.data.metrics
+    ]
+    if not runs:
+        raise ValueError(f"no finished training run in experiment {experiment!r} has a metric {by!r}")
+    best = (min if minimize else max)(runs, key=lambda r: r.data.metrics[by])
+    value = float(best.data.metrics[by])
+    versions = client.search_model_versions(f"run_id = '{best.info.run_id}'")
+    if not versions:
+        raise ValueError(
+            f"the best run {best.info.run_id} ({by} = {value:g}) has no registered model version; train with "
+            f"--set tracking.registered_model=NAME (or register its model: mlflow.register_model)"
+        )
+    done = []
+    for v in versions:
+        client.set_registered_model_alias(v.name, alias, v.version)
+        client.set_model_version_tag(v.name, v.version, "foveate.promoted_by", f"{by}={value:g} in {experiment}")
+        done.append(Promotion(v.name, str(v.version), alias, best.info.run_id, by, value))
+        log.info("models:/%s@%s -> version %s (run %s, %s = %g)", v.name, alias, v.version, best.info.run_id, by, value)
+    return done
+
+
 # ---------------------------------------------------------------------------------------------- CLI
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
@@ -267,6 +333,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="MLflow tracking URI (default $MLFLOW_TRACKING_URI; sqlite:///... or http://host:port)",
     )
     parser.add_argument("--include-score-runs", action="store_true", help="also list batch-scoring runs")
+    parser.add_argument(
+        "--promote",
+        metavar="ALIAS",
+        default=None,
+        help="point this registry alias (e.g. champion) at the model version of the best run by --by",
+    )
+    parser.add_argument("--by", metavar="METRIC", default="val_auc", help="metric for --promote (default val_auc)")
+    parser.add_argument("--minimize", action="store_true", help="with --promote: the smallest --by is best")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -277,4 +351,9 @@ def run(args: argparse.Namespace) -> int:
     print(format_table(res.table))
     print(f"table: {res.csv_path}")
     print(f"plot:  {res.png_path}")
+    if args.promote:
+        for p in promote(
+            args.experiment, args.promote, args.by, tracking_uri=args.tracking_uri, minimize=args.minimize
+        ):
+            print(f"models:/{p.name}@{p.alias} -> version {p.version} (run {p.run_id}, {p.metric} = {p.value:g})")
     return 0

@@ -1,9 +1,10 @@
 """Trained foveate models in MLflow: log a model to a run, load one by URI.
 
 The checkpoint format and its (de)serialisation live in :mod:`operators.model_io` (re-exported here);
-this module adds MLflow. :func:`log_model` logs the model to an MLflow run as a PyTorch model (pickle
-serialization, a signature, explicit pip requirements) with that checkpoint inside it (``extra_files``), and
-the same checkpoint as a plain run artifact ``checkpoint/model.pt``. :func:`load_model` takes
+this module adds MLflow. :func:`log_model` logs the model to an MLflow run as a pyfunc model of the whole
+pipeline (:mod:`pipeline.serving`: a table of stores in, ``foveate score`` rows out; logged from code, with the
+checkpoint as its artifact, foveate's packages as ``code_paths`` and version-range requirements), and the same
+checkpoint as a plain run artifact ``checkpoint/model.pt``. :func:`load_model` takes
 ``runs:/<id>[/path]``, ``models:/<name>/<version>``, ``models:/<model_id>``, any other MLflow artifact URI, a
 local MLflow model directory or a local checkpoint file, and always rebuilds the model from the checkpoint
 (never unpickles code).
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import tempfile
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -41,7 +43,6 @@ __all__ = [
     "load_checkpoint",
     "build_model",
     "with_num_classes",
-    "model_signature",
     "log_model",
     "load_model",
 ]
@@ -49,33 +50,37 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
-def model_signature(model_config: Any):
-    """MLflow signature of ``FoveateModel.forward`` (embed + aggregate, the part after patch reading):
-    ``patches`` (B, K, 3, p, p) float32 in [0, 1] and ``positions`` (B, K, 2) float32 (patch centres / slide
-    size) in, class ``logits`` (B, C) out. Scoring whole slides (scorer + selection + patch reading) goes
-    through ``workers.patches.forward_slide`` on the model :func:`load_model` returns."""
-    import numpy as np
-    from mlflow.models import ModelSignature
-    from mlflow.types import Schema, TensorSpec
-
-    k, p, c = int(model_config.k), int(model_config.patch_size), int(model_config.num_classes)
-    f32 = np.dtype(np.float32)
-    return ModelSignature(
-        inputs=Schema([TensorSpec(f32, (-1, k, 3, p, p), "patches"), TensorSpec(f32, (-1, k, 2), "positions")]),
-        outputs=Schema([TensorSpec(f32, (-1, c), "logits")]),
-    )
+_PACKAGES = ("pipeline", "operators", "workers")
+_NOT_SERVING = ("ray",)  # runtime dependencies that serving does not need
 
 
 def _pip_requirements() -> list[str]:
+    """foveate's runtime dependencies as the version ranges of its package metadata (what an ordinary index
+    serves; never a local build tag like ``+cpu``), without those that serving does not need. From a checkout
+    that is not installed (``ray job submit --working-dir``): the same list read from ``pyproject.toml``."""
+    import re
     from importlib import metadata
 
-    reqs = []
-    for pkg in ("torch", "numpy", "zarr", "mlflow"):
-        try:
-            reqs.append(f"{pkg}=={metadata.version(pkg)}")
-        except metadata.PackageNotFoundError:  # pragma: no cover
-            reqs.append(pkg)
-    return reqs
+    try:
+        reqs = [r for r in (metadata.requires("foveate") or []) if "extra ==" not in r]
+    except metadata.PackageNotFoundError:
+        import tomllib
+
+        pyproject = Path(__file__).resolve().parents[1] / "pyproject.toml"
+        reqs = list(tomllib.loads(pyproject.read_text())["project"]["dependencies"])
+    out = []
+    for r in reqs:
+        name = re.split(r"[\s\[<>=!~;]", r, maxsplit=1)[0].lower()
+        if name not in _NOT_SERVING:
+            out.append(r.split(";")[0].strip())
+    return out
+
+
+def _code_paths() -> list[str]:
+    """foveate's own packages, shipped with the model (``code_paths``) so it loads where foveate is not
+    installed."""
+    root = Path(__file__).resolve().parents[1]
+    return [str(root / p) for p in _PACKAGES]
 
 
 def log_model(
@@ -89,38 +94,54 @@ def log_model(
     train_config: Mapping[str, Any] | None = None,
     metadata: Mapping[str, Any] | None = None,
     registered_model_name: str | None = None,
+    input_example: Any = None,
 ) -> str:
-    """Log ``model`` to run ``run_id`` as an MLflow PyTorch model (with the checkpoint inside) and the
-    checkpoint as the run artifact ``checkpoint/model.pt``.
+    """Log ``model`` to run ``run_id`` as an MLflow pyfunc model of the whole pipeline
+    (:class:`pipeline.serving.FoveatePythonModel`: stores in, ``foveate score`` rows out) and the checkpoint as
+    the run artifact ``checkpoint/model.pt``.
+
+    Args:
+        registered_model_name: also register the model under this name (a new version).
+        input_example: a table with a ``store`` column (e.g. one training store) saved as the model's input
+            example; MLflow checks at log time that the served model answers it.
 
     Returns:
         The logged model's URI (``models:/<model_id>``); ``runs:/<run_id>/<name>`` works as well.
     """
     import mlflow
-    import mlflow.pytorch
+    import mlflow.pyfunc
+    from mlflow.models import Model
 
+    from pipeline import serving
     from pipeline.tracking import client_for
 
     with tempfile.TemporaryDirectory(prefix="foveate-model-") as tmp:
+        meta = {**(metadata or {}), "model_name": f"runs:/{run_id}/{name}"}  # the ``model`` column of its rows
         ckpt = save_checkpoint(
-            Path(tmp) / CHECKPOINT_NAME, model, model_config, class_names, train_config=train_config, metadata=metadata
+            Path(tmp) / CHECKPOINT_NAME, model, model_config, class_names, train_config=train_config, metadata=meta
         )
         client = client_for(tracking_uri)
         client.log_artifact(run_id, str(ckpt), "checkpoint")
         mlflow.set_tracking_uri(tracking_uri)
         # the logged model belongs to the run's experiment (MLflow takes the fluent current experiment)
         mlflow.set_experiment(experiment_id=client.get_run(run_id).info.experiment_id)
-        info = mlflow.pytorch.log_model(
-            model.cpu().eval(),
-            name=name,
-            run_id=run_id,
-            signature=model_signature(model_config),
-            serialization_format="pickle",
-            pip_requirements=_pip_requirements(),
-            extra_files=[str(ckpt)],
-            registered_model_name=registered_model_name,
-            metadata={"class_names": [str(c) for c in class_names], "checkpoint": f"extra_files/{CHECKPOINT_NAME}"},
-        )
+        # Model.log (what mlflow.pyfunc.log_model calls) takes the run explicitly: no fluent run is started or ended
+        with warnings.catch_warnings():  # the signature describes the input; no example is needed for it
+            warnings.filterwarnings("ignore", message=".*input example was not provided.*")
+            info = Model.log(
+                None,  # artifact_path (deprecated; MLflow 3 takes name)
+                name=name,
+                flavor=mlflow.pyfunc,
+                python_model=str(Path(serving.__file__).with_name("serving_entry.py")),
+                artifacts={serving.CHECKPOINT_ARTIFACT: str(ckpt)},
+                code_paths=_code_paths(),
+                run_id=run_id,
+                signature=serving.signature([str(c) for c in class_names]),
+                input_example=input_example,
+                pip_requirements=_pip_requirements(),
+                registered_model_name=registered_model_name,
+                metadata={"class_names": [str(c) for c in class_names], "checkpoint": f"artifacts/{CHECKPOINT_NAME}"},
+            )
     return info.model_uri
 
 

@@ -257,6 +257,9 @@ def train(
         result = _fit(config, run_dir, train_recs, val_recs, table.class_names, uri, run_id, after_epoch)
         ckpt = _load_ckpt(result)
         model, model_cfg, class_names = model_from_checkpoint(ckpt)
+        import pandas as pd
+
+        example = (train_recs or val_recs)[0]
         model_uri = log_model(
             model,
             model_cfg,
@@ -265,6 +268,8 @@ def train(
             tracking_uri=uri,
             train_config=resolved,
             metadata={"run_id": run_id},
+            registered_model_name=config.tracking.registered_model,
+            input_example=pd.DataFrame({"store": [str(example.store)], "slide_id": [str(example.slide_id)]}),
         )
         _log_val_artifacts(
             model,

@@ -31,16 +31,26 @@ class TrackingConfig:
         run_name: run name (and run directory name); default ``<experiment>-<UTC timestamp>``.
         artifact_slides: validation slides that get a heatmap and a patch gallery.
         log_every: log step metrics every this many optimizer steps.
+        registered_model: also register the logged model under this name in the MLflow model registry (a new
+            version per run; promote one with ``foveate compare --promote ALIAS --by METRIC``).
     """
 
     experiment: str = "foveate"
     run_name: str | None = None
     artifact_slides: int = 2
     log_every: int = 1
+    registered_model: str | None = None
 
     def __post_init__(self) -> None:
         _check("tracking.artifact_slides", self.artifact_slides, self.artifact_slides >= 0, ">= 0")
         _check("tracking.log_every", self.log_every, self.log_every >= 1, ">= 1")
+        _check(
+            "tracking.registered_model",
+            self.registered_model,
+            self.registered_model is None
+            or (isinstance(self.registered_model, str) and bool(self.registered_model.strip())),
+            "None or a non-empty model name",
+        )
 
 
 @dataclass(frozen=True)

@@ -134,7 +134,11 @@ def test_train_crash_resume_and_logged_model(tmp_path, slides, ray_local):
         if epoch == 1:
             raise RuntimeError("simulated crash after checkpointing epoch 1")
 
-    cfg = load_config(TrainConfig, _config_file(tmp_path, slides), ["tracking.run_name=crashy"])
+    cfg = load_config(
+        TrainConfig,
+        _config_file(tmp_path, slides),
+        ["tracking.run_name=crashy", "tracking.registered_model=crashy-model"],
+    )
     with pytest.raises(Exception, match="simulated crash"):
         train(cfg, after_epoch=crash_after_first_epoch)
     run_dir = tmp_path / "work" / "train" / "crashy"
@@ -202,6 +206,12 @@ def test_train_crash_resume_and_logged_model(tmp_path, slides, ray_local):
             model, mcfg, classes = load_model(u, tracking_uri=uri)
             assert classes == ["neg", "other", "pos"] and mcfg.num_classes == 3
             assert torch.equal(forward_slide(model, store, training=False).logits, expected_logits), u
+    # ... and so does the logged pyfunc model of the whole pipeline (a store in, a foveate score row out),
+    # registered as version 1 of tracking.registered_model
+    assert client.get_model_version("crashy-model", "1").run_id == run_id
+    row = mlflow.pyfunc.load_model("models:/crashy-model/1").predict(pd.DataFrame({"store": [str(store.path)]}))
+    probs = torch.softmax(expected_logits[0].double(), -1).numpy()
+    np.testing.assert_allclose([row[f"prob_{c}"][0] for c in ("neg", "other", "pos")], probs, rtol=1e-5, atol=1e-7)
     # the final weights are the last checkpoint's
     final = torch.load(ckpts[-1] / "model.pt", weights_only=True)
     for k, v in result.model.state_dict().items():
