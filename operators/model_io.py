@@ -26,6 +26,7 @@ import torch
 from operators.config import from_dict, to_dict
 
 __all__ = [
+    "checkpoint_digest",
     "CHECKPOINT_FORMAT",
     "CHECKPOINT_NAME",
     "checkpoint_dict",
@@ -140,3 +141,20 @@ def load_local(path: str | Path, *, map_location: str | torch.device = "cpu"):
     if ckpt is None:
         raise ValueError(f"model {text!r}: no {CHECKPOINT_NAME} in this directory")
     return load_checkpoint(ckpt, map_location=map_location)
+
+
+def checkpoint_digest(ckpt: Mapping[str, Any]) -> str:
+    """SHA-256 of what makes a checkpoint's predictions: its model config, class names and every tensor of its
+    state dict (name, dtype, shape, bytes; in name order). Equal for the same weights however they were
+    saved or loaded; training metadata does not enter."""
+    import hashlib
+    import json
+
+    h = hashlib.sha256()
+    h.update(json.dumps(ckpt.get("model_config"), sort_keys=True, default=str).encode())
+    h.update(json.dumps([str(c) for c in ckpt.get("class_names", [])]).encode())
+    for name in sorted(ckpt["state_dict"]):
+        t = ckpt["state_dict"][name].detach().cpu().contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()

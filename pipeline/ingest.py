@@ -241,6 +241,26 @@ def _actors(workers: int | None) -> int:
     return max(1, min(workers or cpus, cpus))
 
 
+def _out_dir(out: str | Path) -> Path:
+    """``--out`` as a writable local folder (created), or a ValueError saying why not."""
+    text = str(out)
+    if "://" in text:
+        raise ValueError(
+            f"--out {text!r}: object-storage URLs are not supported yet; give a local folder (a URL would "
+            "otherwise become a local folder named after it)"
+        )
+    path = Path(text).expanduser()
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"--out {text!r} is a file; give a folder for the stores (created if missing)")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"--out {text!r}: cannot create the folder ({exc.strerror or exc})") from exc
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ValueError(f"--out {text!r} is not writable by this user")
+    return path
+
+
 def ingest(
     inputs: Sequence[str | Path],
     out: str | Path,
@@ -282,9 +302,10 @@ def ingest(
         options=options,
     )  # validates
     t_start = time.perf_counter()
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = _out_dir(out)
     slides = discover_inputs(inputs)
+    if not slides:
+        raise ValueError(f"no slides found in {list(map(str, inputs))}: nothing to ingest, no manifest written")
     log.info("ingest: %d slide(s) from %d input(s) -> %s", len(slides), len(inputs), out)
     rows: dict[str, dict[str, Any]] = {}
     states: dict[str, _SlideState] = {}

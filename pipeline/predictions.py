@@ -4,7 +4,9 @@ One row per slide (columns :data:`workers.scoring.ROW_FIELDS` plus ``prob_<class
 ``status`` (``ok``/``error``), ``error``, ``prediction`` (class name), ``probability`` (of the predicted class),
 ``probabilities`` (class -> probability), ``patches`` (the K chosen patches: level-0 ``x, y, w, h`` and their
 ``score``, see :mod:`workers.frames`), ``heatmap`` (PNG path), ``seconds``, ``store``, ``model``, ``scored_at``.
-:class:`PredictionWriter` rewrites the file atomically (temp file + fsync + rename) as rows arrive.
+:class:`PredictionWriter` rewrites the file atomically (temp file + fsync + rename) as rows arrive; the file's
+key-value metadata (:func:`read_metadata`) names the model that wrote it (``foveate.model``,
+``foveate.model_digest``: :func:`operators.model_io.checkpoint_digest`), so a resumed run can refuse another model.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["list_stores", "read_predictions", "PredictionWriter", "schema", "prob_column"]
+__all__ = ["list_stores", "read_predictions", "read_metadata", "PredictionWriter", "schema", "prob_column"]
 
 
 def list_stores(stores_dir: str | Path) -> list[tuple[str, str]]:
@@ -80,6 +82,17 @@ def read_predictions(path: str | Path) -> list[dict[str, Any]]:
     return rows
 
 
+def read_metadata(path: str | Path) -> dict[str, str]:
+    """The key-value metadata of an existing predictions file (``{}`` if there is none or no file)."""
+    import pyarrow.parquet as pq
+
+    path = Path(path)
+    if not path.exists():
+        return {}
+    meta = pq.read_schema(path).metadata or {}
+    return {k.decode(): v.decode() for k, v in meta.items() if not k.startswith(b"ARROW:") and k != b"pandas"}
+
+
 class PredictionWriter:
     """Holds the rows (one per slide id) and rewrites the Parquet file atomically.
 
@@ -89,8 +102,16 @@ class PredictionWriter:
         flush_every_s: :meth:`add` rewrites the file when at least this long has passed since the last write.
     """
 
-    def __init__(self, path: str | Path, rows: list[dict[str, Any]] = (), *, flush_every_s: float = 2.0):
+    def __init__(
+        self,
+        path: str | Path,
+        rows: list[dict[str, Any]] = (),
+        *,
+        flush_every_s: float = 2.0,
+        metadata: dict[str, str] | None = None,
+    ):
         self.path = Path(path)
+        self.metadata = {str(k): str(v) for k, v in (metadata or {}).items()}  # Parquet key-value metadata
         self.rows: dict[str, dict[str, Any]] = {}
         for r in rows:
             self.rows[r["slide_id"]] = r
@@ -136,7 +157,10 @@ class PredictionWriter:
             for name, v in probs.items():
                 d[prob_column(name)] = float(v)
             out.append(d)
-        return pa.Table.from_pylist(out, schema=schema(prob_cols))
+        sch = schema(prob_cols)
+        if self.metadata:
+            sch = sch.with_metadata(self.metadata)
+        return pa.Table.from_pylist(out, schema=sch)
 
     def flush(self, force: bool = False) -> None:
         """Rewrite the file (temp file, fsync, rename) if anything changed (or ``force``)."""

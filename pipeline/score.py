@@ -43,7 +43,7 @@ from typing import Any
 
 from operators.errors import ConfigError
 from pipeline.config import add_config_arguments, config_from_cli
-from pipeline.predictions import PredictionWriter, list_stores, read_predictions
+from pipeline.predictions import PredictionWriter, list_stores, read_metadata, read_predictions
 from pipeline.runtime import init_ray
 from pipeline.score_stages import run_stages
 from pipeline.tracking import resolve_tracking_uri
@@ -113,6 +113,7 @@ class ScoreConfig:
     max_task_retries: int = 3
     flush_every_s: float = 2.0
     num_cpus: int | None = None
+    overwrite: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -149,6 +150,7 @@ _FLAGS = {
         "heatmaps",
         "experiment",
         "tracking_uri",
+        "overwrite",
     )
 }
 
@@ -170,6 +172,7 @@ def score(
     max_task_retries: int = 3,
     flush_every_s: float = 2.0,
     num_cpus: int | None = None,
+    overwrite: bool = False,
     scorer_cls: type | None = None,
     classifier_cls: type | None = None,
 ) -> ScoreResult:
@@ -192,6 +195,8 @@ def score(
         max_restarts, max_task_retries: Ray fault tolerance of the actors.
         flush_every_s: minimum seconds between rewrites of ``out`` while running.
         num_cpus: CPUs of an in-process Ray (default: all).
+        overwrite: start ``out`` afresh. Without it an existing ``out`` is resumed, and only if the same model
+            (same checkpoint digest) wrote it: another model is refused with a ValueError.
         scorer_cls, classifier_cls: the actor classes (default ``workers.scoring.ScorerWorker`` /
             ``ClassifierWorker``; fault-injection tests pass subclasses).
     """
@@ -213,24 +218,43 @@ def score(
         max_task_retries=max_task_retries,
         flush_every_s=flush_every_s,
         num_cpus=num_cpus,
+        overwrite=overwrite,
     )  # validates
     out = Path(out).expanduser().resolve()
     t0 = time.perf_counter()
     all_stores = list_stores(stores)
     if not all_stores:
         raise ValueError(f"--stores {str(stores)!r} has no <slide_id>.zarr stores")
-    existing = read_predictions(out)
+    uri = resolve_tracking_uri(tracking_uri, default_dir=out.parent)
+    from pipeline.model_io import checkpoint_dict, checkpoint_digest, load_model
+
+    net, cfg, class_names = load_model(str(model), tracking_uri=uri)
+    ckpt = checkpoint_dict(net, cfg, class_names)
+    del net
+    identity = {"foveate.model": str(model), "foveate.model_digest": checkpoint_digest(ckpt)}
+    existing = [] if overwrite else read_predictions(out)
+    if existing:
+        before = read_metadata(out)
+        same = before.get("foveate.model_digest") == identity["foveate.model_digest"] if before else None
+        if same is None:  # a file from before the metadata: the rows name their model
+            same = all(r.get("model") == str(model) for r in existing)
+        if not same:
+            raise ValueError(
+                f"--out {str(out)!r} holds predictions of another model ({before.get('foveate.model') or existing[0].get('model')!r}"
+                f"{', checkpoint ' + before['foveate.model_digest'][:12] if before.get('foveate.model_digest') else ''}); "
+                f"this run's model is {str(model)!r} (checkpoint {identity['foveate.model_digest'][:12]}): "
+                "choose another --out, or --overwrite to replace the file"
+            )
     done = {r["slide_id"] for r in existing if r.get("status") == "ok"}
     todo = [(sid, p) for sid, p in all_stores if sid not in done]
     kept = [r for r in existing if r.get("status") == "ok" or r["slide_id"] not in {s for s, _ in todo}]
     skipped = len(all_stores) - len(todo)
     heatmap_dir = out.with_name(f"{out.stem}_heatmaps") if heatmaps else None
-    writer = PredictionWriter(out, kept, flush_every_s=flush_every_s)
+    writer = PredictionWriter(out, kept, flush_every_s=flush_every_s, metadata=identity)
     log.info(
         "%d store(s) in %s: %d already scored in %s, %d to score", len(all_stores), stores, skipped, out, len(todo)
     )
 
-    uri = resolve_tracking_uri(tracking_uri, default_dir=out.parent)
     run_id = None
     device, ok, failed, retried = "cpu", 0, 0, 0
     client = None
@@ -258,11 +282,6 @@ def score(
     status = "FAILED"
     try:
         if todo:
-            from pipeline.model_io import checkpoint_dict, load_model
-
-            net, cfg, class_names = load_model(str(model), tracking_uri=uri)
-            ckpt = checkpoint_dict(net, cfg, class_names)
-            del net
             import ray
 
             started = init_ray(address, num_cpus=num_cpus)
@@ -368,6 +387,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--no-mlflow", action="store_true", help="do not log an MLflow run")
     parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        default=None,
+        help="replace an existing --out (default: resume it, if the same model wrote it)",
+    )
+    parser.add_argument(
+        "--allow-failures",
+        action="store_true",
+        help="exit 0 even when some slides have error rows (default: exit 1 when any slide failed)",
+    )
+    parser.add_argument(
         "--tracking-uri",
         default=None,
         help="MLflow tracking URI (default $MLFLOW_TRACKING_URI, else sqlite:///<out dir>/mlflow.db)",
@@ -381,4 +411,12 @@ def run(args: argparse.Namespace) -> int:
         cfg = dataclasses.replace(cfg, experiment=None)
     res = score(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)})
     print(res.summary())
+    errors = res.table[res.table["status"] != "ok"] if len(res.table) else res.table
+    if len(errors):
+        print(
+            f"{len(errors)} of {len(res.table)} slide(s) have error rows in {res.out} "
+            f"(e.g. {errors.iloc[0]['slide_id']}: {str(errors.iloc[0]['error'])[:200]})"
+            + ("" if args.allow_failures else "; exit 1 (--allow-failures: exit 0)")
+        )
+        return 0 if args.allow_failures else 1
     return 0

@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from pipeline.config import add_config_arguments, config_from_cli, to_dict
+from pipeline.config import ConfigError, add_config_arguments, config_from_cli, to_dict
 from pipeline.data import SlideRecord, build_slide_table, split_train_val
 from pipeline.train_config import OptimConfig, ScheduleConfig, TrackingConfig, TrainConfig
 from pipeline.train_loop import MODEL_FILE, train_loop_per_worker
@@ -104,6 +104,26 @@ class TrainResult:
 
 
 # ---------------------------------------------------------------------------------------------- driver
+def _check_grids(model_cfg, records) -> None:
+    """Before Ray or MLflow start: every slide's patch grid has at least ``model.k`` cells (reads only each
+    store's metadata); the error names the slide."""
+    from workers.patches import PatchGrid
+    from workers.store import SlideStore
+
+    for rec in records:
+        try:
+            store = SlideStore(rec.store)
+        except Exception as exc:
+            raise ValueError(f"slide {rec.slide_id}: cannot open its store {rec.store}: {exc}") from exc
+        grid = PatchGrid.from_store(store, model_cfg.patch_size, model_cfg.stride_l0)
+        if grid.num_cells < model_cfg.k:
+            raise ConfigError(
+                f"model.k: got {model_cfg.k}, must be <= the patch grid's cells of every slide; slide "
+                f"{rec.slide_id} ({store.dimensions[0]} x {store.dimensions[1]} px at model.patch_size "
+                f"{model_cfg.patch_size}) has {grid.num_cells}"
+            )
+
+
 def _run_dir(cfg: TrainConfig, resume: bool) -> Path:
     runs = Path(cfg.workdir).expanduser().resolve() / "train"
     if cfg.tracking.run_name:
@@ -121,7 +141,8 @@ def _run_dir(cfg: TrainConfig, resume: bool) -> Path:
             raise FileNotFoundError(f"--resume: no run to resume under {runs}")
         return candidates[-1].parent
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
-    run_dir = runs / f"{cfg.tracking.experiment}-{stamp}"
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in cfg.tracking.experiment).strip(".") or "run"
+    run_dir = runs / f"{safe[:150]}-{stamp}"  # a plain folder name (tracking.run_name's rule), even for "a/b"
     i = 1
     while run_dir.exists():
         i += 1
@@ -208,6 +229,7 @@ def train(
         list(table.class_names),
     )
 
+    _check_grids(config.model, table.records)
     run_dir = _run_dir(config, resume)
     if config.tracking.run_name is None:
         config = dataclasses.replace(config, tracking=dataclasses.replace(config.tracking, run_name=run_dir.name))

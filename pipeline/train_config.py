@@ -22,6 +22,15 @@ def _check(name: str, value: object, ok: bool, allowed: str) -> None:
         raise ConfigError(f"{name}: got {value!r}, must be {allowed}")
 
 
+def _is_plain_name(name: object) -> bool:
+    return (
+        isinstance(name, str)
+        and 0 < len(name) <= 200
+        and name not in (".", "..")
+        and all(c.isalnum() or c in "-_." for c in name)
+    )
+
+
 @dataclass(frozen=True)
 class TrackingConfig:
     """MLflow experiment/run names and what to log.
@@ -44,6 +53,13 @@ class TrackingConfig:
     def __post_init__(self) -> None:
         _check("tracking.artifact_slides", self.artifact_slides, self.artifact_slides >= 0, ">= 0")
         _check("tracking.log_every", self.log_every, self.log_every >= 1, ">= 1")
+        _check(
+            "tracking.run_name",
+            self.run_name,
+            self.run_name is None or _is_plain_name(self.run_name),
+            "None or a plain folder name (letters, digits, '.', '-', '_'; no '/' or '..'): the run directory "
+            "<workdir>/train/<run_name> stays inside the workdir",
+        )
         _check(
             "tracking.registered_model",
             self.registered_model,

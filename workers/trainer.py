@@ -88,8 +88,19 @@ class OptimConfig:
     def __post_init__(self) -> None:
         _check("optim.epochs", self.epochs, self.epochs >= 1, ">= 1")
         _check("optim.accumulate", self.accumulate, self.accumulate >= 1, ">= 1")
-        _check("optim.lr", self.lr, self.lr > 0, "> 0")
-        _check("optim.grad_clip", self.grad_clip, self.grad_clip >= 0, ">= 0 (0 = off)")
+        _check("optim.lr", self.lr, math.isfinite(self.lr) and self.lr > 0, "a finite number > 0")
+        _check(
+            "optim.weight_decay",
+            self.weight_decay,
+            math.isfinite(self.weight_decay) and self.weight_decay >= 0,
+            "a finite number >= 0",
+        )
+        _check(
+            "optim.grad_clip",
+            self.grad_clip,
+            math.isfinite(self.grad_clip) and self.grad_clip >= 0,
+            "a finite number >= 0 (0 = off)",
+        )
         _check("optim.warmup", self.warmup, self.warmup >= 0, ">= 0")
         _check("optim.min_lr_ratio", self.min_lr_ratio, 0 <= self.min_lr_ratio <= 1, "in [0, 1]")
 
@@ -102,8 +113,18 @@ class ScheduleConfig:
     sigma_end: float = 0.0
 
     def __post_init__(self) -> None:
-        _check("schedule.sigma_start", self.sigma_start, self.sigma_start >= 0, ">= 0")
-        _check("schedule.sigma_end", self.sigma_end, self.sigma_end >= 0, ">= 0")
+        _check(
+            "schedule.sigma_start",
+            self.sigma_start,
+            math.isfinite(self.sigma_start) and self.sigma_start >= 0,
+            "a finite number >= 0",
+        )
+        _check(
+            "schedule.sigma_end",
+            self.sigma_end,
+            math.isfinite(self.sigma_end) and self.sigma_end >= 0,
+            "a finite number >= 0",
+        )
 
 
 # ---------------------------------------------------------------------------------------------- schedules

@@ -1,0 +1,144 @@
+"""Faults a careful (or adversarial) user meets: wrong config values, outputs that cannot be written, resuming a
+predictions file with another model, exit codes that must tell the truth. Each case failed silently (or late,
+after Ray and MLflow had started) before it was fixed; numbers refer to the cases of the reliability issue.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+from test_score import CLASSES, _model_config
+from test_score import data as data  # the module fixture: 4 good stores, 3 broken ones, a tiny model
+
+from pipeline.config import ConfigError, load_config
+from pipeline.train import TrainConfig
+
+# ----------------------------------------------------------------------------------- 6: config values
+
+
+@pytest.mark.parametrize(
+    "override,needle",
+    [
+        ("optim.weight_decay=-5", "optim.weight_decay"),
+        ("optim.lr=inf", "optim.lr"),
+        ("optim.lr=nan", "optim.lr"),
+        ("optim.grad_clip=-1", "optim.grad_clip"),
+        ("schedule.sigma_start=inf", "schedule.sigma_start"),
+        ("tracking.run_name=../../../escape", "tracking.run_name"),
+        ("tracking.run_name=a/b", "tracking.run_name"),
+        ("tracking.run_name=..", "tracking.run_name"),
+        ("tracking.registered_model=", "tracking.registered_model"),
+    ],
+)
+def test_bad_config_values_fail_at_load_time(override, needle):
+    with pytest.raises(ConfigError, match=needle):
+        load_config(TrainConfig, None, ["data.stores=/x", override])
+
+
+def test_k_above_the_grid_fails_before_ray_or_mlflow(tmp_path, data):
+    """model.k larger than a slide's patch grid: a ConfigError naming the slide, before any MLflow run or Ray."""
+    import mlflow
+    import ray
+
+    from pipeline.train import train
+
+    labels = tmp_path / "labels.csv"
+    pd.DataFrame({"slide_id": ["s0", "s1", "s2", "s3"], "label": ["a", "b", "a", "b"]}).to_csv(labels, index=False)
+    cfg = load_config(
+        TrainConfig,
+        None,
+        [
+            f"data.stores={data['stores']}",
+            f"data.labels={labels}",
+            "model.patch_size=32",
+            "model.k=500",
+            f"workdir={tmp_path / 'work'}",
+            "tracking.experiment=k-too-big",
+        ],
+    )
+    was_running = ray.is_initialized()
+    with pytest.raises(ConfigError, match=r"model.k: got 500,.* slide s\d \(400 x 300 px .* has 130"):
+        train(cfg)
+    assert ray.is_initialized() == was_running
+    client = mlflow.MlflowClient(os.environ["MLFLOW_TRACKING_URI"])
+    assert client.get_experiment_by_name("k-too-big") is None
+    assert not (tmp_path / "work" / "train").exists()
+
+
+def test_run_folder_of_an_experiment_with_a_slash_stays_in_the_workdir(tmp_path):
+    from pipeline.train import _run_dir
+
+    cfg = load_config(TrainConfig, None, ["data.stores=/x", f"workdir={tmp_path}", "tracking.experiment=../../a/b"])
+    run_dir = _run_dir(cfg, resume=False)
+    assert run_dir.parent == (tmp_path / "train").resolve() and run_dir.name.startswith("_.._a_b-")
+
+
+# ----------------------------------------------------------------------------------- 6: ingest --out
+
+
+def test_ingest_out_that_cannot_hold_stores(tmp_path, capsys):
+    from pipeline.cli import main
+    from pipeline.ingest import ingest
+
+    slides = tmp_path / "slides"
+    slides.mkdir()
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(ValueError, match="object-storage URLs are not supported yet"):
+        ingest([slides], "s3://bucket/stores")
+    assert not Path("s3:").exists()
+    with pytest.raises(ValueError, match="is a file"):
+        ingest([slides], tmp_path / "afile")
+    # an empty input folder: a clear error, exit code 2, no manifest claimed
+    assert main(["ingest", str(slides), "--out", str(tmp_path / "stores")]) == 2
+    assert not (tmp_path / "stores" / "manifest.csv").exists()
+    if os.geteuid() != 0:  # root can write anywhere
+        ro = tmp_path / "ro"
+        ro.mkdir()
+        ro.chmod(0o500)
+        with pytest.raises(ValueError, match="not writable|cannot create"):
+            ingest([slides], ro / "stores")
+
+
+# ----------------------------------------------------------------------------------- 3, 4: score
+
+
+def _other_model(root: Path) -> Path:
+    from operators.model import FoveateModel
+    from pipeline.model_io import save_checkpoint
+
+    torch.manual_seed(123)
+    return save_checkpoint(root / "other.pt", FoveateModel(_model_config()).eval(), _model_config(), CLASSES)
+
+
+@pytest.mark.ray
+def test_score_exit_code_and_resume_identity(data, ray_local, tmp_path, capsys):
+    """4 good + 3 broken stores: exit 1 (0 with --allow-failures); resuming the file with another model is
+    refused, --overwrite replaces it, the same model resumes."""
+    from pipeline.cli import main
+    from pipeline.predictions import read_metadata
+    from pipeline.score import score
+
+    out = tmp_path / "p.parquet"
+    args = ["score", "--model", str(data["ckpt"]), "--stores", str(data["stores"]), "--out", str(out)]
+    args += ["--no-mlflow", "--no-heatmaps", "--workers", "1"]
+    assert main(args) == 1
+    assert "3 of 7 slide(s) have error rows" in capsys.readouterr().out
+    meta = read_metadata(out)
+    assert meta["foveate.model"] == str(data["ckpt"]) and len(meta["foveate.model_digest"]) == 64
+    assert main([*args, "--allow-failures"]) == 0  # resumed (same model): only the 3 broken ones again
+    other = _other_model(tmp_path)
+    with pytest.raises(ValueError, match="holds predictions of another model .* --overwrite"):
+        score(str(other), data["stores"], out, workers=1, experiment=None, heatmaps=False)
+    res = score(str(other), data["stores"], out, workers=1, experiment=None, heatmaps=False, overwrite=True)
+    assert res.skipped == 0 and res.scored == 4
+    assert read_metadata(out)["foveate.model"] == str(other)
+    assert set(res.table["model"]) == {str(other)}
+    # the same weights under another path are the same model (the digest, not the path, decides)
+    copy = tmp_path / "copy.pt"
+    copy.write_bytes(Path(other).read_bytes())
+    res = score(str(copy), data["stores"], out, workers=1, experiment=None, heatmaps=False)
+    assert res.skipped == 4
