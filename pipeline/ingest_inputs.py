@@ -46,8 +46,10 @@ def make_slide_id(stem: str, key: str) -> str:
 
 
 def _file_input(path: Path, carried: dict[str, Any] | None = None) -> SlideFile:
-    ap = str(path.absolute())
-    stem = path.name
+    # resolved (symlinks followed, no '..'): one slide file has one id however it is written
+    rp = path.resolve()
+    ap = str(rp)
+    stem = rp.name
     for ext in SLIDE_EXTENSIONS:
         if stem.lower().endswith(ext):
             stem = stem[: -len(ext)]
@@ -74,15 +76,13 @@ def _dicom_inputs(files: list[Path], carried: dict[str, Any] | None = None) -> l
         groups.setdefault(key, []).append(f)
     out = []
     for key, fs in groups.items():
-        folder = fs[0].parent.absolute()
+        folder = fs[0].parent.resolve()
         if key.startswith("file:"):
             out.append(_file_input(fs[0], carried))
             continue
         sid = make_slide_id(folder.name, f"{folder}#{key}")
         out.append(
-            SlideFile(
-                sid, str(fs[0].absolute()), str(folder), dict(carried or {}), tuple(str(f.absolute()) for f in fs)
-            )
+            SlideFile(sid, str(fs[0].resolve()), str(folder), dict(carried or {}), tuple(str(f.resolve()) for f in fs))
         )
     return out
 
@@ -103,22 +103,49 @@ def _walk(directory: Path) -> list[SlideFile]:
 
 
 def _read_csv_manifest(path: Path) -> list[SlideFile]:
+    """A CSV manifest: a ``path`` column (file or folder; relative to the CSV) and any columns to carry into the
+    manifest (e.g. ``label``). Columns that ``foveate ingest`` writes itself are refused; a blank ``path``
+    fails its own row; two rows for the same slide that carry different values are refused, naming both."""
+    from pipeline.ingest_manifest import MANIFEST_COLUMNS
+
     with open(path, newline="") as fh:
         rows = list(csv.DictReader(fh))
     if not rows or "path" not in rows[0]:
         raise ValueError(f"CSV manifest {path} needs a 'path' column; got columns {list(rows[0]) if rows else []}")
+    reserved = [c for c in rows[0] if c in MANIFEST_COLUMNS]
+    if reserved:
+        raise ValueError(
+            f"CSV manifest {path}: column(s) {reserved} are written by foveate ingest itself (manifest columns "
+            f"{MANIFEST_COLUMNS}); rename them (e.g. 'case_{reserved[0]}') to carry them"
+        )
     out = []
-    for row in rows:
-        p = Path(row["path"])
+    for n, row in enumerate(rows, start=2):  # line numbers as a spreadsheet shows them (header = line 1)
+        carried = {k: v for k, v in row.items() if k != "path" and k is not None}
+        raw = (row.get("path") or "").strip()
+        if not raw:  # never walk the CSV's own folder for a blank cell: a row that fails with its reason
+            blank = path.resolve().parent / f"<blank path in {path.name} line {n}>"
+            out.append(
+                SlideFile(make_slide_id(f"blank-{path.stem}-line{n}", str(blank)), str(blank), str(blank), carried, ())
+            )
+            continue
+        p = Path(raw)
         if not p.is_absolute():
             p = path.parent / p
-        carried = {k: v for k, v in row.items() if k != "path" and k is not None}
         if p.is_dir():
             out.extend(SlideFile(i.slide_id, i.path, i.source, carried, i.files) for i in _walk(p))
         elif p.suffix.lower() == ".dcm" and p.is_file():
             out.extend(_dicom_inputs([p], carried))
         else:
             out.append(_file_input(p, carried))
+    first: dict[str, SlideFile] = {}
+    for i in out:
+        prev = first.setdefault(i.slide_id, i)
+        if prev is not i and prev.carried != i.carried:
+            diff = sorted(k for k in set(prev.carried) | set(i.carried) if prev.carried.get(k) != i.carried.get(k))
+            raise ValueError(
+                f"CSV manifest {path} lists {i.source} twice with different values of {diff}: "
+                f"{[prev.carried.get(k) for k in diff]} and {[i.carried.get(k) for k in diff]}; keep one row"
+            )
     return out
 
 

@@ -142,3 +142,59 @@ def test_score_exit_code_and_resume_identity(data, ray_local, tmp_path, capsys):
     copy.write_bytes(Path(other).read_bytes())
     res = score(str(copy), data["stores"], out, workers=1, experiment=None, heatmaps=False)
     assert res.skipped == 4
+
+
+# ----------------------------------------------------------------------------------- 2: CSV manifests
+
+
+def _csv(path: Path, rows: list[dict]) -> Path:
+    pd.DataFrame(rows).to_csv(path, index=False)
+    return path
+
+
+def test_csv_manifest_faults(tmp_path):
+    from pipeline.ingest_inputs import discover_inputs
+
+    s = tmp_path / "s"
+    s.mkdir()
+    (s / "x.svs").write_bytes(b"not a slide")
+    (s / "y.svs").write_bytes(b"not a slide either")
+    # reserved column names are refused, naming them
+    bad = _csv(tmp_path / "reserved.csv", [{"path": "s/x.svs", "slide_id": "A", "label": "a"}])
+    with pytest.raises(ValueError, match=r"\['slide_id'\] are written by foveate ingest itself"):
+        discover_inputs([bad])
+    # a blank path fails its own row instead of walking the CSV's folder
+    blank = _csv(tmp_path / "blank.csv", [{"path": "s/x.svs", "label": "a"}, {"path": "", "label": "b"}])
+    found = discover_inputs([blank])
+    assert len(found) == 2 and found[0].source.endswith("x.svs")
+    assert "blank path in blank.csv line 3" in found[1].path and found[1].carried == {"label": "b"}
+    # one slide written two ways is one slide with one id
+    two_ways = _csv(
+        tmp_path / "twoways.csv", [{"path": "s/x.svs", "label": "a"}, {"path": "./s/../s/x.svs", "label": "a"}]
+    )
+    assert len(discover_inputs([two_ways])) == 1
+    assert (
+        discover_inputs([s / "x.svs"])[0].slide_id
+        == discover_inputs([tmp_path / "s" / ".." / "s" / "x.svs"])[0].slide_id
+    )
+    # ... also through a symlink
+    (tmp_path / "link.svs").symlink_to(s / "x.svs")
+    assert discover_inputs([tmp_path / "link.svs"])[0].slide_id == discover_inputs([s / "x.svs"])[0].slide_id
+    # the same slide with two labels: refused, naming both
+    conflict = _csv(tmp_path / "conflict.csv", [{"path": "s/x.svs", "label": "a"}, {"path": "./s/x.svs", "label": "b"}])
+    with pytest.raises(ValueError, match=r"twice with different values of \['label'\]: \['a'\] and \['b'\]"):
+        discover_inputs([conflict])
+
+
+def test_blank_csv_row_fails_its_own_row_in_ingest(tmp_path, ray_local, openslide_fixtures):
+    """End to end: a CSV with one real slide and a blank path: the slide is ingested, the blank row fails with
+    a reason naming the CSV line, nothing else is ingested."""
+    from pipeline.ingest import ingest
+
+    src = next(p for p in sorted(openslide_fixtures.rglob("*.tiff")) if p.stat().st_size < 5_000_000)
+    (tmp_path / "other.svs").write_bytes(b"must not be ingested")  # in the CSV's folder
+    manifest = _csv(tmp_path / "m.csv", [{"path": str(src), "label": "a"}, {"path": " ", "label": "b"}])
+    res = ingest([manifest], tmp_path / "stores", workers=1)
+    by_label = {r["label"]: r for r in res.rows}
+    assert set(by_label) == {"a", "b"}
+    assert by_label["b"]["status"] == "failed" and "blank path in m.csv line 3" in by_label["b"]["error"]
