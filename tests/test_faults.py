@@ -198,3 +198,53 @@ def test_blank_csv_row_fails_its_own_row_in_ingest(tmp_path, ray_local, openslid
     by_label = {r["label"]: r for r in res.rows}
     assert set(by_label) == {"a", "b"}
     assert by_label["b"]["status"] == "failed" and "blank path in m.csv line 3" in by_label["b"]["error"]
+
+
+# ----------------------------------------------------------------------------------- 3: damaged stores
+
+
+def test_missing_chunks_and_corrupt_metadata_are_never_read_as_white(tmp_path, capsys):
+    """Delete a store's level-0 chunk files / corrupt its zarr.json: opening it fails naming the store,
+    foveate verify reports it (exit 1), the scoring workers give an error row, training refuses before Ray."""
+    import shutil
+
+    from test_score import _slide
+
+    from pipeline.cli import main
+    from pipeline.model_io import checkpoint_dict
+    from pipeline.train import _check_grids
+    from workers.scoring import ScorerWorker
+    from workers.store import SlideStore, verify_store, write_store_from_array
+
+    stores = tmp_path / "stores"
+    for i in range(3):
+        write_store_from_array(stores / f"s{i}.zarr", _slide(i), tile_size=64, min_size=64)
+    assert all(verify_store(p) == [] for p in stores.iterdir())
+    assert main(["verify", str(stores)]) == 0
+    # s1: level-0 chunks gone; s2: a level-0 chunk added that the marker does not list; s0 stays whole
+    shutil.rmtree(stores / "s1.zarr" / "0" / "c")
+    chunk = next(p for p in (stores / "s2.zarr" / "0").rglob("*") if p.is_file() and p.name != "zarr.json")
+    shutil.copy(chunk, chunk.with_name("99"))
+    capsys.readouterr()
+    assert main(["verify", str(stores)]) == 1
+    out = capsys.readouterr().out
+    assert "s0: ok" in out and "s1: damaged — level 0: 0 chunk file(s) on disk" in out
+    assert "s2: damaged — level 0:" in out and "3 store(s)" in out
+    with pytest.raises(ValueError, match=r"s1.zarr is damaged: level 0: 0 chunk file\(s\) on disk"):
+        SlideStore(stores / "s1.zarr")
+    torch.manual_seed(0)
+    from operators.model import FoveateModel
+
+    ckpt = checkpoint_dict(FoveateModel(_model_config()).eval(), _model_config(), CLASSES)
+    item = ScorerWorker(ckpt, device="cpu").score_one("s1", str(stores / "s1.zarr"))
+    assert item["status"] == "error" and "damaged" in item["error"]
+
+    class Rec:
+        slide_id, store = "s1", str(stores / "s1.zarr")
+
+    with pytest.raises(ValueError, match="slide s1: cannot open its store .* damaged"):
+        _check_grids(_model_config(), [Rec()])
+    # a corrupt zarr.json names the store
+    (stores / "s0.zarr" / "zarr.json").write_text("{ not json")
+    with pytest.raises(ValueError, match=r"s0.zarr is damaged: unreadable metadata"):
+        SlideStore(stores / "s0.zarr")

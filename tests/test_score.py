@@ -6,7 +6,6 @@ inside, restarted by Ray), and hard top-k coordinates that equal the single-proc
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from pathlib import Path
@@ -209,7 +208,10 @@ def test_score_with_killed_actors_errors_mlflow_and_resume(data, ray_local, tmp_
 
     # resume: ok rows are kept as they are, failed slides are retried; fix one and add a new slide
     before = {r["slide_id"]: r["scored_at"] for r in read_predictions(out) if r["status"] == "ok"}
-    (data["stores"] / "incomplete.zarr" / COMPLETE_MARKER).write_text(json.dumps({"slide_id": "incomplete"}))
+    from workers.store import mark_complete
+
+    inc = data["stores"] / "incomplete.zarr"
+    mark_complete(inc, "incomplete", sum(p.name.isdigit() for p in inc.iterdir()))  # finish it
     write_store_from_array(data["stores"] / "s9.zarr", _slide(5), tile_size=64, min_size=64)
     try:
         res2 = score(str(data["ckpt"]), data["stores"], out, workers=1, batch_size=2, experiment=None, heatmaps=False)

@@ -37,6 +37,8 @@ from workers.pyramid import downsample2x, pyramid_shapes  # (pyramid_shapes re-e
 
 __all__ = [
     "COMPLETE_MARKER",
+    "chunk_inventory",
+    "verify_store",
     "StoreMeta",
     "SlideStore",
     "is_complete",
@@ -145,7 +147,17 @@ class SlideStore:
         if require_complete and not is_complete(self.path):
             raise ValueError(f"slide store {self.path} is incomplete (no {COMPLETE_MARKER}); re-run ingest")
         register_codecs()
-        self.group = zarr.open_group(str(self.path), mode="r")
+        if require_complete:
+            problems = verify_store(self.path)
+            if problems:
+                raise ValueError(
+                    f"slide store {self.path} is damaged: {'; '.join(problems)}; re-ingest it (foveate ingest "
+                    "--overwrite) or check it with foveate verify"
+                )
+        try:
+            self.group = zarr.open_group(str(self.path), mode="r")
+        except Exception as exc:
+            raise ValueError(f"slide store {self.path}: unreadable metadata ({type(exc).__name__}: {exc})") from exc
         attrs = dict(self.group.attrs)
         if "foveate" not in attrs:
             raise ValueError(f"{self.path} is not a foveate store (no 'foveate' attribute)")
@@ -295,12 +307,74 @@ def write_store_metadata(
     return meta
 
 
+def chunk_inventory(path: str | Path, levels: int) -> dict[str, dict[str, Any]]:
+    """What each image level of the store at ``path`` holds on disk: ``{"<level>": {"chunks": n, "digest":
+    sha256 of the sorted chunk keys}}`` (keys relative to the level folder; ``zarr.json`` excluded)."""
+    import hashlib
+
+    out = {}
+    for lv in range(int(levels)):
+        root = Path(path) / str(lv)
+        keys = (
+            sorted(str(f.relative_to(root)) for f in root.rglob("*") if f.is_file() and f.name != "zarr.json")
+            if root.is_dir()
+            else []
+        )
+        out[str(lv)] = {"chunks": len(keys), "digest": hashlib.sha256("\n".join(keys).encode()).hexdigest()}
+    return out
+
+
 def mark_complete(path: str | Path, slide_id: str, levels: int, **fields: Any) -> None:
-    """Write the completion marker (atomically; last: a store with it is complete)."""
+    """Write the completion marker (atomically, fsynced; last: a store with it is complete). It records the
+    chunk inventory of every level (:func:`chunk_inventory`), so :func:`verify_store` can prove the store whole."""
     path = Path(path)
     tmp = path / f".{COMPLETE_MARKER}.tmp{os.getpid()}"
-    tmp.write_text(json.dumps({"slide_id": slide_id, "levels": int(levels), **fields}, indent=1))
+    body = {"slide_id": slide_id, "levels": int(levels), **fields, "inventory": chunk_inventory(path, levels)}
+    with open(tmp, "w") as fh:
+        fh.write(json.dumps(body, indent=1))
+        fh.flush()
+        os.fsync(fh.fileno())
     os.replace(tmp, path / COMPLETE_MARKER)
+    dfd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
+def verify_store(path: str | Path) -> list[str]:
+    """Problems of the store at ``path`` (``[]``: whole): no or unreadable completion marker, unreadable
+    metadata, or a level whose chunks differ from the marker's inventory (missing or extra chunk files).
+    A marker without an inventory (stores written before it existed) is not a problem."""
+    path = Path(path)
+    if not path.is_dir():
+        return [f"no slide store at {path}"]
+    marker = path / COMPLETE_MARKER
+    if not marker.is_file():
+        return [f"incomplete: no {COMPLETE_MARKER} (ingest did not finish; re-run ingest)"]
+    try:
+        body = json.loads(marker.read_text())
+        levels = int(body["levels"])
+    except Exception as exc:
+        return [f"unreadable {COMPLETE_MARKER}: {type(exc).__name__}: {exc}"]
+    problems = []
+    try:
+        attrs = dict(zarr.open_group(str(path), mode="r").attrs)
+        if "foveate" not in attrs:
+            problems.append("not a foveate store (no 'foveate' attribute in zarr.json)")
+    except Exception as exc:
+        problems.append(f"unreadable metadata: {type(exc).__name__}: {str(exc)[:200]}")
+    expected = body.get("inventory")
+    if expected is not None:
+        found = chunk_inventory(path, levels)
+        for lv in sorted(expected, key=int):
+            e, f = expected[lv], found.get(lv, {"chunks": 0, "digest": ""})
+            if e != f:
+                problems.append(
+                    f"level {lv}: {f['chunks']} chunk file(s) on disk, the completion marker lists {e['chunks']}"
+                    + (" (same count, other keys)" if f["chunks"] == e["chunks"] else "")
+                )
+    return problems
 
 
 def write_store_from_array(
