@@ -70,9 +70,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     configure_logging(-1 if args.quiet else args.verbose)
     module = importlib.import_module(COMMANDS[args.command][0])
+    from pipeline.locks import OutputLocked
+
     try:
         return int(module.run(args) or 0)
-    except (ValueError, TypeError, FileNotFoundError) as exc:
+    except (ValueError, TypeError, FileNotFoundError, OutputLocked) as exc:
         logging.getLogger("foveate").error("%s", exc)
         if args.verbose:
             raise

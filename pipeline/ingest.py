@@ -289,7 +289,6 @@ def ingest(
     Returns:
         :class:`IngestResult` (rows as written to the manifest).
     """
-    import ray
 
     options = options or IngestOptions()
     IngestConfig(
@@ -303,6 +302,19 @@ def ingest(
     )  # validates
     t_start = time.perf_counter()
     out = _out_dir(out)
+    from pipeline.locks import output_lock
+
+    with output_lock(out, "foveate ingest"):  # one writer per store folder (and its manifest)
+        return _ingest_locked(
+            inputs, out, t_start, options, workers, address, overwrite, max_task_retries, progress, tiler_cls
+        )
+
+
+def _ingest_locked(
+    inputs, out: Path, t_start: float, options, workers, address, overwrite, max_task_retries, progress, tiler_cls
+) -> IngestResult:
+    import ray
+
     slides = discover_inputs(inputs)
     if not slides:
         raise ValueError(f"no slides found in {list(map(str, inputs))}: nothing to ingest, no manifest written")
@@ -344,9 +356,16 @@ def ingest(
 
 
 def _complete(spath: Path) -> bool:
-    from workers.store import is_complete
+    """A store to skip: it has its completion marker and its chunks match the marker's inventory (a damaged
+    store is ingested again)."""
+    from workers.store import is_complete, verify_store
 
-    return is_complete(spath)
+    if not is_complete(spath):
+        return False
+    problems = verify_store(spath)
+    if problems:
+        log.warning("%s carries its completion marker but is damaged (%s): ingesting it again", spath, problems[0])
+    return not problems
 
 
 def _base_row(inp: SlideFile) -> dict[str, Any]:

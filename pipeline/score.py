@@ -200,7 +200,6 @@ def score(
         scorer_cls, classifier_cls: the actor classes (default ``workers.scoring.ScorerWorker`` /
             ``ClassifierWorker``; fault-injection tests pass subclasses).
     """
-    from pipeline.progress import Progress
 
     ScoreConfig(
         model=str(model) if isinstance(model, (str, Path)) else model,
@@ -221,6 +220,22 @@ def score(
         overwrite=overwrite,
     )  # validates
     out = Path(out).expanduser().resolve()
+    from pipeline.locks import output_lock
+
+    with output_lock(out, "foveate score"):  # one writer per predictions file
+        return _score_locked(
+            model, stores, out, workers, scorer_workers, address, batch_size, max_in_flight, heatmaps,
+            experiment, tracking_uri, max_restarts, max_task_retries, flush_every_s, num_cpus, overwrite,
+            scorer_cls, classifier_cls,
+        )  # fmt: skip
+
+
+def _score_locked(
+    model, stores, out: Path, workers, scorer_workers, address, batch_size, max_in_flight, heatmaps, experiment,
+    tracking_uri, max_restarts, max_task_retries, flush_every_s, num_cpus, overwrite, scorer_cls, classifier_cls,
+) -> ScoreResult:  # fmt: skip
+    from pipeline.progress import Progress
+
     t0 = time.perf_counter()
     all_stores = list_stores(stores)
     if not all_stores:

@@ -248,3 +248,57 @@ def test_missing_chunks_and_corrupt_metadata_are_never_read_as_white(tmp_path, c
     (stores / "s0.zarr" / "zarr.json").write_text("{ not json")
     with pytest.raises(ValueError, match=r"s0.zarr is damaged: unreadable metadata"):
         SlideStore(stores / "s0.zarr")
+
+
+# ----------------------------------------------------------------------------------- 1: one writer per output
+
+
+def test_a_second_writer_is_refused_and_a_dead_holder_releases(tmp_path, caplog):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from pipeline.cli import main
+    from pipeline.locks import OutputLocked, lock_path, output_lock
+
+    out = tmp_path / "stores"
+    out.mkdir()
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; sys.path.insert(0, sys.argv[1]); from pipeline.locks import output_lock\n"
+            "with output_lock(sys.argv[2], 'foveate ingest'):\n    print('locked', flush=True); time.sleep(600)",
+            str(Path(__file__).resolve().parents[1]),
+            str(out),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(OutputLocked, match=rf"another foveate ingest \(pid {holder.pid}, host .*\) is writing"):
+            with output_lock(out, "foveate ingest"):
+                pass
+        # through the CLI: exit 2 with the message, before any slide is looked at or Ray starts
+        slides = tmp_path / "slides"
+        slides.mkdir()
+        caplog.clear()
+        assert main(["ingest", str(slides), "--out", str(out)]) == 2
+        assert f"another foveate ingest (pid {holder.pid}" in caplog.text
+        # the same for a predictions file
+        pred = tmp_path / "p.parquet"
+        with output_lock(pred, "foveate score"):
+            with pytest.raises(OutputLocked, match="another foveate score"):
+                with output_lock(pred, "foveate score"):
+                    pass
+        assert lock_path(pred).name == ".p.parquet.lock"
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    # kill -9 released it: the next writer takes it at once
+    t = time.monotonic()
+    with output_lock(out, "foveate ingest"):
+        pass
+    assert time.monotonic() - t < 1
