@@ -254,8 +254,10 @@ def test_store_opens_with_ome_zarr_and_validates_with_ome_zarr_models(tmp_path, 
         np.testing.assert_array_equal(
             np.asarray(nodes[0].data[1][:, :64, :64]), np.moveaxis(store.read_level(1)[:64, :64], -1, 0)
         )
+        assert nodes[0].metadata["channel_names"] == ["red", "green", "blue"]  # the omero block, read by ome-zarr-py
+        assert nodes[0].metadata["colormap"] == [[[0, 0, 0], [1, 0, 0]], [[0, 0, 0], [0, 1, 0]], [[0, 0, 0], [0, 0, 1]]]
         g = zarr.open_group(str(store.path), mode="r")
-        NgffImage.from_zarr(g)
+        assert NgffImage.from_zarr(g).attributes.ome.omero["rdefs"] == {"model": "color"}
         ImageLabel.from_zarr(g["labels/tissue"])
         mask, ds = store.tissue_mask()
         assert mask.any() and not mask.all() and ds == store.downsamples[-1]
