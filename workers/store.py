@@ -59,7 +59,9 @@ TISSUE_LABEL = "tissue"
 def register_codecs() -> None:
     """Register extra codecs (JPEG through imagecodecs) so stores written with them can be read.
 
-    Idempotent; every reader calls it. External readers: ``import workers.store; workers.store.register_codecs()``.
+    Idempotent; every reader calls it. Where foveate is installed, zarr also loads the codec through the
+    ``zarr.codecs`` entry point (``pyproject.toml``), so external readers need no import; both register the same
+    class under the same name.
     """
     try:  # the JPEG chunk codec lives beside the writer; importing registers it with zarr
         from workers import codecs as _codecs  # noqa: F401
