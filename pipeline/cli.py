@@ -25,6 +25,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("pipeline.train", "train scorer + selection + features end to end on Ray Train"),
     "score": ("pipeline.score", "batch-score an archive of stores with a trained model"),
     "compare": ("pipeline.compare", "compare the runs of an MLflow experiment"),
+    "export": ("pipeline.export", "write the chosen patches of a predictions file as GeoJSON (QuPath)"),
     "demo": ("pipeline.demo", "synth -> ingest -> train -> score -> compare on embedded defaults"),
 }
 
