@@ -26,6 +26,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "score": ("pipeline.score", "batch-score an archive of stores with a trained model"),
     "compare": ("pipeline.compare", "compare the runs of an MLflow experiment"),
     "verify": ("pipeline.verify", "check slide stores against their completion markers (chunk inventory)"),
+    "export": ("pipeline.export", "write the chosen patches of a predictions file as GeoJSON (QuPath)"),
     "demo": ("pipeline.demo", "synth -> ingest -> train -> score -> compare on embedded defaults"),
 }
 

@@ -59,22 +59,31 @@ def prob_column(name: str) -> str:
     return f"prob_{name}"
 
 
-def read_predictions(path: str | Path) -> list[dict[str, Any]]:
-    """The rows of an existing predictions file (``[]`` if there is none)."""
+def read_predictions(path: str | Path, *, option: str = "--out") -> list[dict[str, Any]]:
+    """The rows of an existing predictions file (``[]`` if there is none).
+
+    Args:
+        path: the Parquet file.
+        option: the command-line option that named it, for error messages (``--out`` of ``foveate score``,
+            ``--predictions`` of ``foveate export``).
+
+    Raises:
+        ValueError: the file exists but is not a readable predictions file.
+    """
     import pyarrow.parquet as pq
 
     path = Path(path)
     if not path.exists():
         return []
+    advice = "; move it away or choose another --out" if option == "--out" else ""
     try:
         table = pq.read_table(path)
     except Exception as exc:
         raise ValueError(
-            f"--out {str(path)!r} exists but is not a readable predictions file ({exc}); move it away "
-            f"or choose another --out"
+            f"{option} {str(path)!r} exists but is not a readable predictions file ({exc}){advice}"
         ) from exc
     if "slide_id" not in table.column_names or "status" not in table.column_names:
-        raise ValueError(f"--out {str(path)!r} is not a foveate predictions file (no slide_id/status columns)")
+        raise ValueError(f"{option} {str(path)!r} is not a foveate predictions file (no slide_id/status columns)")
     rows = table.to_pylist()
     for r in rows:  # map columns come back as lists of (key, value) pairs
         if isinstance(r.get("probabilities"), list):

@@ -254,8 +254,10 @@ def test_store_opens_with_ome_zarr_and_validates_with_ome_zarr_models(tmp_path, 
         np.testing.assert_array_equal(
             np.asarray(nodes[0].data[1][:, :64, :64]), np.moveaxis(store.read_level(1)[:64, :64], -1, 0)
         )
+        assert nodes[0].metadata["channel_names"] == ["red", "green", "blue"]  # the omero block, read by ome-zarr-py
+        assert nodes[0].metadata["colormap"] == [[[0, 0, 0], [1, 0, 0]], [[0, 0, 0], [0, 1, 0]], [[0, 0, 0], [0, 0, 1]]]
         g = zarr.open_group(str(store.path), mode="r")
-        NgffImage.from_zarr(g)
+        assert NgffImage.from_zarr(g).attributes.ome.omero["rdefs"] == {"model": "color"}
         ImageLabel.from_zarr(g["labels/tissue"])
         mask, ds = store.tissue_mask()
         assert mask.any() and not mask.all() and ds == store.downsamples[-1]
@@ -264,6 +266,62 @@ def test_store_opens_with_ome_zarr_and_validates_with_ome_zarr_models(tmp_path, 
         r = int(ds)
         sampled = lab0[r // 2 :: r, r // 2 :: r]
         np.testing.assert_array_equal(sampled, mask[: sampled.shape[0], : sampled.shape[1]])
+
+
+_PLAIN_READER = """
+import sys, warnings
+import numpy as np, zarr
+from ome_zarr.io import parse_url
+from ome_zarr.reader import Reader
+
+warnings.simplefilter("error")  # a second registration of the codec would warn 'not configured'
+store, out = sys.argv[1], sys.argv[2]
+assert "workers.codecs" not in sys.modules
+a0 = zarr.open_array(store + "/0", mode="r")
+level0 = a0[...]
+assert type(a0.metadata.codecs[0]).__module__ == "workers.codecs"  # loaded through the entry point
+level1 = np.asarray(list(Reader(parse_url(store))())[0].data[1])
+bad = sorted(m for m in sys.modules if m.split(".")[0] in ("pipeline", "operators", "torch"))
+assert not bad, bad
+import workers.store  # now foveate's own explicit registration on top of the entry point: harmless
+workers.store.register_codecs()
+again = zarr.open_array(store + "/0", mode="r")[:, :64, :64]
+np.savez(out, level0=level0, level1=level1, again=again)
+"""
+
+
+def test_jpeg_store_opens_in_a_fresh_interpreter_without_importing_foveate(tmp_path, synth_slides):
+    """The ``zarr.codecs`` entry point ``foveate.jpeg`` (pyproject.toml) lets plain zarr and ome-zarr-py read a
+    ``--codec jpeg`` store in a fresh interpreter that never imports workers/pipeline; registering it again
+    explicitly afterwards changes nothing (same qualified name: one registry entry, no warning)."""
+    import subprocess
+    import sys
+    import warnings
+    from importlib.metadata import entry_points
+
+    eps = {e.name: e.value for e in entry_points(group="zarr.codecs")}
+    assert eps.get("foveate.jpeg") == "workers.codecs:JpegRGBCodec", (
+        "the zarr.codecs entry point is not installed: run `pip install -e .` after editing pyproject.toml"
+    )
+    store, row = _ingest_one(tmp_path, synth_slides["svs"], tile_size=256, min_size=512, codec="jpeg")
+    assert row["codec"] == "jpeg-passthrough"
+    assert json.loads((store.path / "0" / "zarr.json").read_text())["codecs"][0]["name"] == "foveate.jpeg"
+    out = tmp_path / "plain.npz"
+    proc = subprocess.run(
+        [sys.executable, "-c", _PLAIN_READER, str(store.path), str(out)],
+        cwd=tmp_path,  # not the checkout: the codec comes from the installed metadata, not from ./workers
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = np.load(out)
+    np.testing.assert_array_equal(np.moveaxis(got["level0"], 0, -1), store.read_level(0))
+    np.testing.assert_array_equal(np.moveaxis(got["level1"], 0, -1), store.read_level(1))
+    np.testing.assert_array_equal(got["again"], got["level0"][:, :64, :64])
+    with warnings.catch_warnings():  # this process imported workers.codecs first, then the entry point loads
+        warnings.simplefilter("error")
+        assert zarr.registry.get_codec_class("foveate.jpeg") is JpegRGBCodec
 
 
 # ---------------------------------------------------------------------------------------------- inputs, resume

@@ -40,3 +40,30 @@ def test_incomplete_store_is_refused(tmp_path):
     (tmp_path / "b.zarr" / "foveate_complete.json").unlink()
     with pytest.raises(ValueError, match="incomplete"):
         SlideStore(tmp_path / "b.zarr")
+
+
+def test_store_validates_and_carries_the_rgb_omero_block(tmp_path):
+    """ome-zarr-models validates the image (omero block included: its Omero model too) and ome-zarr-py reads
+    the channel names, colours, contrast limits and visibility napari uses to show the slide in colour."""
+    import zarr
+    from ome_zarr.io import parse_url
+    from ome_zarr.reader import Reader
+    from ome_zarr_models.common.omero import Omero
+    from ome_zarr_models.v05.image import Image as NgffImage
+
+    img = np.random.default_rng(1).integers(0, 256, size=(300, 200, 3), dtype=np.uint8)
+    s = write_store_from_array(tmp_path / "c.zarr", img, tile_size=64, min_size=64)
+    g = zarr.open_group(str(s.path), mode="r")
+    omero = NgffImage.from_zarr(g).attributes.ome.omero
+    assert omero == dict(g.attrs)["ome"]["omero"]
+    channels = Omero.model_validate(omero).channels
+    assert [c.color for c in channels] == ["FF0000", "00FF00", "0000FF"]
+    assert all((c.window.start, c.window.end, c.window.min, c.window.max) == (0, 255, 0, 255) for c in channels)
+    assert [c["label"] for c in omero["channels"]] == ["red", "green", "blue"]
+    assert all(c["active"] is True for c in omero["channels"]) and omero["rdefs"] == {"model": "color"}
+    node = list(Reader(parse_url(str(s.path)))())[0]
+    assert node.metadata["channel_names"] == ["red", "green", "blue"]
+    assert node.metadata["contrast_limits"] == [[0, 255]] * 3
+    assert node.metadata["visible"] == [True] * 3
+    assert node.metadata["colormap"] == [[[0, 0, 0], [1, 0, 0]], [[0, 0, 0], [0, 1, 0]], [[0, 0, 0], [0, 0, 1]]]
+    assert "omero" not in dict(g["labels/tissue"].attrs)["ome"]  # labels are not RGB

@@ -14,8 +14,11 @@ Metadata in ``zarr.json``::
 for passthrough tiles of YCbCr sources; ``rgb`` for passthrough tiles of sources (Aperio SVS) that store
 un-transformed RGB in JPEG (TIFF photometric RGB), which must be decoded without colour conversion.
 
-Readers must register the codec before opening such an array. foveate's own readers do this
-(``workers.store.register_codecs()``). Recipe for other Python readers (zarr-python >= 3)::
+Where foveate is installed, zarr-python >= 3 finds the codec by itself: ``pyproject.toml`` declares it in the
+``zarr.codecs`` entry-point group (``"foveate.jpeg" = "workers.codecs:JpegRGBCodec"``), which zarr loads the first
+time an array names it, so ``zarr.open_array("slide.zarr/0")`` and ome-zarr-py need no import. The
+:func:`register_codec` call at the bottom registers the same class under the same qualified name (one registry
+entry: harmless next to the entry point) for source checkouts that are not installed::
 
     import zarr, workers.codecs          # importing registers "foveate.jpeg" with zarr
     z = zarr.open_array("slide.zarr/0")  # (3, h, w) uint8

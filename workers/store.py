@@ -2,7 +2,8 @@
 
 Layout of ``STORE_DIR/<slide_id>.zarr``::
 
-    zarr.json                 group; attributes {"ome": {"version": "0.5", "multiscales": [...]},
+    zarr.json                 group; attributes {"ome": {"version": "0.5", "multiscales": [...],
+                                                         "omero": {...RGB rendering, see ngff_omero...}},
                                                  "foveate": {...metadata, see StoreMeta...}}
     0/, 1/, ...               uint8 arrays (c=3, y, x), chunks (3, tile, tile) (ingest's zstd levels store
                               each chunk interleaved through zarr's standard ``transpose`` codec, order
@@ -44,6 +45,7 @@ __all__ = [
     "is_complete",
     "pyramid_shapes",
     "ngff_multiscales",
+    "ngff_omero",
     "register_codecs",
     "write_store_from_array",
     "write_store_metadata",
@@ -59,7 +61,9 @@ TISSUE_LABEL = "tissue"
 def register_codecs() -> None:
     """Register extra codecs (JPEG through imagecodecs) so stores written with them can be read.
 
-    Idempotent; every reader calls it. External readers: ``import workers.store; workers.store.register_codecs()``.
+    Idempotent; every reader calls it. Where foveate is installed, zarr also loads the codec through the
+    ``zarr.codecs`` entry point (``pyproject.toml``), so external readers need no import; both register the same
+    class under the same name.
     """
     try:  # the JPEG chunk codec lives beside the writer; importing registers it with zarr
         from workers import codecs as _codecs  # noqa: F401
@@ -125,6 +129,34 @@ def ngff_multiscales(
         scale = ([1.0] if channel_axis else []) + [float(my * ds), float(mx * ds)]
         datasets.append({"path": str(i), "coordinateTransformations": [{"type": "scale", "scale": scale}]})
     return [{"name": name, "axes": axes, "datasets": datasets}]
+
+
+_RGB_CHANNELS = (("red", "FF0000"), ("green", "00FF00"), ("blue", "0000FF"))
+
+
+def ngff_omero() -> dict[str, Any]:
+    """NGFF ``omero`` rendering block of a store image: channels 0, 1, 2 shown as red, green and blue over the
+    full uint8 range, all active, in colour (``rdefs.model: "color"``), so that viewers (napari through
+    ome-zarr-py, OMERO, vizarr) show the slide in colour instead of three grey channels.
+
+    In NGFF 0.5 it sits in the ``ome`` attributes beside ``multiscales`` (a transitional key of the
+    specification; ome-zarr-models' v05 ``Image`` accepts it, ome-zarr-py reads channel names from ``label``,
+    colours, visibility from ``active`` and contrast limits from ``window`` start/end)."""
+    return {
+        "channels": [
+            {
+                "label": name,
+                "color": color,
+                "active": True,
+                "coefficient": 1,
+                "family": "linear",
+                "inverted": False,
+                "window": {"start": 0, "end": 255, "min": 0, "max": 255},
+            }
+            for name, color in _RGB_CHANNELS
+        ],
+        "rdefs": {"model": "color"},
+    }
 
 
 def is_complete(path: str | Path) -> bool:
@@ -274,7 +306,8 @@ def write_store_metadata(
     extra: dict[str, Any] | None = None,
 ) -> StoreMeta:
     """Finish a store whose image levels are written: the tissue mask (from the smallest level) as NGFF labels,
-    and the NGFF ``multiscales`` and foveate metadata as group attributes. Returns the metadata (then
+    and the NGFF ``multiscales``, the ``omero`` RGB rendering (:func:`ngff_omero`) and foveate metadata as group
+    attributes. Returns the metadata (then
     :func:`mark_complete`)."""
     from workers.tissue import tissue_mask
 
@@ -300,7 +333,11 @@ def write_store_metadata(
     )
     group.attrs.update(
         {
-            "ome": {"version": "0.5", "multiscales": ngff_multiscales(slide_id, list(downsamples), mpp)},
+            "ome": {
+                "version": "0.5",
+                "multiscales": ngff_multiscales(slide_id, list(downsamples), mpp),
+                "omero": ngff_omero(),
+            },
             "foveate": meta.to_json(),
         }
     )
