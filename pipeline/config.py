@@ -24,6 +24,9 @@ __all__ = [
     "parse_override",
     "add_config_arguments",
     "config_from_cli",
+    "shipped_config",
+    "shipped_configs",
+    "resolve_config_path",
 ]
 
 T = TypeVar("T")
@@ -68,6 +71,42 @@ class _Args:
         self.config, self.overrides = config, overrides
 
 
+# ---------------------------------------------------------------------------------------------- shipped configs
+def _checkout_configs() -> Path:
+    return Path(__file__).resolve().parents[1] / "configs"
+
+
+def shipped_configs() -> dict[str, Path]:
+    """The configs that ship with foveate, ``{name: path}``: the checkout's ``configs/`` when foveate runs from
+    a checkout (``python -m pipeline``, an editable install, ``ray job submit --working-dir .``), else the copy
+    installed as package data (``pipeline.configs``, a non-editable ``pip install``)."""
+    root = _checkout_configs()
+    if not root.is_dir():  # installed: the package data sits in pipeline/configs/ (pyproject.toml)
+        root = Path(__file__).resolve().parent / "configs"
+    return {p.stem: p for p in sorted(root.glob("*.yaml"))}
+
+
+def shipped_config(name: str) -> Path:
+    """The path of shipped config ``name`` (``"demo"`` or ``"demo.yaml"``); ValueError listing the names."""
+    configs = shipped_configs()
+    stem = str(name).removesuffix(".yaml")
+    if stem not in configs:
+        raise ValueError(f"no shipped config {name!r}; shipped configs: {sorted(configs)}")
+    return configs[stem]
+
+
+def resolve_config_path(path: str | Path) -> Path:
+    """``--config`` argument -> file: an existing file as given, else a shipped config of that name (``demo``,
+    ``demo.yaml`` or ``configs/demo.yaml``, so the README's commands work without the checkout)."""
+    p = Path(path)
+    if p.is_file():
+        return p
+    candidate = p.name if (p.parent == Path(".") or p.parent.name == "configs") else None
+    if candidate and candidate.removesuffix(".yaml") in shipped_configs():
+        return shipped_config(candidate)
+    raise ConfigError(f"config file not found: {p} (shipped configs, usable by name: {sorted(shipped_configs())})")
+
+
 # ---------------------------------------------------------------------------------------------- command lines
 def add_config_arguments(parser: Any, example: str) -> None:
     """``--config FILE.yaml`` and repeatable ``--set key=value`` (every command that has a config dataclass)."""
@@ -89,9 +128,7 @@ def config_from_cli(cls: type[T], args: Any, flags: dict[str, str] | None = None
     data: dict[str, Any] = {}
     path = getattr(args, "config", None)
     if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file not found: {p}")
+        p = resolve_config_path(path)
         loaded = yaml.safe_load(p.read_text()) or {}
         if not isinstance(loaded, dict):
             raise ConfigError(f"{p}: expected a YAML mapping at the top level, got {type(loaded).__name__}")

@@ -19,7 +19,7 @@ __all__ = ["add_arguments", "run", "demo"]
 
 log = logging.getLogger(__name__)
 
-REPO_CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+DEMO_CONFIG = "demo"  # a shipped config (pipeline.config.shipped_config): the checkout's or the installed one
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -33,7 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--epochs", type=int, default=None, help="training epochs (default: configs/demo.yaml)")
     parser.add_argument("--workers", type=int, default=2, help="Ray workers for ingest and scoring (default 2)")
     parser.add_argument(
-        "--config", default=str(REPO_CONFIGS / "demo.yaml"), help="training config (default configs/demo.yaml)"
+        "--config", default=DEMO_CONFIG, help="training config: a YAML file or a shipped config's name (default demo)"
     )
     parser.add_argument(
         "--set",
@@ -70,7 +70,7 @@ def demo(
     size: str = "2048",
     epochs: int | None = None,
     workers: int = 2,
-    config: str | Path = REPO_CONFIGS / "demo.yaml",
+    config: str | Path = DEMO_CONFIG,
     overrides: list[str] | tuple[str, ...] = (),
     seed: int = 0,
 ) -> dict:
