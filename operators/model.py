@@ -113,6 +113,10 @@ class ModelConfig:
         transformer_readout: ``"mean"`` of the encoded patch tokens (default) or a ``"cls"`` token.
         num_classes: C (>= 2).
         dropout: dropout in the aggregator.
+        mpp: microns per pixel of store level 0 the model was trained at (``foveate train`` sets it from the
+            training stores when they record it; None: unknown). Scoring warns about a store at another
+            resolution (``foveate score --strict-mpp`` refuses it): ``patch_size`` and ``scorer_downsample``
+            are in level-0 pixels, so the same model at another mpp sees other structures.
     """
 
     patch_size: int = 128
@@ -150,6 +154,7 @@ class ModelConfig:
     transformer_readout: Literal["mean", "cls"] = "mean"
     num_classes: int = 2
     dropout: float = 0.0
+    mpp: float | None = None
 
     def __post_init__(self) -> None:
         def pos_int(name: str, minimum: int = 1) -> None:
@@ -183,6 +188,13 @@ class ModelConfig:
             and self.scorer_downsample >= 1
         ):
             raise ConfigError(f"model.scorer_downsample must be a number >= 1, got {self.scorer_downsample!r}")
+        if self.mpp is not None and not (
+            isinstance(self.mpp, (int, float))
+            and not isinstance(self.mpp, bool)
+            and math.isfinite(self.mpp)
+            and self.mpp > 0
+        ):
+            raise ConfigError(f"model.mpp must be None or a finite number > 0 (µm per pixel), got {self.mpp!r}")
         if not (0.0 <= self.tissue_threshold <= 1.0):
             raise ConfigError(f"model.tissue_threshold must be in [0, 1], got {self.tissue_threshold!r}")
         if self.selector not in SELECTORS:

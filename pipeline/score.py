@@ -114,6 +114,7 @@ class ScoreConfig:
     flush_every_s: float = 2.0
     num_cpus: int | None = None
     overwrite: bool = False
+    strict_mpp: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -151,6 +152,7 @@ _FLAGS = {
         "experiment",
         "tracking_uri",
         "overwrite",
+        "strict_mpp",
     )
 }
 
@@ -173,6 +175,7 @@ def score(
     flush_every_s: float = 2.0,
     num_cpus: int | None = None,
     overwrite: bool = False,
+    strict_mpp: bool = False,
     scorer_cls: type | None = None,
     classifier_cls: type | None = None,
 ) -> ScoreResult:
@@ -197,6 +200,8 @@ def score(
         num_cpus: CPUs of an in-process Ray (default: all).
         overwrite: start ``out`` afresh. Without it an existing ``out`` is resumed, and only if the same model
             (same checkpoint digest) wrote it: another model is refused with a ValueError.
+        strict_mpp: a store whose mpp differs from the model's training mpp (``model.mpp``) by more than 10 %
+            gets an error row (default: a warning in the log).
         scorer_cls, classifier_cls: the actor classes (default ``workers.scoring.ScorerWorker`` /
             ``ClassifierWorker``; fault-injection tests pass subclasses).
     """
@@ -218,6 +223,7 @@ def score(
         flush_every_s=flush_every_s,
         num_cpus=num_cpus,
         overwrite=overwrite,
+        strict_mpp=strict_mpp,
     )  # validates
     out = Path(out).expanduser().resolve()
     from pipeline.locks import output_lock
@@ -226,13 +232,14 @@ def score(
         return _score_locked(
             model, stores, out, workers, scorer_workers, address, batch_size, max_in_flight, heatmaps,
             experiment, tracking_uri, max_restarts, max_task_retries, flush_every_s, num_cpus, overwrite,
-            scorer_cls, classifier_cls,
+            scorer_cls, classifier_cls, strict_mpp,
         )  # fmt: skip
 
 
 def _score_locked(
     model, stores, out: Path, workers, scorer_workers, address, batch_size, max_in_flight, heatmaps, experiment,
     tracking_uri, max_restarts, max_task_retries, flush_every_s, num_cpus, overwrite, scorer_cls, classifier_cls,
+    strict_mpp=False,
 ) -> ScoreResult:  # fmt: skip
     from pipeline.progress import Progress
 
@@ -318,6 +325,7 @@ def _score_locked(
                         progress=progress,
                         scorer_cls=scorer_cls,
                         classifier_cls=classifier_cls,
+                        strict_mpp=strict_mpp,
                     )
             finally:
                 writer.flush()
@@ -406,6 +414,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         default=None,
         help="replace an existing --out (default: resume it, if the same model wrote it)",
+    )
+    parser.add_argument(
+        "--strict-mpp",
+        action="store_true",
+        default=None,
+        help="give a store whose mpp differs from the model's training mpp by > 10%% an error row (default: warn)",
     )
     parser.add_argument(
         "--allow-failures",

@@ -34,6 +34,7 @@ def run_stages(
     progress,
     scorer_cls: type | None = None,
     classifier_cls: type | None = None,
+    strict_mpp: bool = False,
 ) -> tuple[str, int, int, int]:
     """Drive the two actor pools over ``todo``; returns (scorer device, ok rows, error rows, retried calls)."""
     import ray
@@ -62,7 +63,7 @@ def run_stages(
         device = "cpu"
     classifier_actor = ray.remote(num_cpus=cpus_each, **opts)(classifier_cls)
     scorers = ActorPool(
-        lambda: scorer_actor.remote(ckpt_ref, device=device, threads=threads),
+        lambda: scorer_actor.remote(ckpt_ref, device=device, threads=threads, strict_mpp=strict_mpp),
         n_scorers,
         depth=max_in_flight,
         max_replacements=3 * n_scorers,

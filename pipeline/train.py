@@ -28,6 +28,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import statistics
 import sys
 import tempfile
 import time
@@ -104,12 +105,14 @@ class TrainResult:
 
 
 # ---------------------------------------------------------------------------------------------- driver
-def _check_grids(model_cfg, records) -> None:
-    """Before Ray or MLflow start: every slide's patch grid has at least ``model.k`` cells (reads only each
-    store's metadata); the error names the slide."""
+def _check_grids(model_cfg, records, train: set[str] | None = None) -> list[float]:
+    """Before Ray or MLflow start: every slide's store opens whole and its patch grid has at least ``model.k``
+    cells (reads only each store's metadata and chunk listing); the error names the slide. Returns the
+    level-0 mpp (x) of the stores of the ``train`` slides that record one."""
     from workers.patches import PatchGrid
     from workers.store import SlideStore
 
+    mpps: list[float] = []
     for rec in records:
         try:
             store = SlideStore(rec.store)
@@ -122,6 +125,9 @@ def _check_grids(model_cfg, records) -> None:
                 f"{rec.slide_id} ({store.dimensions[0]} x {store.dimensions[1]} px at model.patch_size "
                 f"{model_cfg.patch_size}) has {grid.num_cells}"
             )
+        if (train is None or rec.slide_id in train) and store.meta.mpp:
+            mpps.append(float(store.meta.mpp[0]))
+    return mpps
 
 
 def _run_dir(cfg: TrainConfig, resume: bool) -> Path:
@@ -229,7 +235,11 @@ def train(
         list(table.class_names),
     )
 
-    _check_grids(config.model, table.records)
+    train_mpps = _check_grids(config.model, table.records, train=set(r.slide_id for r in train_recs))
+    if config.model.mpp is None and train_mpps:  # the resolution the model learns at travels with it
+        config = dataclasses.replace(
+            config, model=dataclasses.replace(config.model, mpp=round(float(statistics.median(train_mpps)), 6))
+        )
     run_dir = _run_dir(config, resume)
     if config.tracking.run_name is None:
         config = dataclasses.replace(config, tracking=dataclasses.replace(config.tracking, run_name=run_dir.name))

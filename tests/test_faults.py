@@ -302,3 +302,36 @@ def test_a_second_writer_is_refused_and_a_dead_holder_releases(tmp_path, caplog)
     with output_lock(out, "foveate ingest"):
         pass
     assert time.monotonic() - t < 1
+
+
+# ----------------------------------------------------------------------------------- 4: resolution identity
+
+
+def test_model_records_its_mpp_and_scoring_checks_it(tmp_path, caplog):
+    """A model trained at 0.5 µm/px scoring a 0.25 µm/px store: a warning naming both; with strict_mpp an
+    error item. Within 10 % nothing happens."""
+    import dataclasses
+
+    from test_score import _slide
+
+    from operators.model import FoveateModel
+    from pipeline.model_io import checkpoint_dict
+    from workers.scoring import ScorerWorker
+    from workers.store import write_store_from_array
+
+    with pytest.raises(ConfigError, match="model.mpp"):
+        dataclasses.replace(_model_config(), mpp=-1.0)
+    cfg = dataclasses.replace(_model_config(), mpp=0.5)
+    torch.manual_seed(0)
+    ckpt = checkpoint_dict(FoveateModel(cfg).eval(), cfg, CLASSES)
+    near = write_store_from_array(tmp_path / "near.zarr", _slide(0), mpp=(0.52, 0.52), tile_size=64, min_size=64)
+    far = write_store_from_array(tmp_path / "far.zarr", _slide(1), mpp=(0.25, 0.25), tile_size=64, min_size=64)
+    caplog.clear()
+    lenient = ScorerWorker(ckpt, device="cpu")
+    assert lenient.score_one("near", str(near.path))["status"] == "ok" and "mpp" not in caplog.text
+    assert lenient.score_one("far", str(far.path))["status"] == "ok"
+    assert "far: store mpp 0.25 differs from the model's training mpp 0.5" in caplog.text
+    strict = ScorerWorker(ckpt, device="cpu", strict_mpp=True)
+    item = strict.score_one("far", str(far.path))
+    assert item["status"] == "error" and "re-ingest at --mpp 0.5" in item["error"]
+    assert strict.score_one("near", str(near.path))["status"] == "ok"

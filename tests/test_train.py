@@ -199,6 +199,10 @@ def test_train_crash_resume_and_logged_model(tmp_path, slides, ray_local):
         ).read_text()
     )
     assert len(split["val"]) == 3
+    # the model records the resolution it was trained at (the training stores' level-0 mpp)
+    train_mpps = [SlideStore(Path(slides[0]) / f"{sid}.zarr").meta.mpp[0] for sid in split["train"]]
+    assert result.config.model.mpp == pytest.approx(float(np.median(train_mpps)))
+    assert run.data.params["model.mpp"] == str(result.config.model.mpp)
     store = SlideStore(Path(slides[0]) / f"{split['val'][0]}.zarr")
     with torch.no_grad():
         expected_logits = forward_slide(result.model, store, training=False).logits

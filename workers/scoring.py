@@ -31,9 +31,19 @@ import torch
 from workers.frames import Box
 from workers.reports import heatmap_image, score_grid, slide_heatmap, write_heatmap
 
-__all__ = ["ROW_FIELDS", "ScorerWorker", "ClassifierWorker", "error_row", "heatmap_image", "write_heatmap"]
+__all__ = [
+    "MPP_TOLERANCE",
+    "ROW_FIELDS",
+    "ScorerWorker",
+    "ClassifierWorker",
+    "error_row",
+    "heatmap_image",
+    "write_heatmap",
+]
 
 log = logging.getLogger(__name__)
+
+MPP_TOLERANCE = 0.1  # relative difference of store and training mpp beyond which scoring warns / refuses
 
 # the fixed columns of a prediction row (plus prob_<class> per class)
 ROW_FIELDS = (
@@ -110,9 +120,10 @@ class ScorerWorker:
         threads: torch CPU threads (None: leave as is).
     """
 
-    def __init__(self, model: Any, *, device: str | None = None, threads: int | None = None):
+    def __init__(self, model: Any, *, device: str | None = None, threads: int | None = None, strict_mpp: bool = False):
         _set_threads(threads)
         self.model, self.cfg, self.class_names = _load(model)
+        self.strict_mpp = bool(strict_mpp)
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         if device not in ("cuda", "cpu") and not str(device).startswith("cuda:"):
@@ -130,6 +141,7 @@ class ScorerWorker:
         t0 = time.perf_counter()
         try:
             store = SlideStore(store_path)
+            self._check_mpp(slide_id, store)
             lowres, cell_mask = lowres_input(store, self.cfg)
             with torch.inference_mode():
                 scores = self.model.score(lowres[None].to(self.device), cell_mask[None].to(self.device))
@@ -157,6 +169,22 @@ class ScorerWorker:
                 "error": f"scorer: {_describe(exc)}",
                 "seconds": time.perf_counter() - t0,
             }
+
+    def _check_mpp(self, slide_id: str, store) -> None:
+        """A store at another resolution than the model was trained at (> :data:`MPP_TOLERANCE` apart): a
+        warning, or with ``strict_mpp`` an error (the slide's row then says why)."""
+        trained = getattr(self.cfg, "mpp", None)
+        mpp = store.meta.mpp[0] if store.meta.mpp else None
+        if trained is None or mpp is None or abs(mpp / trained - 1.0) <= MPP_TOLERANCE:
+            return
+        msg = (
+            f"store mpp {mpp:g} differs from the model's training mpp {trained:g} by more than "
+            f"{MPP_TOLERANCE:.0%} (patch_size and scorer_downsample are level-0 pixels); re-ingest at "
+            f"--mpp {trained:g}"
+        )
+        if self.strict_mpp:
+            raise ValueError(msg)
+        log.warning("%s: %s", slide_id, msg)
 
     def score_batch(self, items: list[tuple[str, str]]) -> list[dict[str, Any]]:
         """:meth:`score_one` for each ``(slide_id, store_path)``."""
