@@ -335,3 +335,41 @@ def test_model_records_its_mpp_and_scoring_checks_it(tmp_path, caplog):
     item = strict.score_one("far", str(far.path))
     assert item["status"] == "error" and "re-ingest at --mpp 0.5" in item["error"]
     assert strict.score_one("near", str(near.path))["status"] == "ok"
+
+
+@pytest.mark.ray
+def test_sigterm_ends_the_mlflow_run_as_failed(data, tmp_path):
+    """`kill` (SIGTERM) of a scoring command mid-run: the command ends through its finally blocks, so its MLflow
+    run is FAILED rather than RUNNING forever, and the exit code is not 0."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import mlflow
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    env = {**os.environ, "MLFLOW_TRACKING_URI": uri, "RAY_USAGE_STATS_ENABLED": "0"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pipeline", "score", "--model", str(data["ckpt"]), "--stores", str(data["stores"])]
+        + ["--out", str(tmp_path / "p.parquet"), "--experiment", "sigterm", "--no-heatmaps", "--workers", "1"],
+        cwd=Path(__file__).resolve().parents[1],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    client = mlflow.MlflowClient(uri)
+    deadline = time.monotonic() + 120
+    run = None
+    while run is None and time.monotonic() < deadline and proc.poll() is None:
+        exp = client.get_experiment_by_name("sigterm") if (tmp_path / "mlflow.db").exists() else None
+        runs = client.search_runs([exp.experiment_id]) if exp else []
+        run = runs[0] if runs and runs[0].info.status == "RUNNING" else None
+        time.sleep(0.2)
+    assert run is not None, "the scoring run never started"
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    # 130: our handler (KeyboardInterrupt); 15: Ray's driver handler (sys.exit(15)) once ray.init ran
+    assert proc.returncode in (130, 15), err[-2000:]
+    assert client.get_run(run.info.run_id).info.status == "FAILED"
