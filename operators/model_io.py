@@ -111,7 +111,15 @@ def load_checkpoint(path: str | Path, *, map_location: str | torch.device = "cpu
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no model checkpoint at {path}")
-    ckpt = torch.load(path, map_location=map_location, weights_only=True)
+    try:
+        ckpt = torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as exc:  # pickled objects (weights_only refuses them), a truncated or foreign file
+        first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+        raise ValueError(
+            f"{path} is not a foveate model checkpoint: torch.load(weights_only=True) cannot read it ({first}). "
+            "foveate only loads checkpoints of plain tensors and config written by foveate train / "
+            "operators.model_io.save_checkpoint, and never unpickles code"
+        ) from None
     return model_from_checkpoint(ckpt)
 
 

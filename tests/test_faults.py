@@ -373,3 +373,23 @@ def test_sigterm_ends_the_mlflow_run_as_failed(data, tmp_path):
     # 130: our handler (KeyboardInterrupt); 15: Ray's driver handler (sys.exit(15)) once ray.init ran
     assert proc.returncode in (130, 15), err[-2000:]
     assert client.get_run(run.info.run_id).info.status == "FAILED"
+
+
+class _Foreign:  # a class that weights_only=True refuses to unpickle
+    pass
+
+
+def test_a_pickled_pt_file_is_refused_without_advice_to_unpickle(tmp_path):
+    import pickle
+    from collections import OrderedDict
+
+    from operators.model_io import load_checkpoint
+
+    bad = tmp_path / "foreign.pt"
+    torch.save({"model": _Foreign(), "d": OrderedDict()}, bad)
+    with pytest.raises(ValueError, match="is not a foveate model checkpoint") as info:
+        load_checkpoint(bad)
+    assert "weights_only=False" not in str(info.value) and "never unpickles" in str(info.value)
+    (tmp_path / "junk.pt").write_bytes(pickle.dumps([1, 2]) + b"junk")
+    with pytest.raises(ValueError, match="is not a foveate model checkpoint"):
+        load_checkpoint(tmp_path / "junk.pt")
