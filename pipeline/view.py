@@ -205,7 +205,7 @@ class Viewer:
             "status": row.get("status"),
             "error": row.get("error"),
             "prediction": row.get("prediction"),
-            "probability": row.get("probability"),
+            "probability": _finite(row.get("probability")),
             "width": e.store.dimensions[0] if e.store else None,
             "height": e.store.dimensions[1] if e.store else None,
         }
@@ -430,6 +430,11 @@ def _handler(viewer: Viewer, *, check_host: bool) -> type[BaseHTTPRequestHandler
                     self._error(HTTPStatus.NOT_FOUND, f"no such page {self.path!r}")
 
     return Handler
+
+
+def _finite(v: Any) -> float | None:
+    """A probability for JSON: None for a missing or NaN value."""
+    return None if v is None or not math.isfinite(float(v)) else float(v)
 
 
 def _int(name: str, text: str) -> int:
