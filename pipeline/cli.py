@@ -29,6 +29,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "compare": ("pipeline.compare", "compare the runs of an MLflow experiment"),
     "verify": ("pipeline.verify", "check slide stores against their completion markers (chunk inventory)"),
     "export": ("pipeline.export", "write the chosen patches of a predictions file as GeoJSON (QuPath)"),
+    "view": ("pipeline.view", "a local web viewer of slide stores, their tiles and predictions (127.0.0.1)"),
     "demo": ("pipeline.demo", "synth -> ingest -> train -> score -> compare on embedded defaults"),
 }
 
