@@ -192,7 +192,9 @@ def score(
         address: Ray address (default: ``RAY_ADDRESS`` / the job's cluster, else an in-process Ray).
         batch_size: slides per actor call.
         max_in_flight: queued calls per actor.
-        heatmaps: write ``<out stem>_heatmaps/<slide_id>.png``.
+        heatmaps: write ``<out stem>_heatmaps/<slide_id>.png`` and the OME-Zarr overlay
+            ``<out stem>_ngff/<slide_id>.zarr`` (cell scores + chosen patches as a label image on the slide's
+            NGFF frame, :mod:`workers.ngff_overlay`; napari-ome-zarr overlays it on the slide store).
         experiment: MLflow experiment of the scoring run (None: no MLflow run).
         tracking_uri: MLflow tracking URI (default ``$MLFLOW_TRACKING_URI``, else ``sqlite:///<out dir>/mlflow.db``).
         max_restarts, max_task_retries: Ray fault tolerance of the actors.
@@ -272,6 +274,7 @@ def _score_locked(
     kept = [r for r in existing if r.get("status") == "ok" or r["slide_id"] not in {s for s, _ in todo}]
     skipped = len(all_stores) - len(todo)
     heatmap_dir = out.with_name(f"{out.stem}_heatmaps") if heatmaps else None
+    ngff_dir = out.with_name(f"{out.stem}_ngff") if heatmaps else None  # OME-Zarr overlays (napari)
     writer = PredictionWriter(out, kept, flush_every_s=flush_every_s, metadata=identity)
     log.info(
         "%d store(s) in %s: %d already scored in %s, %d to score", len(all_stores), stores, skipped, out, len(todo)
@@ -326,6 +329,7 @@ def _score_locked(
                         scorer_cls=scorer_cls,
                         classifier_cls=classifier_cls,
                         strict_mpp=strict_mpp,
+                        ngff_dir=ngff_dir,
                     )
             finally:
                 writer.flush()

@@ -35,6 +35,7 @@ def run_stages(
     scorer_cls: type | None = None,
     classifier_cls: type | None = None,
     strict_mpp: bool = False,
+    ngff_dir: Path | None = None,
 ) -> tuple[str, int, int, int]:
     """Drive the two actor pools over ``todo``; returns (scorer device, ok rows, error rows, retried calls)."""
     import ray
@@ -71,7 +72,11 @@ def run_stages(
     )
     classifiers = ActorPool(
         lambda: classifier_actor.remote(
-            ckpt_ref, heatmap_dir=str(heatmap_dir) if heatmap_dir else None, model_name=model_name, threads=threads
+            ckpt_ref,
+            heatmap_dir=str(heatmap_dir) if heatmap_dir else None,
+            model_name=model_name,
+            threads=threads,
+            ngff_dir=str(ngff_dir) if ngff_dir else None,
         ),
         workers,
         depth=max_in_flight,

@@ -200,17 +200,26 @@ class ClassifierWorker:
     Args:
         model: checkpoint dict or local checkpoint path.
         heatmap_dir: where ``<slide_id>.png`` heatmaps go (None: no heatmaps).
+        ngff_dir: where ``<slide_id>.zarr`` OME-Zarr overlays go (scores + chosen patches on the slide's NGFF
+            frame, :mod:`workers.ngff_overlay`; None: none).
         model_name: recorded in each row's ``model`` field (the URI the driver was given).
         threads: torch CPU threads (None: leave as is).
     """
 
     def __init__(
-        self, model: Any, *, heatmap_dir: str | Path | None = None, model_name: str = "", threads: int | None = None
+        self,
+        model: Any,
+        *,
+        heatmap_dir: str | Path | None = None,
+        model_name: str = "",
+        threads: int | None = None,
+        ngff_dir: str | Path | None = None,
     ):
         _set_threads(threads)
         self.model, self.cfg, self.class_names = _load(model)
         self.model.to("cpu").eval()
         self.heatmap_dir = Path(heatmap_dir) if heatmap_dir is not None else None
+        self.ngff_dir = Path(ngff_dir) if ngff_dir is not None else None
         self.model_name = str(model_name)
 
     def _prepare(self, item: Mapping[str, Any]):
@@ -301,6 +310,18 @@ class ClassifierWorker:
             for (x, y), c in zip(coords, cells)
         ]
         heatmap = None
+        if self.ngff_dir is not None:
+            from workers.ngff_overlay import write_score_overlay
+
+            ranked = cells[np.argsort(-np.nan_to_num(scores[cells], nan=-np.inf), kind="stable")]
+            write_score_overlay(
+                self.ngff_dir / f"{item['slide_id']}.zarr",
+                score_grid(scores, grid.shape),
+                ranked,
+                stride=grid.stride,
+                mpp=store.meta.mpp,
+                name=str(item["slide_id"]),
+            )
         if self.heatmap_dir is not None:
             img = slide_heatmap(store, score_grid(scores, grid.shape), grid.stride, p, coords)
             heatmap = str(write_heatmap(self.heatmap_dir / f"{item['slide_id']}.png", img).resolve())
