@@ -35,9 +35,18 @@ def test_shipped_configs_from_the_checkout():
 
 @pytest.mark.slow
 def test_wheel_installs_and_runs_without_the_checkout(tmp_path):
+    import shutil
+
+    # build from a copy of the sources, so no build/ or *.egg-info is left in the checkout
+    src = tmp_path / "src"
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+    for d in ("pipeline", "operators", "workers", "configs"):
+        shutil.copytree(REPO / d, src / d, ignore=ignore)
+    for f in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / f, src / f)
     wheels = tmp_path / "wheels"
     build = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", str(REPO), "--no-deps", "--no-build-isolation", "-w", str(wheels)],
+        [sys.executable, "-m", "pip", "wheel", str(src), "--no-deps", "--no-build-isolation", "-w", str(wheels)],
         capture_output=True,
         text=True,
         timeout=600,
