@@ -90,6 +90,23 @@ def _as_int(text: Any) -> int | None:
         return None
 
 
+def _experiment(experiment: str, tracking_uri: str | None):
+    """``(MlflowClient, Experiment, tracking URI)``; ValueError naming the experiments there if it is missing."""
+    import mlflow
+
+    if not isinstance(experiment, str) or not experiment:
+        raise ValueError(f"experiment must be a non-empty experiment name, got {experiment!r}")
+    from pipeline.tracking import resolve_tracking_uri
+
+    uri = resolve_tracking_uri(tracking_uri)
+    client = mlflow.MlflowClient(tracking_uri=uri)
+    exp = client.get_experiment_by_name(experiment)
+    if exp is None:
+        names = sorted(e.name for e in client.search_experiments())
+        raise ValueError(f"experiment {experiment!r} not found at {uri}; experiments there: {names}")
+    return client, exp, uri
+
+
 def runs_table(experiment: str, *, tracking_uri: str | None = None, include_score_runs: bool = False):
     """The experiment's runs as a DataFrame (columns :data:`COLUMNS`), best accuracy first.
 
@@ -104,19 +121,9 @@ def runs_table(experiment: str, *, tracking_uri: str | None = None, include_scor
     Raises:
         ValueError: the experiment does not exist.
     """
-    import mlflow
     import pandas as pd
 
-    if not isinstance(experiment, str) or not experiment:
-        raise ValueError(f"experiment must be a non-empty experiment name, got {experiment!r}")
-    from pipeline.tracking import resolve_tracking_uri
-
-    uri = resolve_tracking_uri(tracking_uri)
-    client = mlflow.MlflowClient(tracking_uri=uri)
-    exp = client.get_experiment_by_name(experiment)
-    if exp is None:
-        names = sorted(e.name for e in client.search_experiments())
-        raise ValueError(f"experiment {experiment!r} not found at {uri}; experiments there: {names}")
+    client, exp, uri = _experiment(experiment, tracking_uri)
     rows = []
     page_token = None
     while True:
@@ -282,19 +289,11 @@ def promote(
         ValueError: bad alias/metric, no finished run with the metric, or the best run has no registered
             model version.
     """
-    import mlflow
-
     if not isinstance(alias, str) or not alias.strip() or alias.strip().lower() == "latest" or "/" in alias:
         raise ValueError(f"--promote takes an alias name (letters, digits, - or _; not 'latest'), got {alias!r}")
     if not isinstance(by, str) or not by:
         raise ValueError(f"--by takes a metric name (e.g. val_auc, val_accuracy), got {by!r}")
-    from pipeline.tracking import resolve_tracking_uri
-
-    uri = resolve_tracking_uri(tracking_uri)
-    client = mlflow.MlflowClient(tracking_uri=uri)
-    exp = client.get_experiment_by_name(experiment)
-    if exp is None:
-        raise ValueError(f"experiment {experiment!r} not found at {uri}")
+    client, exp, _ = _experiment(experiment, tracking_uri)
     runs = [
         r
         for r in client.search_runs(

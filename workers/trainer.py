@@ -59,6 +59,12 @@ def _check(name: str, value: Any, ok: bool, allowed: str) -> None:
         raise ConfigError(f"{name}: got {value!r}, must be {allowed}")
 
 
+def _check_finite(name: str, value: Any, *, positive: bool = False, note: str = "") -> None:
+    """``value`` is a finite number ``> 0`` (``positive``) or ``>= 0``."""
+    ok = math.isfinite(value) and (value > 0 if positive else value >= 0)
+    _check(name, value, ok, f"a finite number {'> 0' if positive else '>= 0'}{note}")
+
+
 # ---------------------------------------------------------------------------------------------- configs
 @dataclass(frozen=True)
 class OptimConfig:
@@ -88,19 +94,9 @@ class OptimConfig:
     def __post_init__(self) -> None:
         _check("optim.epochs", self.epochs, self.epochs >= 1, ">= 1")
         _check("optim.accumulate", self.accumulate, self.accumulate >= 1, ">= 1")
-        _check("optim.lr", self.lr, math.isfinite(self.lr) and self.lr > 0, "a finite number > 0")
-        _check(
-            "optim.weight_decay",
-            self.weight_decay,
-            math.isfinite(self.weight_decay) and self.weight_decay >= 0,
-            "a finite number >= 0",
-        )
-        _check(
-            "optim.grad_clip",
-            self.grad_clip,
-            math.isfinite(self.grad_clip) and self.grad_clip >= 0,
-            "a finite number >= 0 (0 = off)",
-        )
+        _check_finite("optim.lr", self.lr, positive=True)
+        _check_finite("optim.weight_decay", self.weight_decay)
+        _check_finite("optim.grad_clip", self.grad_clip, note=" (0 = off)")
         _check("optim.warmup", self.warmup, self.warmup >= 0, ">= 0")
         _check("optim.min_lr_ratio", self.min_lr_ratio, 0 <= self.min_lr_ratio <= 1, "in [0, 1]")
 
@@ -113,18 +109,8 @@ class ScheduleConfig:
     sigma_end: float = 0.0
 
     def __post_init__(self) -> None:
-        _check(
-            "schedule.sigma_start",
-            self.sigma_start,
-            math.isfinite(self.sigma_start) and self.sigma_start >= 0,
-            "a finite number >= 0",
-        )
-        _check(
-            "schedule.sigma_end",
-            self.sigma_end,
-            math.isfinite(self.sigma_end) and self.sigma_end >= 0,
-            "a finite number >= 0",
-        )
+        _check_finite("schedule.sigma_start", self.sigma_start)
+        _check_finite("schedule.sigma_end", self.sigma_end)
 
 
 # ---------------------------------------------------------------------------------------------- schedules
