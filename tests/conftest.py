@@ -30,6 +30,35 @@ def openslide_fixtures() -> Path:
     return FIXTURES
 
 
+@pytest.fixture()
+def fresh_venv(tmp_path):
+    """``make(pip=False) -> python``: a fresh virtual environment in ``tmp_path/venv`` (with its own pip when
+    ``pip``) that sees this environment's installed packages through a .pth line listing our site-packages. A
+    .pth *line* does not run the .pth files in that folder, so the editable install of the checkout stays
+    invisible: ``import pipeline`` works there only from what the test installs or ships."""
+    import subprocess
+    import sys
+    import sysconfig
+
+    def make(pip: bool = False) -> Path:
+        venv = tmp_path / "venv"
+        subprocess.run(
+            [sys.executable, "-m", "venv", *([] if pip else ["--without-pip"]), str(venv)], check=True, timeout=300
+        )
+        py = venv / "bin" / "python"
+        site = subprocess.run(
+            [str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+        ours = sorted({sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]})
+        Path(site, "zz_deps.pth").write_text("\n".join(ours) + "\n")
+        return py
+
+    return make
+
+
 @pytest.fixture(autouse=True)
 def _mlflow_tracking_uri(tmp_path, monkeypatch):
     """Never let a test write ./mlflow.db: point MLflow at a per-test sqlite file unless a test overrides it."""

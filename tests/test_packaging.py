@@ -7,7 +7,6 @@ import json
 import os
 import subprocess
 import sys
-import sysconfig
 from pathlib import Path
 
 import pytest
@@ -34,7 +33,7 @@ def test_shipped_configs_from_the_checkout():
 
 
 @pytest.mark.slow
-def test_wheel_installs_and_runs_without_the_checkout(tmp_path):
+def test_wheel_installs_and_runs_without_the_checkout(tmp_path, fresh_venv):
     import shutil
 
     # build from a copy of the sources, so no build/ or *.egg-info is left in the checkout
@@ -57,18 +56,9 @@ def test_wheel_installs_and_runs_without_the_checkout(tmp_path):
 
     names = set(zipfile.ZipFile(wheel).namelist())
     assert {f"pipeline/configs/{p.name}" for p in (REPO / "configs").glob("*.yaml")} <= names
-    # a fresh environment: its own pip and foveate; the heavy dependencies seen through a .pth line with this
-    # environment's site-packages (a .pth line does not run the .pth files there, so the editable install of
-    # the checkout stays invisible)
-    venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
-    py, bindir = venv / "bin" / "python", venv / "bin"
-    site = subprocess.run(
-        [str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout.strip()
+    # a fresh environment with its own pip and foveate; the heavy dependencies seen from this one (fresh_venv)
+    py = fresh_venv(pip=True)
+    venv, bindir = py.parents[1], py.parent
     inst = subprocess.run(
         [str(py), "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(wheel)],
         capture_output=True,
@@ -76,8 +66,6 @@ def test_wheel_installs_and_runs_without_the_checkout(tmp_path):
         timeout=300,
     )
     assert inst.returncode == 0, inst.stderr[-3000:]
-    ours = sorted({sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]})
-    Path(site, "zz_deps.pth").write_text("\n".join(ours) + "\n")
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
     env["PATH"] = f"{bindir}{os.pathsep}{env.get('PATH', '')}"
     work = tmp_path / "elsewhere"

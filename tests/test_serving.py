@@ -13,7 +13,6 @@ import os
 import socket
 import subprocess
 import sys
-import sysconfig
 import time
 import urllib.error
 import urllib.request
@@ -144,26 +143,9 @@ def test_logged_model_artifacts_hold_no_pickle_and_installable_requirements(logg
     assert ckpt["class_names"] == CLASSES
 
 
-def _fresh_venv(tmp: Path) -> Path:
-    """A fresh virtual environment that sees this one's installed packages (a .pth line with our site-packages;
-    a .pth line does not run the .pth files there, so the editable install of the checkout stays invisible)."""
-    venv = tmp / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
-    py = venv / "bin" / "python"
-    site = subprocess.run(
-        [str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout.strip()
-    ours = {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
-    Path(site, "deps.pth").write_text("\n".join(sorted(ours)) + "\n")
-    return py
-
-
 @pytest.mark.slow
-def test_logged_model_loads_in_an_interpreter_without_the_checkout(logged, tmp_path):
-    py = _fresh_venv(tmp_path)
+def test_logged_model_loads_in_an_interpreter_without_the_checkout(logged, tmp_path, fresh_venv):
+    py = fresh_venv()
     script = tmp_path / "load.py"
     script.write_text(
         "import importlib.util, json, sys\n"
