@@ -310,20 +310,22 @@ class ClassifierWorker:
             for (x, y), c in zip(coords, cells)
         ]
         heatmap = None
+        drawn = self.ngff_dir is not None or self.heatmap_dir is not None
+        sgrid = score_grid(scores, grid.shape) if drawn else None
         if self.ngff_dir is not None:
             from workers.ngff_overlay import write_score_overlay
 
             ranked = cells[np.argsort(-np.nan_to_num(scores[cells], nan=-np.inf), kind="stable")]
             write_score_overlay(
                 self.ngff_dir / f"{item['slide_id']}.zarr",
-                score_grid(scores, grid.shape),
+                sgrid,
                 ranked,
                 stride=grid.stride,
                 mpp=store.meta.mpp,
                 name=str(item["slide_id"]),
             )
         if self.heatmap_dir is not None:
-            img = slide_heatmap(store, score_grid(scores, grid.shape), grid.stride, p, coords)
+            img = slide_heatmap(store, sgrid, grid.stride, p, coords)
             heatmap = str(write_heatmap(self.heatmap_dir / f"{item['slide_id']}.png", img).resolve())
         return {
             "slide_id": item["slide_id"],

@@ -179,17 +179,22 @@ class SlideStore:
         if require_complete and not is_complete(self.path):
             raise ValueError(f"slide store {self.path} is incomplete (no {COMPLETE_MARKER}); re-run ingest")
         register_codecs()
+        try:
+            group = zarr.open_group(str(self.path), mode="r")
+        except Exception as exc:
+            group, open_error = None, exc
         if require_complete:
-            problems = verify_store(self.path)
+            problems = verify_store(self.path, group=group)  # without a group it names the metadata error
             if problems:
                 raise ValueError(
                     f"slide store {self.path} is damaged: {'; '.join(problems)}; re-ingest it (foveate ingest "
                     "--overwrite) or check it with foveate verify"
                 )
-        try:
-            self.group = zarr.open_group(str(self.path), mode="r")
-        except Exception as exc:
-            raise ValueError(f"slide store {self.path}: unreadable metadata ({type(exc).__name__}: {exc})") from exc
+        if group is None:
+            raise ValueError(
+                f"slide store {self.path}: unreadable metadata ({type(open_error).__name__}: {open_error})"
+            ) from open_error
+        self.group = group
         attrs = dict(self.group.attrs)
         if "foveate" not in attrs:
             raise ValueError(f"{self.path} is not a foveate store (no 'foveate' attribute)")
@@ -379,10 +384,11 @@ def mark_complete(path: str | Path, slide_id: str, levels: int, **fields: Any) -
         os.close(dfd)
 
 
-def verify_store(path: str | Path) -> list[str]:
+def verify_store(path: str | Path, *, group: Any = None) -> list[str]:
     """Problems of the store at ``path`` (``[]``: whole): no or unreadable completion marker, unreadable
     metadata, or a level whose chunks differ from the marker's inventory (missing or extra chunk files).
-    A marker without an inventory (stores written before it existed) is not a problem."""
+    A marker without an inventory (stores written before it existed) is not a problem. ``group``: the store's
+    zarr group when the caller has already opened it (not opened again)."""
     path = Path(path)
     if not path.is_dir():
         return [f"no slide store at {path}"]
@@ -396,7 +402,7 @@ def verify_store(path: str | Path) -> list[str]:
         return [f"unreadable {COMPLETE_MARKER}: {type(exc).__name__}: {exc}"]
     problems = []
     try:
-        attrs = dict(zarr.open_group(str(path), mode="r").attrs)
+        attrs = dict((group if group is not None else zarr.open_group(str(path), mode="r")).attrs)
         if "foveate" not in attrs:
             problems.append("not a foveate store (no 'foveate' attribute in zarr.json)")
     except Exception as exc:
