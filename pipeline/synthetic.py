@@ -159,6 +159,26 @@ def _check_int(name: str, value: Any, lo: int, hi: int) -> int:
     return int(value)
 
 
+def _draw_waves(rng: np.random.Generator, s: float, amplitude: float) -> tuple[np.ndarray, np.ndarray, float]:
+    """The tissue boundary's 4 perturbation waves ``(kx, ky, phase, amplitude * s)`` (wavelength 0.12..0.4 s),
+    the 3 colour-drift waves ``(kx, ky, phase)`` (wavelength 800..4000 px), and the Lipschitz bound of the
+    perturbed boundary function; both task families draw them in this order from ``rng``."""
+    waves = np.empty((4, 4))
+    for i in range(4):
+        wavelength = rng.uniform(0.12, 0.4) * s
+        angle = rng.uniform(0, 2 * math.pi)
+        k = 2 * math.pi / wavelength
+        waves[i] = (k * math.cos(angle), k * math.sin(angle), rng.uniform(0, 2 * math.pi), amplitude * s)
+    colour_waves = np.empty((3, 3))
+    for i in range(3):
+        wavelength = rng.uniform(800.0, 4000.0)
+        angle = rng.uniform(0, 2 * math.pi)
+        k = 2 * math.pi / wavelength
+        colour_waves[i] = (k * math.cos(angle), k * math.sin(angle), rng.uniform(0, 2 * math.pi))
+    lipschitz = 1.0 + float(np.sum(np.hypot(waves[:, 0], waves[:, 1]) * waves[:, 3]))
+    return waves, colour_waves, lipschitz
+
+
 def make_layout(width: int, height: int, label: int, seed: int) -> SlideLayout:
     """Draw a slide's tissue and candidate structures from ``seed`` (the label only picks the texture).
 
@@ -184,20 +204,7 @@ def make_layout(width: int, height: int, label: int, seed: int) -> SlideLayout:
             rng.uniform(0.18, 0.34) * height,
             rng.uniform(0, math.pi),
         )
-    n_waves = 4
-    waves = np.empty((n_waves, 4))
-    for i in range(n_waves):
-        wavelength = rng.uniform(0.12, 0.4) * s
-        angle = rng.uniform(0, 2 * math.pi)
-        k = 2 * math.pi / wavelength
-        waves[i] = (k * math.cos(angle), k * math.sin(angle), rng.uniform(0, 2 * math.pi), 0.025 * s)
-    colour_waves = np.empty((3, 3))
-    for i in range(3):
-        wavelength = rng.uniform(800.0, 4000.0)
-        angle = rng.uniform(0, 2 * math.pi)
-        k = 2 * math.pi / wavelength
-        colour_waves[i] = (k * math.cos(angle), k * math.sin(angle), rng.uniform(0, 2 * math.pi))
-    lipschitz = 1.0 + float(np.sum(np.hypot(waves[:, 0], waves[:, 1]) * waves[:, 3]))
+    waves, colour_waves, lipschitz = _draw_waves(rng, s, 0.025)
     hash_seed = int(rng.integers(1, 2**32 - 1))
     layout = SlideLayout(
         width, height, label, seed, blobs, waves, colour_waves, margin, lipschitz, np.zeros((0, 3)), hash_seed
@@ -990,19 +997,7 @@ def _objects_base(width: int, height: int, seed: int, rng: np.random.Generator) 
             rng.uniform(0.5, 0.62) * height,
             rng.uniform(0, math.pi),
         )
-    waves = np.empty((4, 4))
-    for i in range(4):
-        wavelength = rng.uniform(0.12, 0.4) * s
-        angle = rng.uniform(0, 2 * math.pi)
-        k = 2 * math.pi / wavelength
-        waves[i] = (k * math.cos(angle), k * math.sin(angle), rng.uniform(0, 2 * math.pi), 0.02 * s)
-    colour_waves = np.empty((3, 3))
-    for i in range(3):
-        wavelength = rng.uniform(800.0, 4000.0)
-        angle = rng.uniform(0, 2 * math.pi)
-        k = 2 * math.pi / wavelength
-        colour_waves[i] = (k * math.cos(angle), k * math.sin(angle), rng.uniform(0, 2 * math.pi))
-    lipschitz = 1.0 + float(np.sum(np.hypot(waves[:, 0], waves[:, 1]) * waves[:, 3]))
+    waves, colour_waves, lipschitz = _draw_waves(rng, s, 0.02)
     hash_seed = int(rng.integers(1, 2**32 - 1))
     return SlideLayout(
         width, height, 0, seed, blobs, waves, colour_waves, margin, lipschitz, np.zeros((0, 3)), hash_seed
