@@ -78,7 +78,16 @@ def cluster(tmp_path_factory):
     env = {
         k: v
         for k, v in os.environ.items()
-        if k not in ("MLFLOW_TRACKING_URI", "RAY_ADDRESS", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_AUTH_MODE")
+        if k
+        not in (
+            "MLFLOW_TRACKING_URI",
+            "MLFLOW_TRACKING_USERNAME",
+            "MLFLOW_TRACKING_PASSWORD",
+            "RAY_ADDRESS",
+            "RAY_AUTH_TOKEN",
+            "RAY_AUTH_TOKEN_PATH",
+            "RAY_AUTH_MODE",
+        )
     }
     env.update(
         FOVEATE_RUN_DIR=str(run_dir),
@@ -100,9 +109,14 @@ def cluster(tmp_path_factory):
         exports = dict(
             line[len("export ") :].split("=", 1) for line in out.stdout.splitlines() if line.startswith("export ")
         )
-        assert set(exports) >= {"RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH", "MLFLOW_TRACKING_URI"}, (
-            out.stdout
-        )
+        assert set(exports) >= {
+            "RAY_ADDRESS",
+            "RAY_AUTH_MODE",
+            "RAY_AUTH_TOKEN_PATH",
+            "MLFLOW_TRACKING_URI",
+            "MLFLOW_TRACKING_USERNAME",
+            "MLFLOW_TRACKING_PASSWORD",
+        }, out.stdout
         # idempotent: a second up.sh leaves both services alone
         again = subprocess.run(
             ["bash", "infra/local/up.sh"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
@@ -131,6 +145,35 @@ def test_token_auth_is_on(cluster):
     assert urllib.request.urlopen(req, timeout=30).status == 200
 
 
+def test_mlflow_server_requires_the_password(cluster):
+    import base64
+    import json
+
+    uri = cluster["exports"]["MLFLOW_TRACKING_URI"]
+    url = uri + "/api/2.0/mlflow/experiments/search"
+    body = json.dumps({"max_results": 10}).encode()
+    user, password = cluster["exports"]["MLFLOW_TRACKING_USERNAME"], cluster["exports"]["MLFLOW_TRACKING_PASSWORD"]
+    pw_file = Path(cluster["run_dir"]) / "mlflow_password"
+    assert pw_file.read_text() == password and oct(pw_file.stat().st_mode & 0o777) == "0o600"
+    assert oct((Path(cluster["run_dir"]) / "env.sh").stat().st_mode & 0o777) == "0o600"
+
+    def post(auth: str | None) -> int:
+        headers = {"Content-Type": "application/json"}
+        if auth is not None:
+            headers["Authorization"] = "Basic " + base64.b64encode(auth.encode()).decode()
+        req = urllib.request.Request(url, data=body, headers=headers)
+        try:
+            return urllib.request.urlopen(req, timeout=30).status
+        except urllib.error.HTTPError as err:
+            return err.code
+
+    assert post(None) == 401  # no credentials: refused
+    assert post(f"{user}:wrong-{password}") == 401
+    assert post(f"{user}:{password}") == 200
+    # health stays open for up.sh's readiness check
+    assert urllib.request.urlopen(uri + "/health", timeout=30).status == 200
+
+
 def test_ingest_train_score_as_ray_jobs(cluster, tmp_path, monkeypatch):
     import mlflow
     import pandas as pd
@@ -138,6 +181,8 @@ def test_ingest_train_score_as_ray_jobs(cluster, tmp_path, monkeypatch):
     env = cluster["env"]
     uri = cluster["exports"]["MLFLOW_TRACKING_URI"]
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    for name in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"):
+        monkeypatch.setenv(name, cluster["exports"][name])
     synth, stores, work = tmp_path / "synth", tmp_path / "stores", tmp_path / "work"
     out = tmp_path / "predictions.parquet"
     _run(

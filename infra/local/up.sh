@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Start a local Ray head (token authentication on, dashboard on 127.0.0.1) and an MLflow tracking
-# server (sqlite backend, artifacts served over HTTP, bound to 127.0.0.1). Idempotent: a service
+# server (sqlite backend, artifacts served over HTTP, bound to 127.0.0.1, HTTP basic authentication on:
+# MLflow's basic-auth app with one admin user whose random password is kept in the run directory,
+# mode 600; other users get no permission unless the admin grants it). Idempotent: a service
 # already running from this run directory is left alone. Waits until both answer.
 #
 #   eval "$(bash infra/local/up.sh)"     # stdout is only `export ...` lines; progress goes to stderr
@@ -55,12 +57,46 @@ unset RAY_AUTH_TOKEN RAY_ADDRESS
 MLFLOW_URI=http://127.0.0.1:$MLFLOW_PORT
 DASHBOARD_URL=http://127.0.0.1:$DASHBOARD_PORT
 
+# ---------------------------------------------------------------- MLflow authentication
+# MLflow's basic-auth app (`mlflow server --app-name basic-auth`, needs Flask-WTF: `mlflow[auth]`) reads its
+# settings from MLFLOW_AUTH_CONFIG_PATH; on first start it creates the admin user with admin_password.
+# Clients authenticate with MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD (exported below; jobs
+# inherit them from the head).
+MLFLOW_USER=foveate
+MLFLOW_PASSWORD_FILE=$RUN_DIR/mlflow_password
+MLFLOW_AUTH_INI=$RUN_DIR/mlflow/basic_auth.ini
+if ! "$PY" -c 'import flask_wtf' 2>/dev/null; then
+  say "MLflow authentication needs Flask-WTF in $PY's environment: pip install 'mlflow[auth]' (or reinstall foveate)"
+  exit 1
+fi
+if [ ! -s "$MLFLOW_PASSWORD_FILE" ]; then
+  (umask 077; "$PY" -c 'import secrets; print(secrets.token_urlsafe(24), end="")' > "$MLFLOW_PASSWORD_FILE")
+  say "generated the MLflow admin password in $MLFLOW_PASSWORD_FILE (user $MLFLOW_USER)"
+fi
+chmod 600 "$MLFLOW_PASSWORD_FILE"
+SECRET_FILE=$RUN_DIR/mlflow_secret_key  # the auth app's CSRF key (MLFLOW_FLASK_SERVER_SECRET_KEY); server only
+if [ ! -s "$SECRET_FILE" ]; then
+  (umask 077; "$PY" -c 'import secrets; print(secrets.token_hex(32), end="")' > "$SECRET_FILE")
+fi
+chmod 600 "$SECRET_FILE"
+MLFLOW_PASSWORD=$(cat "$MLFLOW_PASSWORD_FILE")
+(umask 077; cat >"$MLFLOW_AUTH_INI" <<EOF
+[mlflow]
+default_permission = NO_PERMISSIONS
+database_uri = sqlite:///$RUN_DIR/mlflow/basic_auth.db
+admin_username = $MLFLOW_USER
+admin_password = $MLFLOW_PASSWORD
+authorization_function = mlflow.server.auth:authenticate_request_basic_auth
+EOF
+)
+export MLFLOW_TRACKING_USERNAME=$MLFLOW_USER MLFLOW_TRACKING_PASSWORD=$MLFLOW_PASSWORD
+
 # ---------------------------------------------------------------- MLflow tracking server
 if alive "$RUN_DIR/mlflow.pid"; then
   say "MLflow server already running (session $(cat "$RUN_DIR/mlflow.pid"))"
 else
   say "starting MLflow server on $MLFLOW_URI (log $LOGS/mlflow.log)"
-  nohup setsid "$BIN/mlflow" server --host 127.0.0.1 --port "$MLFLOW_PORT" --workers 1 \
+  MLFLOW_AUTH_CONFIG_PATH=$MLFLOW_AUTH_INI MLFLOW_FLASK_SERVER_SECRET_KEY=$(cat "$SECRET_FILE") nohup setsid "$BIN/mlflow" server --app-name basic-auth --host 127.0.0.1 --port "$MLFLOW_PORT" --workers 1 \
     --backend-store-uri "sqlite:///$RUN_DIR/mlflow/mlflow.db" \
     --artifacts-destination "$RUN_DIR/mlflow/artifacts" --serve-artifacts \
     >"$LOGS/mlflow.log" 2>&1 </dev/null &
@@ -77,7 +113,7 @@ else
   say "starting Ray head on 127.0.0.1:$RAY_PORT, dashboard $DASHBOARD_URL (log $LOGS/ray-head.log)"
   echo "$RAY_TMP" >"$RUN_DIR/ray_temp_dir"
   # Jobs inherit the head's environment: `python` in an entrypoint is this interpreter (PATH), and
-  # MLFLOW_TRACKING_URI points them at the server above.
+  # MLFLOW_TRACKING_URI (and the credentials exported above) point them at the server above.
   PATH=$BIN:$PATH MLFLOW_TRACKING_URI=$MLFLOW_URI setsid "$BIN/ray" start --head --disable-usage-stats \
     --node-ip-address 127.0.0.1 --port "$RAY_PORT" \
     --dashboard-host 127.0.0.1 --dashboard-port "$DASHBOARD_PORT" \
@@ -117,9 +153,12 @@ export RAY_ADDRESS=$DASHBOARD_URL
 export RAY_AUTH_MODE=token
 export RAY_AUTH_TOKEN_PATH=$TOKEN_FILE
 export MLFLOW_TRACKING_URI=$MLFLOW_URI
+export MLFLOW_TRACKING_USERNAME=$MLFLOW_USER
+export MLFLOW_TRACKING_PASSWORD=$MLFLOW_PASSWORD
 export RAY_USAGE_STATS_ENABLED=0
 EOF
+chmod 600 "$RUN_DIR/env.sh"
 say "Ray dashboard: $DASHBOARD_URL (log in with the token in $TOKEN_FILE)"
-say "MLflow UI:     $MLFLOW_URI"
+say "MLflow UI:     $MLFLOW_URI (user $MLFLOW_USER, password in $MLFLOW_PASSWORD_FILE)"
 say "client environment (also in $RUN_DIR/env.sh):"
 cat "$RUN_DIR/env.sh"
