@@ -304,6 +304,39 @@ def test_a_second_writer_is_refused_and_a_dead_holder_releases(tmp_path, caplog)
     assert time.monotonic() - t < 1
 
 
+@pytest.mark.ray
+def test_two_real_ingests_with_overwrite_into_one_out(tmp_path):
+    """Case 1 as the user met it: two `foveate ingest --overwrite` processes started together on one --out. One
+    takes the lock and completes; the other exits 2 naming the holder, having written nothing; every store that
+    carries the completion marker verifies, and the manifest has each slide exactly once."""
+    import subprocess
+    import sys
+
+    from pipeline.synthetic import synth_archive
+
+    slides, out = tmp_path / "slides", tmp_path / "stores"
+    synth_archive(slides, count=3, size=2000, seed=0)
+    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
+    cmd = [sys.executable, "-m", "pipeline", "ingest", str(slides / "labels.csv"), "--out", str(out), "--overwrite"]
+    cmd += ["--workers", "1"]
+    repo = str(Path(__file__).resolve().parents[1])
+    procs = [subprocess.Popen(cmd, cwd=repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)]
+    procs.append(subprocess.Popen(cmd, cwd=repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    results = [(p.wait(timeout=300), *p.communicate()) for p in procs]
+    codes = sorted(r[0] for r in results)
+    assert codes == [0, 2], [(r[0], r[2][-2000:]) for r in results]
+    (winner,) = [p for p, r in zip(procs, results) if r[0] == 0]
+    (loser,) = [r for r in results if r[0] == 2]
+    assert f"another foveate ingest (pid {winner.pid}" in loser[2], loser[2][-2000:]
+    verify = subprocess.run(
+        [sys.executable, "-m", "pipeline", "verify", str(out)], cwd=repo, env=env, capture_output=True, text=True
+    )
+    assert verify.returncode == 0, verify.stdout + verify.stderr
+    man = pd.read_parquet(out / "manifest.parquet")
+    assert len(man) == 3 and man["slide_id"].is_unique and set(man["status"]) == {"ok"}, man
+    assert len(list(out.glob("*.zarr"))) == 3
+
+
 # ----------------------------------------------------------------------------------- 4: resolution identity
 
 
