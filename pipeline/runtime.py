@@ -10,7 +10,9 @@ each actor has a bounded number of calls in flight).
 * ``$RAY_ADDRESS`` is a job-submission (``http://``) address, e.g. from ``eval "$(infra/local/up.sh)"``:
   ``ray.init()`` cannot join that, so it is dropped (logged) and an in-process Ray starts instead.
 * otherwise an in-process Ray: ``num_cpus`` as the command asks, no dashboard, Ray leaves logging alone, and
-  the workers get this source tree on ``PYTHONPATH`` (plus the command's ``env_vars``).
+  the workers get this source tree on ``PYTHONPATH`` (plus the command's ``env_vars``). A watcher process
+  (:mod:`pipeline.reaper`) stops that Ray's processes within seconds if the command dies without shutting it
+  down (``kill -9``); Ray's own agents would otherwise linger for up to about a minute.
 """
 
 from __future__ import annotations
@@ -63,6 +65,12 @@ def init_ray(
         runtime_env={"env_vars": {"PYTHONPATH": REPO_ROOT, **(env_vars or {})}},
         **kwargs,
     )
+    try:
+        from pipeline.reaper import start_reaper
+
+        start_reaper()
+    except Exception as err:  # the watcher is a safety net, never a reason to fail the command
+        log.debug("no Ray reaper: %s", err)
     return True
 
 

@@ -337,6 +337,47 @@ def test_two_real_ingests_with_overwrite_into_one_out(tmp_path):
     assert len(list(out.glob("*.zarr"))) == 3
 
 
+@pytest.mark.ray
+def test_no_ray_process_outlives_a_killed_command(tmp_path):
+    """Case 5: `kill -9` of a command that started an in-process Ray; within 15 s none of the Ray processes it
+    started is left (without the watcher of pipeline/reaper.py, Ray 2.60's dashboard and runtime-env agents
+    keep running)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from pipeline.reaper import alive, ray_descendants
+
+    repo = str(Path(__file__).resolve().parents[1])
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; sys.path.insert(0, sys.argv[1]); import ray; from pipeline.runtime import init_ray\n"
+            "init_ray(num_cpus=1); ray.get(ray.remote(lambda: 1).remote()); print('up', flush=True)\n"
+            "time.sleep(600)",
+            repo,
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, RAY_USAGE_STATS_ENABLED="0"),
+    )
+    try:
+        assert child.stdout.readline().strip() == "up"
+        started = ray_descendants(child.pid)
+        names = sorted(Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")[0].decode() for p in started)
+        assert any("DashboardAgent" in n for n in names) and any("gcs_server" in n for n in names), names
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+    deadline = time.monotonic() + 15
+    while any(alive(p, t) for p, t in started.items()) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    left = [p for p, t in started.items() if alive(p, t)]
+    assert not left, f"still running 15 s after kill -9: {left}"
+
+
 # ----------------------------------------------------------------------------------- 4: resolution identity
 
 
