@@ -87,6 +87,13 @@ def test_cli_bad_inputs_fail_their_own_rows_and_the_rest_complete(ray_local, tmp
     assert len(m2) == 10 and m2.loc[f"{fx}/boxes.tiff", "status"] == "skipped"
     assert m2.loc[f"{fx}/boxes.tiff", "width"] == 300
     assert m2.loc[f"{fx}/small.svs", "status"] == "ok"
+    # --allow-failures: the same failures, exit 0
+    capsys.readouterr()
+    rc = cli_main(
+        ["ingest", str(bad), "--out", str(out), "--workers", "1", "--tile-size", "64", "--min-size", "64"]
+        + ["--allow-failures"]
+    )
+    assert rc == 0 and "3 failed" in capsys.readouterr().out
 
 
 def test_killed_actor_mid_slide_then_rerun_resumes_with_identical_arrays(ray_local, tmp_path, synth_svs):
