@@ -109,7 +109,9 @@ def naive(path: Path, out: Path, fraction: float) -> dict:
     return {"seconds": dt, "mp": mp, "mp_per_s": mp / dt, "rows": rows, "cpu_seconds": cpu, "mp_per_cpu_s": mp / cpu}
 
 
-def run_ingest(path: Path, out: Path, workers: int, codec: str, *, threads: int = 1, zstd_level: int = 1) -> dict:
+def run_ingest(
+    path: Path, out: Path, workers: int, codec: str, *, threads: int = 1, zstd_level: int = 1, fsync: bool = True
+) -> dict:
     from pipeline.ingest import ingest
     from workers.tiler import IngestOptions
 
@@ -119,7 +121,7 @@ def run_ingest(path: Path, out: Path, workers: int, codec: str, *, threads: int 
     res = ingest(
         [path],
         out,
-        options=IngestOptions(codec=codec, threads=threads, zstd_level=zstd_level),
+        options=IngestOptions(codec=codec, threads=threads, zstd_level=zstd_level, fsync=fsync),
         workers=workers,
         overwrite=True,
         progress=False,
@@ -142,6 +144,7 @@ def run_ingest(path: Path, out: Path, workers: int, codec: str, *, threads: int 
         "levels": row["levels"],
         "threads": threads,
         "zstd_level": zstd_level,
+        "fsync": fsync,
         "load_avg": [load0, os.getloadavg()[0]],
     }
 
@@ -168,6 +171,11 @@ def main(argv=None) -> int:
     )
     p.add_argument(
         "--zstd-level", type=int, default=1, help="zstd level of the zstd runs (default 1, foveate's default)"
+    )
+    p.add_argument(
+        "--no-fsync-too",
+        action="store_true",
+        help="also run 1 zstd worker with options.fsync=false, right after the fsynced one (the cost of durability)",
     )
     p.add_argument("--json", default=None, help="write results here (default WORK_DIR/ingest_<size>.json)")
     p.add_argument("--keep-stores", action="store_true", help="keep the scratch stores")
@@ -214,6 +222,15 @@ def main(argv=None) -> int:
             print(f"foveate ingest zstd, {w} worker(s) ...", flush=True)
             results["runs"][f"ingest_zstd_w{w}"] = run_ingest(
                 slide, work / f"stores_zstd_w{w}", w, "zstd", zstd_level=args.zstd_level
+            )
+        if args.no_fsync_too:
+            print("foveate ingest zstd, 1 worker, fsync off ...", flush=True)
+            results["runs"]["ingest_zstd_w1_nofsync"] = run_ingest(
+                slide, work / "stores_zstd_nofsync", 1, "zstd", zstd_level=args.zstd_level, fsync=False
+            )
+            print("foveate ingest zstd, 1 worker, fsync on (again) ...", flush=True)
+            results["runs"]["ingest_zstd_w1_again"] = run_ingest(
+                slide, work / "stores_zstd_again", 1, "zstd", zstd_level=args.zstd_level
             )
         for th in threads:
             if th > 1:

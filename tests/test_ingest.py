@@ -6,6 +6,7 @@ Real OpenSlide on OpenSlide's own fixtures and on synthetic SVS / TIFF slides wr
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -444,3 +445,57 @@ def test_tissue_label_levels_are_exact_nearest_neighbour_resamplings(tmp_path):
         np.testing.assert_array_equal(
             g[f"labels/tissue/{j}"][0], mask[np.ix_(iy, ix)].astype(np.uint8), err_msg=f"level {j}"
         )
+
+
+@pytest.mark.parametrize("codec", ["zstd", "jpeg"])
+def test_chunks_and_region_markers_reach_the_disk_before_a_region_counts_as_done(tmp_path, synth_slides, codec):
+    """Durability (reliability issue, case 3): between a region's last chunk write and its done marker the
+    filesystem is synced (one syncfs per region), the marker is fdatasynced with its folder, and the tissue mask
+    and metadata are fsynced before the completion marker; options.fsync=false turns it off."""
+    import workers.chunks as chunks_mod
+    import workers.tiler as tiler_mod
+
+    events: list[tuple[str, str]] = []
+    real_write, real_sync, real_fsync = chunks_mod.write_file, chunks_mod.sync_filesystem, os.fsync
+
+    def write_file(path, data, *, sync=False):
+        events.append(("marker" if path.endswith(".done") else "chunk", path) if not sync else ("marker+sync", path))
+        return real_write(path, data, sync=sync)
+
+    def sync_filesystem(path):
+        events.append(("syncfs", path))
+        return real_sync(path)
+
+    def fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        return real_fsync(fd)
+
+    def run(sub, **kw):
+        events.clear()
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(chunks_mod, "write_file", write_file)
+            mp.setattr(tiler_mod, "write_file", write_file)
+            mp.setattr(chunks_mod, "sync_filesystem", sync_filesystem)
+            mp.setattr(os, "fsync", fsync)
+            store, row = _ingest_one(tmp_path / sub, synth_slides["svs"], codec=codec, threads=2, **kw)
+        assert row["levels"] >= 2
+        return Path(store.path).resolve()
+
+    root = run("on")
+    kinds = [k for k, _ in events]
+    markers = [i for i, k in enumerate(kinds) if k == "marker+sync"]
+    assert kinds.count("chunk") > 20 and markers and "marker" not in kinds
+    for i in markers:  # the last thing before each marker (after any chunk write) is a filesystem sync
+        last_chunk = max((j for j in range(i) if kinds[j] == "chunk"), default=-1)
+        assert any(kinds[j] == "syncfs" for j in range(last_chunk + 1, i)), i
+    last_sync = max(i for i, k in enumerate(kinds) if k == "syncfs")
+    assert all(k != "chunk" for k in kinds[last_sync:]), "chunks written after the last sync"
+    fsynced = {p for k, p in events if k == "fsync"}
+    assert str(root / "foveate_progress") in fsynced and str(root) in fsynced
+    labels = {str(p) for p in (root / "labels").rglob("*") if p.is_file()}
+    assert labels and labels <= fsynced  # the tissue mask, written through zarr, before the completion marker
+    assert any(".foveate_complete.json.tmp" in p for p in fsynced)
+
+    run("off", fsync=False)
+    kinds = [k for k, _ in events]
+    assert "syncfs" not in kinds and "marker+sync" not in kinds and kinds.count("marker") >= 1

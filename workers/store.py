@@ -372,6 +372,18 @@ def mark_complete(path: str | Path, slide_id: str, levels: int, **fields: Any) -
     path = Path(path)
     tmp = path / f".{COMPLETE_MARKER}.tmp{os.getpid()}"
     body = {"slide_id": slide_id, "levels": int(levels), **fields, "inventory": chunk_inventory(path, levels)}
+    # what was written through zarr (metadata, the tissue mask; the image chunks were synced by the tiler) is
+    # durable before the marker
+    synced = [path / "zarr.json", *(path / str(lv) / "zarr.json" for lv in range(int(levels)))]
+    if (path / "labels").is_dir():
+        synced += sorted((path / "labels").rglob("*"))
+    for f in synced:
+        if f.exists():
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
     with open(tmp, "w") as fh:
         fh.write(json.dumps(body, indent=1))
         fh.flush()

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from operators.errors import ConfigError
-from workers.chunks import ChunkWriter, level_codec_kwargs, write_json_atomic
+from workers.chunks import ChunkWriter, fsync_dir, level_codec_kwargs, write_file, write_json_atomic
 from workers.frames import Box
 from workers.ingest_source import SlideFile, SlideOpenError, SlideSource
 from workers.pyramid import Reducer, Region, SlidePlan, plan_levels, plan_stages
@@ -59,6 +59,7 @@ class IngestOptions:
     passthrough: bool = True  # with codec="jpeg": copy aligned source JPEG tiles without re-encoding
     direct: bool = True  # decode TIFF tiles directly (tifffile + imagecodecs) where exact
     threads: int = 1  # threads per tiler for JPEG decoding, zstd encoding and reductions (all release the GIL)
+    fsync: bool = True  # chunks and region markers reach the disk before a region counts as done
 
     def __post_init__(self) -> None:
         if self.tile_size < 16 or self.tile_size % 16:
@@ -257,6 +258,7 @@ class Tiler:
                 zstd_level=self.options.zstd_level,
                 jpeg_quality=self.options.jpeg_quality,
                 executor=self._executor,
+                durable=self.options.fsync,
             )
             while len(self._writers) > 4 * self.cache_size:
                 self._writers.pop(next(iter(self._writers)))
@@ -302,7 +304,11 @@ class Tiler:
             finally:
                 for f in pending:
                     f.result()
-        marker.write_text("")
+        # the region's chunks (and their folder entries) are durable before its done marker exists
+        self._writer(plan).sync()
+        write_file(str(marker), b"", sync=self.options.fsync)
+        if self.options.fsync:
+            fsync_dir(str(marker.parent))
         return {
             "tiles": self._region_tiles(plan, region),
             "skipped": False,
