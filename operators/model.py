@@ -32,7 +32,7 @@ from operators.aggregators import AGGREGATORS, build_aggregator
 from operators.errors import ConfigError
 from operators.evidence import evidence_rank_loss, instance_confidence, instance_loss
 from operators.resnet import ResNet, ResNetConfig
-from operators.scorer import ScorerCNN, ScorerConfig, candidate_mask, cell_pool, minmax_normalise
+from operators.scorer import ScorerCNN, ScorerConfig, candidate_mask, cell_pool, minmax_normalise, score_map
 from operators.soft_patches import cap_support
 
 __all__ = ["SELECTORS", "ModelConfig", "Selection", "ModelOutput", "FoveateModel"]
@@ -342,8 +342,9 @@ class FoveateModel(nn.Module):
         """One score per grid cell.
 
         Args:
-            lowres: ``[B, 3, h, w]`` float in [0, 1], covering exactly the grid extent (see
-                ``workers.patches.lowres_input``), any resolution.
+            lowres: ``[B, 3, h, w]`` float in [0, 1] or uint8 (converted tile by tile when the scorer tiles:
+                ``ScorerConfig.tile``), covering exactly the grid extent (see ``workers.patches.lowres_input``),
+                any resolution.
             cell_mask: ``[B, Gh, Gw]`` bool, tissue cells (the grid shape comes from here).
 
         Returns:
@@ -359,10 +360,10 @@ class FoveateModel(nn.Module):
             not isinstance(lowres, torch.Tensor)
             or lowres.dim() != 4
             or lowres.shape[1] != 3
-            or not lowres.is_floating_point()
+            or not (lowres.is_floating_point() or lowres.dtype == torch.uint8)
         ):
             raise ValueError(
-                f"lowres must be float [B, 3, h, w], got {getattr(lowres, 'shape', type(lowres))} "
+                f"lowres must be float (in [0, 1]) or uint8 [B, 3, h, w], got {getattr(lowres, 'shape', type(lowres))} "
                 f"{getattr(lowres, 'dtype', '')}"
             )
         if not isinstance(cell_mask, torch.Tensor) or cell_mask.dim() != 3 or cell_mask.shape[0] != lowres.shape[0]:
@@ -377,7 +378,7 @@ class FoveateModel(nn.Module):
                 f"the grid has N={n} cells ({gh}x{gw}), fewer than model.k={self.cfg.k}; use a smaller "
                 f"patch_size/stride or k"
             )
-        smap = self.scorer(lowres)
+        smap = score_map(self.scorer, lowres)
         raw = cell_pool(smap, (gh, gw), self.cfg.patch_size, self.cfg.stride_l0, mode=self.cfg.scorer.pool)[:, 0]
         cand = candidate_mask(cell_mask.reshape(b, n).to(device=raw.device, dtype=torch.bool), self.cfg.k)
         return minmax_normalise(raw, cand)

@@ -21,7 +21,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["ScorerConfig", "ScorerCNN", "cell_pool", "mask_scores", "minmax_normalise", "candidate_mask"]
+__all__ = [
+    "ScorerConfig",
+    "ScorerCNN",
+    "score_map",
+    "scorer_halo",
+    "tiled_score_map",
+    "cell_pool",
+    "mask_scores",
+    "minmax_normalise",
+    "candidate_mask",
+]
 
 log = logging.getLogger(__name__)
 
@@ -34,11 +44,15 @@ class ScorerConfig:
         channels: width of the hidden conv layers.
         num_layers: number of 3x3 conv layers (>= 2; the papers use 4); a 2x2 max-pool follows the second.
         pool: how the score map is pooled onto a grid cell: ``"mean"`` or ``"max"``.
+        tile: a low-res view whose longer side exceeds this many pixels is scored tile by tile
+            (:func:`tiled_score_map`: the same scores, memory bounded by the tile, activations recomputed in
+            the backward pass); 0 = always the whole view at once. Even, >= 32.
     """
 
     channels: int = 32
     num_layers: int = 4
     pool: str = "mean"
+    tile: int = 1024
 
     def __post_init__(self) -> None:
         if not isinstance(self.channels, int) or self.channels < 1:
@@ -47,6 +61,12 @@ class ScorerConfig:
             raise ValueError(f"scorer.num_layers must be an int >= 2, got {self.num_layers!r}")
         if self.pool not in ("mean", "max"):
             raise ValueError(f"scorer.pool must be 'mean' or 'max', got {self.pool!r}")
+        if (
+            isinstance(self.tile, bool)
+            or not isinstance(self.tile, int)
+            or not (self.tile == 0 or (self.tile >= 32 and self.tile % 2 == 0))
+        ):
+            raise ValueError(f"scorer.tile must be 0 (no tiling) or an even int >= 32, got {self.tile!r}")
 
 
 class ScorerCNN(nn.Module):
@@ -72,6 +92,87 @@ class ScorerCNN(nn.Module):
 
     def forward(self, lowres: torch.Tensor) -> torch.Tensor:
         return self.net((lowres - 0.5) / 0.25)
+
+
+def _as_float(lowres: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """uint8 0..255 -> ``dtype`` in [0, 1]; a float view is only cast."""
+    if lowres.dtype == torch.uint8:
+        return lowres.to(dtype) / 255.0
+    return lowres.to(dtype)
+
+
+def scorer_halo(num_layers: int) -> int:
+    """Low-res pixels of context a tile of :class:`ScorerCNN` needs on each side so that its core scores equal
+    the whole view's: 1 px per 3x3 conv before the 2x2 max-pool, 2 per conv after it, 1 for the pool's
+    alignment, rounded up to even (tiles start on even pixels, where the pool's windows start)."""
+    before = 1 if num_layers == 2 else 2
+    halo = before + 2 * (num_layers - before) + 1
+    return halo + halo % 2
+
+
+def tiled_score_map(
+    scorer: ScorerCNN, lowres: torch.Tensor, tile: int, *, checkpoint: bool | None = None
+) -> torch.Tensor:
+    """``scorer(lowres)`` computed tile by tile: the same score map, with memory bounded by the tile.
+
+    Each ``tile x tile`` block of the view is scored with :func:`scorer_halo` pixels of context on every side
+    (cut at the view's border, where the convolutions' zero padding then matches the whole view's) and only its
+    core is kept. With ``checkpoint`` (default: when gradients are enabled) each tile runs under
+    ``torch.utils.checkpoint``: the forward pass keeps only the tiles' score maps, the backward pass recomputes
+    one tile's activations at a time — so peak memory grows with the tile, not with the view. A uint8 view is
+    converted to the scorer's dtype tile by tile (a whole float copy of a 6250² view would be 470 MB).
+
+    Args:
+        scorer: the :class:`ScorerCNN`.
+        lowres: ``[B, 3, h, w]``, float in [0, 1] or uint8.
+        tile: tile side in low-res pixels (even, >= 32).
+        checkpoint: recompute activations in the backward pass (None: ``torch.is_grad_enabled()``).
+
+    Returns:
+        ``[B, 1, ceil(h / 2), ceil(w / 2)]``, equal to ``scorer(lowres)`` up to float rounding.
+    """
+    if not isinstance(scorer, ScorerCNN):
+        raise TypeError(f"scorer must be a ScorerCNN, got {type(scorer).__name__}")
+    if lowres.dim() != 4 or lowres.shape[1] != 3:
+        raise ValueError(f"lowres must be [B, 3, h, w], got {tuple(lowres.shape)}")
+    if isinstance(tile, bool) or not isinstance(tile, int) or tile < 32 or tile % 2:
+        raise ValueError(f"tile must be an even int >= 32 (low-res pixels), got {tile!r}")
+    from torch.utils.checkpoint import checkpoint as ckpt
+
+    if checkpoint is None:
+        checkpoint = torch.is_grad_enabled()
+    dtype = next(scorer.parameters()).dtype
+    halo = scorer_halo(scorer.cfg.num_layers)
+    _, _, h, w = lowres.shape
+    rows = []
+    for y0 in range(0, h, tile):
+        y1 = min(y0 + tile, h)
+        ya, yb = max(0, y0 - halo), min(h, y1 + halo)
+        row = []
+        for x0 in range(0, w, tile):
+            x1 = min(x0 + tile, w)
+            xa, xb = max(0, x0 - halo), min(w, x1 + halo)
+            core = (
+                slice((y0 - ya) // 2, (y0 - ya) // 2 + -(-(y1 - y0) // 2)),
+                slice((x0 - xa) // 2, (x0 - xa) // 2 + -(-(x1 - x0) // 2)),
+            )
+
+            def run(crop: torch.Tensor, core=core) -> torch.Tensor:
+                return scorer(_as_float(crop, dtype))[:, :, core[0], core[1]]
+
+            crop = lowres[:, :, ya:yb, xa:xb]
+            row.append(ckpt(run, crop, use_reentrant=False) if checkpoint else run(crop))
+        rows.append(torch.cat(row, 3))
+    return torch.cat(rows, 2)
+
+
+def score_map(scorer: ScorerCNN, lowres: torch.Tensor) -> torch.Tensor:
+    """The scorer's map of a view (``[B, 3, h, w]`` float in [0, 1] or uint8): whole, or with
+    :func:`tiled_score_map` when the view's longer side exceeds ``scorer.cfg.tile`` (> 0)."""
+    tile = scorer.cfg.tile
+    if tile and max(lowres.shape[-2:]) > tile:
+        return tiled_score_map(scorer, lowres, tile)
+    return scorer(_as_float(lowres, next(scorer.parameters()).dtype))
 
 
 def cell_pool(

@@ -505,7 +505,7 @@ def forward_slide(
     param = next(model.parameters())
     device, dtype = param.device, param.dtype
     cell_mask = slide.cell_mask
-    scores = model.score(slide.lowres[None].to(device=device, dtype=dtype), cell_mask[None].to(device))
+    scores = model.score(slide.lowres_u8[None].to(device), cell_mask[None].to(device))  # converted per tile
     sel = model.select(scores, training=training, sigma=sigma, generator=generator)
     patches, positions, cells_read = gather_patches(slide, sel, device=device, dtype=dtype)
     cells = sel.primary[0]
