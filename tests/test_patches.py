@@ -178,3 +178,23 @@ def test_prepare_slide_cache(store_and_image):
     assert c is not a and c.grid.shape == (16, 16)
     with pytest.raises(TypeError, match="store_or_sample"):
         prepare_slide(42, cfg)
+
+
+@pytest.mark.parametrize("hw,grid", [((203, 317), (50, 79)), ((256, 256), (64, 64)), ((97, 130), (13, 20))])
+def test_cell_strata_of_a_large_view_in_bands_equals_the_whole_view(monkeypatch, hw, grid):
+    """Gigapixel memory: the per-cell appearance of a view above the size limit is pooled band by band (no float64
+    copy of the view); same descriptors (1e-12) and the same strata as the whole-view pooling; a uint8 view gives
+    what its float view (u8 / 255 in float32, as training sees it) gives."""
+    import workers.patches as P
+
+    u8 = torch.randint(0, 256, (3, *hw), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    u8[:, : hw[0] // 3, : hw[1] // 2] = 240  # some structure, so the strata are not noise alone
+    f32 = u8.to(torch.float32) / 255.0
+    whole_desc = P._cell_appearance(f32, *grid)
+    whole = P.cell_strata(f32, grid, 8)
+    assert torch.equal(P.cell_strata(u8, grid, 8), whole)
+    monkeypatch.setattr(P, "_STRATA_WHOLE_PIXELS", 999)  # bands of a few cell rows
+    monkeypatch.setattr(P, "_NEAREST_ROWS", 100)  # nearest centres in chunks
+    band_desc = P._cell_appearance(u8, *grid)
+    assert torch.allclose(band_desc, whole_desc, rtol=0, atol=1e-12)
+    assert torch.equal(P.cell_strata(u8, grid, 8), whole)

@@ -409,7 +409,9 @@ def cell_strata(
     Deterministic (farthest-point initialisation from the cell nearest the mean appearance).
 
     Args:
-        lowres: ``[3, h, w]`` float, covering the grid extent (:func:`lowres_input`).
+        lowres: ``[3, h, w]`` float in [0, 1] or uint8, covering the grid extent (:func:`lowres_input`). Views
+            larger than ``_STRATA_WHOLE_PIXELS`` are described in bands of cell rows (memory bounded by the band
+            and the ``[N, 6]`` descriptors, not by a float64 copy of the view).
         grid_shape: ``(Gh, Gw)``.
         num_strata: at most this many strata (fewer when the cells have fewer distinct appearances).
         iterations: k-means iterations.
@@ -418,11 +420,7 @@ def cell_strata(
         ``[Gh * Gw]`` long stratum per cell (row-major).
     """
     gh, gw = grid_shape
-    x = lowres[None].to(torch.float64)
-    mean = F.adaptive_avg_pool2d(x, (gh, gw))[0]
-    sq = F.adaptive_avg_pool2d(x * x, (gh, gw))[0]
-    std = (sq - mean * mean).clamp_min(0).sqrt()
-    desc = torch.cat([mean, std]).reshape(6, -1).T  # [N, 6]
+    desc = _cell_appearance(lowres, gh, gw)  # [N, 6]
     n = desc.shape[0]
     k = max(1, min(int(num_strata), n))
     centres = [int(((desc - desc.mean(0)) ** 2).sum(1).argmin())]
@@ -433,12 +431,54 @@ def cell_strata(
         dist = torch.minimum(dist, ((desc - desc[c]) ** 2).sum(1))
     cen = desc[centres].clone()
     for _ in range(iterations):
-        assign = torch.cdist(desc, cen).argmin(1)
+        assign = _nearest(desc, cen)
         for j in range(cen.shape[0]):
             members = desc[assign == j]
             if members.numel():
                 cen[j] = members.mean(0)
-    return torch.cdist(desc, cen).argmin(1)
+    return _nearest(desc, cen)
+
+
+_STRATA_WHOLE_PIXELS = 2048 * 2048  # larger views: per-cell statistics band by band
+_NEAREST_ROWS = 262144  # more descriptors: nearest centre in chunks (a [N, k] distance matrix otherwise)
+
+
+def _as_unit_float64(x: torch.Tensor) -> torch.Tensor:
+    """uint8 -> float32 / 255 (the training view's values) -> float64; float -> float64."""
+    if x.dtype == torch.uint8:
+        x = x.to(torch.float32) / 255.0
+    return x.to(torch.float64)
+
+
+def _cell_appearance(lowres: torch.Tensor, gh: int, gw: int) -> torch.Tensor:
+    """Per-cell colour mean and std of the view (adaptive average pooling onto the grid), ``[N, 6]`` float64."""
+    _, h, w = lowres.shape
+    if h * w <= _STRATA_WHOLE_PIXELS:
+        x = _as_unit_float64(lowres)[None]
+        mean = F.adaptive_avg_pool2d(x, (gh, gw))[0]
+        sq = F.adaptive_avg_pool2d(x * x, (gh, gw))[0]
+    else:  # the same bins (adaptive pooling's floor/ceil bounds), a band of cell rows at a time
+        mean = torch.empty(3, gh, gw, dtype=torch.float64)
+        sq = torch.empty(3, gh, gw, dtype=torch.float64)
+        band = max(1, _STRATA_WHOLE_PIXELS // max(1, w * max(1, -(-h // gh))))
+        for r0 in range(0, gh, band):
+            r1 = min(gh, r0 + band)
+            lo = [(r * h) // gh for r in range(r0, r1)]
+            hi = [-(-((r + 1) * h) // gh) for r in range(r0, r1)]
+            x = _as_unit_float64(lowres[:, lo[0] : hi[-1]])[None]
+            cols_m = F.adaptive_avg_pool2d(x, (x.shape[2], gw))[0]  # column bins, every row of the band
+            cols_s = F.adaptive_avg_pool2d(x * x, (x.shape[2], gw))[0]
+            for i, (a, b) in enumerate(zip(lo, hi)):
+                mean[:, r0 + i] = cols_m[:, a - lo[0] : b - lo[0]].mean(1)
+                sq[:, r0 + i] = cols_s[:, a - lo[0] : b - lo[0]].mean(1)
+    std = (sq - mean * mean).clamp_min(0).sqrt()
+    return torch.cat([mean, std]).reshape(6, -1).T
+
+
+def _nearest(desc: torch.Tensor, cen: torch.Tensor) -> torch.Tensor:
+    if desc.shape[0] <= _NEAREST_ROWS:
+        return torch.cdist(desc, cen).argmin(1)
+    return torch.cat([torch.cdist(d, cen).argmin(1) for d in desc.split(_NEAREST_ROWS)])
 
 
 def _explore_cells(
@@ -520,7 +560,7 @@ def forward_slide(
             if slide.strata is None or slide.strata[0] != model.cfg.explore_strata:
                 slide.strata = (
                     model.cfg.explore_strata,
-                    cell_strata(slide.lowres, tuple(cell_mask.shape), model.cfg.explore_strata),
+                    cell_strata(slide.lowres_u8, tuple(cell_mask.shape), model.cfg.explore_strata),
                 )
             strata = slide.strata[1]
         explore = _explore_cells(scores[0], model.cfg.explore_cells, generator, strata)
