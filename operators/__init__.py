@@ -9,7 +9,7 @@ from operators.aggregators import (
 )
 from operators.attention_sampling import AttentionSampler, attention_entropy, attention_sample
 from operators.lapsum import LapSumTopK, lapsum_topk
-from operators.model import FoveateModel, ModelConfig, ModelOutput, Selection
+from operators.model import FoveateModel, ModelConfig, ModelOutput, Selection, SlideGeometry
 from operators.nms import MISTLoss, mist_loss, nms_topk, render_gaussian_heatmap
 from operators.resnet import ResNet, ResNetConfig
 from operators.scorer import ScorerCNN, ScorerConfig, cell_pool, minmax_normalise
@@ -25,6 +25,7 @@ __all__ = [
     "MaxAggregator",
     "MeanAggregator",
     "ModelConfig",
+    "SlideGeometry",
     "ModelOutput",
     "ResNet",
     "ResNetConfig",

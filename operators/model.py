@@ -35,7 +35,7 @@ from operators.resnet import ResNet, ResNetConfig
 from operators.scorer import ScorerCNN, ScorerConfig, candidate_mask, cell_pool, minmax_normalise, score_map
 from operators.soft_patches import cap_support
 
-__all__ = ["SELECTORS", "ModelConfig", "Selection", "ModelOutput", "FoveateModel"]
+__all__ = ["SELECTORS", "ModelConfig", "SlideGeometry", "Selection", "ModelOutput", "FoveateModel"]
 
 log = logging.getLogger(__name__)
 
@@ -46,11 +46,28 @@ SELECTORS = ("perturbed", "sinkhorn", "lapsum", "attention", "hard")
 class ModelConfig:
     """Model settings (YAML section ``model:``); every default is usable.
 
+    Patch size and scorer resolution come in two units, exactly one of each pair set (``None`` = unset; with
+    neither set the pixel default applies): level-0 pixels (``patch_size``/``stride``, ``scorer_downsample``),
+    the same on every slide, or physical units (``patch_size_um``/``stride_um``, ``scorer_mpp``), resolved per
+    slide from its store's level-0 mpp by :meth:`geometry`, so slides scanned at 20x and 40x give the same grid
+    in µm and the scorer the same µm per pixel. Physical patches are read at the slide's resolution and
+    resampled to ``patch_input`` pixels, so the feature network always sees one size and one resolution.
+
     Attributes:
-        patch_size: side of a patch (grid cell) in level-0 pixels.
-        stride: grid stride in level-0 pixels; ``None`` means ``patch_size`` (no overlap).
+        patch_size: side of a patch (grid cell) in level-0 pixels (default 128 when ``patch_size_um`` is unset).
+        stride: grid stride in level-0 pixels; ``None`` means ``patch_size`` (no overlap). Only with ``patch_size``.
+        patch_size_um: side of a patch in µm, instead of ``patch_size``; per slide
+            ``round(patch_size_um / mpp)`` level-0 pixels. Stores without mpp are refused.
+        stride_um: grid stride in µm (only with ``patch_size_um``); ``None`` means ``patch_size_um``.
+        patch_input: side in pixels of the patches the feature network sees: every patch is resampled to it
+            (area interpolation when shrinking, bilinear when enlarging). ``None``: ``patch_size`` for pixel
+            patches (read as they are), ``round(patch_size_um / mpp)`` for µm patches (the patch at the training
+            resolution ``mpp``, which ``foveate train`` records).
         scorer_downsample: downsample of the low-res view the scorer sees (the store level is picked with
-            ``SlideStore.best_level_for_downsample`` and resampled to this scale).
+            ``SlideStore.best_level_for_downsample`` and resampled to this scale); default 16 when
+            ``scorer_mpp`` is unset.
+        scorer_mpp: µm per pixel of the scorer's view, instead of ``scorer_downsample``; per slide
+            ``scorer_downsample = scorer_mpp / mpp`` (must be >= 1: not finer than the slide's level 0).
         tissue_threshold: a cell is a candidate when at least this fraction of it is tissue (0: every cell).
         k: number of patches per slide.
         selector: ``"perturbed"`` (perturbed top-k, Cordonnier et al.), ``"sinkhorn"`` (SOFT top-k),
@@ -113,15 +130,21 @@ class ModelConfig:
         transformer_readout: ``"mean"`` of the encoded patch tokens (default) or a ``"cls"`` token.
         num_classes: C (>= 2).
         dropout: dropout in the aggregator.
-        mpp: microns per pixel of store level 0 the model was trained at (``foveate train`` sets it from the
-            training stores when they record it; None: unknown). Scoring warns about a store at another
-            resolution (``foveate score --strict-mpp`` refuses it): ``patch_size`` and ``scorer_downsample``
-            are in level-0 pixels, so the same model at another mpp sees other structures.
+        mpp: microns per pixel of store level 0 the model was trained at (``foveate train`` sets it to the median
+            of the training stores that record it; None: unknown). With pixel settings scoring warns about a store
+            at another resolution (``foveate score --strict-mpp`` refuses it): ``patch_size`` and
+            ``scorer_downsample`` are level-0 pixels, so the same model at another mpp sees other structures.
+            With ``patch_size_um`` and ``scorer_mpp`` both set the model adapts to each slide's mpp and there is
+            no warning; ``mpp`` then only fixes the default ``patch_input``.
     """
 
-    patch_size: int = 128
+    patch_size: int | None = None
     stride: int | None = None
-    scorer_downsample: float = 16.0
+    patch_size_um: float | None = None
+    stride_um: float | None = None
+    patch_input: int | None = None
+    scorer_downsample: float | None = None
+    scorer_mpp: float | None = None
     tissue_threshold: float = 0.1
     k: int = 8
     selector: Literal["perturbed", "sinkhorn", "lapsum", "attention", "hard"] = "perturbed"
@@ -162,8 +185,44 @@ class ModelConfig:
             if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
                 raise ConfigError(f"model.{name} must be an int >= {minimum}, got {v!r}")
 
+        def pos_num(name: str) -> None:
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0):
+                raise ConfigError(f"model.{name} must be None or a finite number > 0 (µm), got {v!r}")
+
+        for px, um in (("patch_size", "patch_size_um"), ("scorer_downsample", "scorer_mpp")):
+            if getattr(self, px) is not None and getattr(self, um) is not None:
+                raise ConfigError(
+                    f"model.{px} and model.{um}: exactly one may be set (level-0 pixels or µm), got "
+                    f"{px}={getattr(self, px)!r} and {um}={getattr(self, um)!r}; set the other to null"
+                )
+        # the pixel defaults apply when neither of a pair is set
+        if self.patch_size is None and self.patch_size_um is None:
+            object.__setattr__(self, "patch_size", 128)
+        if self.scorer_downsample is None and self.scorer_mpp is None:
+            object.__setattr__(self, "scorer_downsample", 16.0)
+        if self.patch_size_um is not None:
+            pos_num("patch_size_um")
+            if self.stride is not None:
+                raise ConfigError(
+                    f"model.stride is in level-0 pixels and goes with model.patch_size; with model.patch_size_um "
+                    f"set model.stride_um (µm) instead, got stride={self.stride!r}"
+                )
+            if self.stride_um is not None:
+                pos_num("stride_um")
+        elif self.stride_um is not None:
+            raise ConfigError(
+                f"model.stride_um goes with model.patch_size_um; with model.patch_size set model.stride (level-0 "
+                f"pixels) instead, got stride_um={self.stride_um!r}"
+            )
+        if self.scorer_mpp is not None:
+            pos_num("scorer_mpp")
+        if self.patch_input is not None:
+            pos_int("patch_input", 8)
+        if self.patch_size is not None:
+            pos_int("patch_size", 8)
+
         for name in (
-            "patch_size",
             "k",
             "num_samples",
             "sinkhorn_max_iter",
@@ -178,11 +237,9 @@ class ModelConfig:
         pos_int("mask_extra", 0)
         pos_int("explore_cells", 0)
         pos_int("explore_strata", 0)
-        if self.patch_size < 8:
-            raise ConfigError(f"model.patch_size must be >= 8 level-0 pixels, got {self.patch_size}")
         if self.stride is not None:
             pos_int("stride")
-        if not (
+        if self.scorer_downsample is not None and not (
             isinstance(self.scorer_downsample, (int, float))
             and math.isfinite(self.scorer_downsample)
             and self.scorer_downsample >= 1
@@ -239,8 +296,115 @@ class ModelConfig:
 
     @property
     def stride_l0(self) -> int:
-        """The grid stride in level-0 pixels (``stride`` or ``patch_size``)."""
+        """The grid stride in level-0 pixels (``stride`` or ``patch_size``); pixel patches only (µm patches have
+        one per slide: :meth:`geometry`)."""
+        if self.patch_size is None:
+            raise ConfigError(
+                f"model.patch_size_um={self.patch_size_um} is resolved per slide: use ModelConfig.geometry(mpp) "
+                "(workers.patches.slide_geometry(store, cfg)), not stride_l0"
+            )
         return self.patch_size if self.stride is None else self.stride
+
+    @property
+    def physical(self) -> bool:
+        """True when both the patch size and the scorer's resolution are in µm (the model adapts to each slide's
+        mpp; scoring does not warn about a store at another mpp than ``mpp``)."""
+        return self.patch_size_um is not None and self.scorer_mpp is not None
+
+    @property
+    def uses_um(self) -> bool:
+        """True when either the patch size or the scorer's resolution is in µm (stores need an mpp)."""
+        return self.patch_size_um is not None or self.scorer_mpp is not None
+
+    def geometry(self, mpp: float | None = None, *, where: str = "the slide") -> SlideGeometry:
+        """The grid, scorer scale and network input size on one slide, in that slide's level-0 pixels.
+
+        Args:
+            mpp: the slide's level-0 µm per pixel (``StoreMeta.mpp[0]``), or None when unknown.
+            where: names the slide in errors (e.g. ``"store /data/s.zarr"``).
+
+        Returns:
+            :class:`SlideGeometry`. Pixel settings give the same geometry on every slide (``mpp`` ignored); µm
+            settings give ``patch_size = round(patch_size_um / mpp)`` (stride likewise) and
+            ``scorer_downsample = scorer_mpp / mpp``.
+
+        Raises:
+            ConfigError: a µm setting with ``mpp`` None (the error names ``where``), a patch under 8 pixels,
+                a scorer view finer than level 0, or µm patches with neither ``patch_input`` nor ``mpp``.
+        """
+        if mpp is not None and not (isinstance(mpp, (int, float)) and math.isfinite(mpp) and mpp > 0):
+            raise ConfigError(f"{where}: level-0 mpp must be a finite number > 0 (µm per pixel), got {mpp!r}")
+        if self.uses_um and mpp is None:
+            keys = [k for k in ("patch_size_um", "scorer_mpp") if getattr(self, k) is not None]
+            raise ConfigError(
+                f"{where} records no mpp (µm per pixel), so model.{' and model.'.join(keys)} cannot be resolved "
+                "to its pixels; re-ingest it from a slide with mpp metadata (or with --mpp), or use "
+                "model.patch_size / model.scorer_downsample (level-0 pixels)"
+            )
+        if self.patch_size_um is not None:
+            patch = int(round(self.patch_size_um / mpp))
+            stride = patch if self.stride_um is None else max(1, int(round(self.stride_um / mpp)))
+            if patch < 8:
+                raise ConfigError(
+                    f"{where}: model.patch_size_um={self.patch_size_um} is {patch} level-0 pixels at mpp {mpp:g}; "
+                    "a patch needs >= 8"
+                )
+            if self.patch_input is not None:
+                size = self.patch_input
+            elif self.mpp is not None:
+                size = max(8, int(round(self.patch_size_um / self.mpp)))
+            else:
+                raise ConfigError(
+                    "model.patch_size_um needs model.patch_input (the network's patch side in pixels) or model.mpp "
+                    "(the training resolution, which foveate train records), got neither"
+                )
+        else:
+            patch, stride = int(self.patch_size), int(self.stride_l0)
+            size = patch if self.patch_input is None else self.patch_input
+        if self.scorer_mpp is not None:
+            ds = float(self.scorer_mpp) / float(mpp)
+            if ds < 1.0 - 1e-9:
+                raise ConfigError(
+                    f"{where}: model.scorer_mpp={self.scorer_mpp} is finer than its level-0 mpp {mpp:g}; the "
+                    "scorer's view must be at most level-0 resolution"
+                )
+            ds = max(ds, 1.0)
+        else:
+            ds = float(self.scorer_downsample)
+        return SlideGeometry(patch_size=patch, stride=stride, scorer_downsample=ds, patch_input=size, mpp=mpp)
+
+    def geometry_key(self) -> tuple:
+        """The settings :meth:`geometry` depends on (a cache key, with the slide)."""
+        return (
+            self.patch_size,
+            self.stride,
+            self.patch_size_um,
+            self.stride_um,
+            self.patch_input,
+            self.scorer_downsample,
+            self.scorer_mpp,
+            self.mpp,
+        )
+
+
+@dataclass(frozen=True)
+class SlideGeometry:
+    """The model's geometry on one slide (:meth:`ModelConfig.geometry`); level-0 pixels of that slide.
+
+    Attributes:
+        patch_size: grid cell side in level-0 pixels.
+        stride: grid stride in level-0 pixels.
+        scorer_downsample: level-0 pixels per pixel of the scorer's view (>= 1).
+        patch_input: side of the patches the feature network sees (each ``patch_size`` patch is resampled to
+            it when they differ).
+        mpp: the slide's level-0 µm per pixel (None: unknown).
+    """
+
+    patch_size: int
+    stride: int
+    scorer_downsample: float
+    patch_input: int
+    mpp: float | None = None
 
 
 @dataclass
@@ -338,7 +502,9 @@ class FoveateModel(nn.Module):
         return self.instance_head is not None
 
     # ------------------------------------------------------------------ stage 1: scores
-    def score(self, lowres: torch.Tensor, cell_mask: torch.Tensor) -> torch.Tensor:
+    def score(
+        self, lowres: torch.Tensor, cell_mask: torch.Tensor, geometry: SlideGeometry | None = None
+    ) -> torch.Tensor:
         """One score per grid cell.
 
         Args:
@@ -346,6 +512,8 @@ class FoveateModel(nn.Module):
                 ``ScorerConfig.tile``), covering exactly the grid extent (see ``workers.patches.lowres_input``),
                 any resolution.
             cell_mask: ``[B, Gh, Gw]`` bool, tissue cells (the grid shape comes from here).
+            geometry: the slides' :class:`SlideGeometry` (the grid's patch size and stride, for pooling onto
+                cells); default ``cfg.geometry()``, which only pixel settings allow.
 
         Returns:
             ``scores[B, N]`` (``N = Gh * Gw``, row-major): min–max normalised to [0, 1] per row over the
@@ -378,8 +546,9 @@ class FoveateModel(nn.Module):
                 f"the grid has N={n} cells ({gh}x{gw}), fewer than model.k={self.cfg.k}; use a smaller "
                 f"patch_size/stride or k"
             )
+        g = self.cfg.geometry() if geometry is None else geometry
         smap = score_map(self.scorer, lowres)
-        raw = cell_pool(smap, (gh, gw), self.cfg.patch_size, self.cfg.stride_l0, mode=self.cfg.scorer.pool)[:, 0]
+        raw = cell_pool(smap, (gh, gw), g.patch_size, g.stride, mode=self.cfg.scorer.pool)[:, 0]
         cand = candidate_mask(cell_mask.reshape(b, n).to(device=raw.device, dtype=torch.bool), self.cfg.k)
         return minmax_normalise(raw, cand)
 

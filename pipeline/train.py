@@ -106,28 +106,50 @@ class TrainResult:
 
 # ---------------------------------------------------------------------------------------------- driver
 def _check_grids(model_cfg, records, train: set[str] | None = None) -> list[float]:
-    """Before Ray or MLflow start: every slide's store opens whole and its patch grid has at least ``model.k``
-    cells (reads only each store's metadata and chunk listing); the error names the slide. Returns the
-    level-0 mpp (x) of the stores of the ``train`` slides that record one."""
-    from workers.patches import PatchGrid
+    """Before Ray or MLflow start: every slide's store opens whole, records an mpp when the model has µm
+    settings, and its patch grid (in that slide's pixels) has at least ``model.k`` cells (reads only each
+    store's metadata and chunk listing); the error names the slide. Returns the level-0 mpp (x) of the stores
+    of the ``train`` slides that record one."""
+    from workers.patches import PatchGrid, slide_geometry
     from workers.store import SlideStore
 
     mpps: list[float] = []
+    stores = []
     for rec in records:
         try:
             store = SlideStore(rec.store)
         except Exception as exc:
             raise ValueError(f"slide {rec.slide_id}: cannot open its store {rec.store}: {exc}") from exc
-        grid = PatchGrid.from_store(store, model_cfg.patch_size, model_cfg.stride_l0)
-        if grid.num_cells < model_cfg.k:
-            raise ConfigError(
-                f"model.k: got {model_cfg.k}, must be <= the patch grid's cells of every slide; slide "
-                f"{rec.slide_id} ({store.dimensions[0]} x {store.dimensions[1]} px at model.patch_size "
-                f"{model_cfg.patch_size}) has {grid.num_cells}"
-            )
+        stores.append(store)
         if (train is None or rec.slide_id in train) and store.meta.mpp:
             mpps.append(float(store.meta.mpp[0]))
+    model_cfg = with_training_mpp(model_cfg, mpps)  # µm patches: the network's patch side follows from it
+    for rec, store in zip(records, stores):
+        try:
+            geo = slide_geometry(store, model_cfg)
+        except ConfigError as exc:
+            raise ConfigError(f"slide {rec.slide_id}: {exc}") from None
+        grid = PatchGrid.from_store(store, geo.patch_size, geo.stride)
+        if grid.num_cells < model_cfg.k:
+            size = (
+                f"model.patch_size {geo.patch_size}"
+                if model_cfg.patch_size_um is None
+                else f"model.patch_size_um {model_cfg.patch_size_um} = {geo.patch_size} px at mpp {geo.mpp:g}"
+            )
+            raise ConfigError(
+                f"model.k: got {model_cfg.k}, must be <= the patch grid's cells of every slide; slide "
+                f"{rec.slide_id} ({store.dimensions[0]} x {store.dimensions[1]} px at {size}) has {grid.num_cells}"
+            )
     return mpps
+
+
+def with_training_mpp(model_cfg, mpps: list[float]):
+    """``model_cfg`` with ``mpp`` set to the median of the training stores' level-0 mpp (rounded to 1e-6) when it
+    is unset and some store records one: the resolution the model learns at travels with it (and, for
+    ``model.patch_size_um`` without ``model.patch_input``, fixes the network's patch side)."""
+    if model_cfg.mpp is None and mpps:
+        return dataclasses.replace(model_cfg, mpp=round(float(statistics.median(mpps)), 6))
+    return model_cfg
 
 
 def _run_dir(cfg: TrainConfig, resume: bool) -> Path:
@@ -236,10 +258,7 @@ def train(
     )
 
     train_mpps = _check_grids(config.model, table.records, train=set(r.slide_id for r in train_recs))
-    if config.model.mpp is None and train_mpps:  # the resolution the model learns at travels with it
-        config = dataclasses.replace(
-            config, model=dataclasses.replace(config.model, mpp=round(float(statistics.median(train_mpps)), 6))
-        )
+    config = dataclasses.replace(config, model=with_training_mpp(config.model, train_mpps))
     run_dir = _run_dir(config, resume)
     if config.tracking.run_name is None:
         config = dataclasses.replace(config, tracking=dataclasses.replace(config.tracking, run_name=run_dir.name))

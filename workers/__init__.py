@@ -11,6 +11,7 @@ __all__ = [
     "gather_patches",
     "lowres_input",
     "prepare_slide",
+    "slide_geometry",
     "COMPLETE_MARKER",
     "SlideStore",
     "StoreMeta",
@@ -29,6 +30,7 @@ _LAZY_PATCHES = (
     "gather_patches",
     "lowres_input",
     "prepare_slide",
+    "slide_geometry",
 )
 
 

@@ -4,12 +4,15 @@
   covers ``x in [c*stride, c*stride + patch_size)``, ``y in [r*stride, r*stride + patch_size)``. The grid
   covers the whole slide: the last row/column may overhang the slide edge, and those pixels read as white
   (like OpenSlide outside the slide).
+* :func:`slide_geometry` — the model's grid, scorer scale and network patch size on one store, in its level-0
+  pixels (``ModelConfig.geometry`` with the store's mpp: µm settings give per-slide pixels).
 * :func:`lowres_input` — the low-res RGB view (``[3, h, w]`` float in [0, 1]) covering exactly the grid
   extent, at ``scorer_downsample`` (from the level ``SlideStore.best_level_for_downsample`` picks, resampled
   with area interpolation where that level is finer), and the tissue cells ``[Gh, Gw]`` (tissue fraction of
   the cell ``>= tissue_threshold``, from ``store.tissue_mask()``).
 * :class:`PatchReader` — full-resolution patches of chosen cells, reading each store chunk they touch
-  exactly once per call (chunk-aligned reads, cropped in memory; never a whole-level read).
+  exactly once per call (chunk-aligned reads, cropped in memory; never a whole-level read), resampled to the
+  network's input size when it differs from the cell size (µm patches on slides of another resolution).
 * :func:`prepare_slide` / :func:`gather_patches` / :func:`forward_slide` — the model chain for one slide
   (slides differ in grid size, so B = 1 per call; the trainer accumulates over slides).
 * :func:`cell_strata` — cells grouped by low-resolution appearance, for the stratified exploration draws of
@@ -33,7 +36,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from operators.model import FoveateModel, ModelConfig, ModelOutput, Selection
+from operators.model import FoveateModel, ModelConfig, ModelOutput, Selection, SlideGeometry
 from operators.soft_patches import combine_patches, unique_cells
 from workers.store import SlideStore
 
@@ -43,6 +46,7 @@ __all__ = [
     "SlideInput",
     "ModelOutput",
     "cell_tissue_fraction",
+    "slide_geometry",
     "lowres_input",
     "prepare_slide",
     "gather_patches",
@@ -154,31 +158,46 @@ def cell_tissue_fraction(mask: np.ndarray, mask_downsample: float, grid: PatchGr
     return s / (hy[:, None] * hx[None, :]).astype(np.float64)
 
 
-def lowres_input(store: SlideStore, cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+def slide_geometry(store: SlideStore, cfg: ModelConfig) -> SlideGeometry:
+    """``cfg.geometry`` on ``store``: patch size, stride and scorer downsample in the store's level-0 pixels and
+    the network's patch side (µm settings resolved with the store's level-0 mpp ``meta.mpp[0]``).
+
+    Raises:
+        ConfigError: a µm setting on a store without mpp (the message names the store).
+    """
+    mpp = store.meta.mpp[0] if store.meta.mpp else None
+    return cfg.geometry(mpp, where=f"store {store.path}")
+
+
+def lowres_input(
+    store: SlideStore, cfg: ModelConfig, geometry: SlideGeometry | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The scorer's input for one slide.
 
     Args:
         store: the slide store.
-        cfg: the model config (``patch_size``, ``stride``, ``scorer_downsample``, ``tissue_threshold``).
+        cfg: the model config (its grid and scorer resolution, ``tissue_threshold``).
+        geometry: ``slide_geometry(store, cfg)`` when the caller has it.
 
     Returns:
         ``(lowres[3, h, w] float32 in [0, 1], cell_mask[Gh, Gw] bool)``: the low-res view covering the grid
-        extent (``h = round(extent_h / scorer_downsample)``, white beyond the slide) and the tissue cells
-        (tissue fraction ``>= tissue_threshold``; a threshold of 0 makes every cell a candidate).
-        Reads one low-resolution level (not level 0 unless the store has no coarser level).
+        extent (``h = round(extent_h / scorer_downsample)`` with the slide's scorer downsample, white beyond the
+        slide) and the tissue cells (tissue fraction ``>= tissue_threshold``; a threshold of 0 makes every cell a
+        candidate). Reads one low-resolution level (not level 0 unless the store has no coarser level).
     """
     if not isinstance(store, SlideStore):
         raise TypeError(f"store must be a SlideStore, got {type(store).__name__}")
     if not isinstance(cfg, ModelConfig):
         raise TypeError(f"cfg must be a ModelConfig, got {type(cfg).__name__}")
-    grid = PatchGrid.from_store(store, cfg.patch_size, cfg.stride_l0)
+    geo = slide_geometry(store, cfg) if geometry is None else geometry
+    grid = PatchGrid.from_store(store, geo.patch_size, geo.stride)
     ext_w, ext_h = grid.extent_l0
-    level = store.best_level_for_downsample(cfg.scorer_downsample)
+    level = store.best_level_for_downsample(geo.scorer_downsample)
     ds = store.downsamples[level]
     img = store.read_region((0, 0), level, (math.ceil(ext_w / ds), math.ceil(ext_h / ds)))
     t = torch.from_numpy(img).permute(2, 0, 1).to(torch.float32).div_(255.0)
-    th = max(1, round(ext_h / cfg.scorer_downsample))
-    tw = max(1, round(ext_w / cfg.scorer_downsample))
+    th = max(1, round(ext_h / geo.scorer_downsample))
+    tw = max(1, round(ext_w / geo.scorer_downsample))
     if tuple(t.shape[1:]) != (th, tw):
         t = F.interpolate(t[None], size=(th, tw), mode="area")[0]
     mask, mask_ds = store.tissue_mask()
@@ -195,23 +214,40 @@ class PatchReader:
     blocks in memory. Pixels beyond the slide are white (255). A call holds the touched chunks in memory,
     so read many cells (e.g. every tissue cell of a large slide) in batches of a few hundred.
 
+    With ``out_size`` different from the cell size (µm patches: a 40x slide's cells have twice the pixels of a
+    20x slide's), each patch is read at level 0 and resampled to ``out_size`` pixels: area interpolation when
+    shrinking (at an integer factor, the mean of each block: what the store's own 2x pyramid holds), bilinear
+    when enlarging, rounded back to uint8; in batches of :data:`_RESAMPLE_BATCH` patches.
+
     Args:
         store: the slide store (its level-0 array ``store.levels[0]`` is looked up at each call).
         grid: the patch grid on this store.
+        out_size: side of the returned patches (None: ``grid.patch_size``, read as they are).
     """
 
-    def __init__(self, store: SlideStore, grid: PatchGrid):
+    def __init__(self, store: SlideStore, grid: PatchGrid, out_size: int | None = None):
         if not isinstance(store, SlideStore):
             raise TypeError(f"store must be a SlideStore, got {type(store).__name__}")
         if not isinstance(grid, PatchGrid):
             raise TypeError(f"grid must be a PatchGrid, got {type(grid).__name__}")
         if tuple(grid.level0_size) != tuple(store.dimensions):
             raise ValueError(f"grid level0_size {grid.level0_size} does not match the store's {store.dimensions}")
+        if out_size is not None and (isinstance(out_size, bool) or not isinstance(out_size, int) or out_size < 1):
+            raise ValueError(f"out_size must be a positive int (pixels) or None, got {out_size!r}")
         self.store = store
         self.grid = grid
+        self.out_size = grid.patch_size if out_size is None else int(out_size)
 
     def read(self, cell_indices: Any) -> torch.Tensor:
-        """Patches of ``cell_indices`` (LongTensor ``[M]``, repeats allowed) -> uint8 ``[M, 3, p, p]``."""
+        """Patches of ``cell_indices`` (LongTensor ``[M]``, repeats allowed) -> uint8 ``[M, 3, s, s]``
+        (``s = out_size``)."""
+        out = self._read_l0(cell_indices)
+        if self.out_size == self.grid.patch_size:
+            return out
+        return _resample_patches(out, self.out_size)
+
+    def _read_l0(self, cell_indices: Any) -> torch.Tensor:
+        """The patches at level 0: uint8 ``[M, 3, p, p]`` (``p = grid.patch_size``)."""
         idx = self.grid._check_indices(cell_indices)
         if idx.dim() != 1:
             raise ValueError(f"cell_indices must be a 1-D tensor [M], got shape {tuple(idx.shape)}")
@@ -257,6 +293,20 @@ class PatchReader:
         return torch.from_numpy(out)
 
 
+_RESAMPLE_BATCH = 64  # patches resampled at once (a float32 copy of the batch is made)
+
+
+def _resample_patches(patches: torch.Tensor, size: int) -> torch.Tensor:
+    """uint8 ``[M, 3, p, p]`` -> uint8 ``[M, 3, size, size]`` (area when shrinking, bilinear when enlarging)."""
+    m, _, p, _ = patches.shape
+    out = torch.empty((m, 3, size, size), dtype=torch.uint8)
+    kw = {"mode": "area"} if size < p else {"mode": "bilinear", "align_corners": False}
+    for i in range(0, m, _RESAMPLE_BATCH):
+        x = patches[i : i + _RESAMPLE_BATCH].to(torch.float32)
+        out[i : i + _RESAMPLE_BATCH] = F.interpolate(x, size=(size, size), **kw).round_().clamp_(0, 255).to(torch.uint8)
+    return out
+
+
 @dataclass
 class SlideInput:
     """Everything the model needs about one slide before selection (cheap to keep per process).
@@ -266,7 +316,8 @@ class SlideInput:
         grid: its patch grid.
         lowres_u8: ``[3, h, w]`` uint8 low-res view (see :func:`lowres_input`); :attr:`lowres` is the float one.
         cell_mask: ``[Gh, Gw]`` bool tissue cells.
-        reader: a :class:`PatchReader` on the store.
+        reader: a :class:`PatchReader` on the store (patches of ``geometry.patch_input`` pixels).
+        geometry: the model's geometry on this slide (:func:`slide_geometry`).
     """
 
     store: SlideStore
@@ -275,6 +326,7 @@ class SlideInput:
     cell_mask: torch.Tensor
     reader: PatchReader
     strata: tuple[int, torch.Tensor] | None = None
+    geometry: SlideGeometry | None = None
 
     @property
     def lowres(self) -> torch.Tensor:
@@ -331,7 +383,7 @@ def prepare_slide(store_or_sample: Any, cfg: ModelConfig, *, cache: bool = True)
     """
     if isinstance(store_or_sample, SlideInput):
         return store_or_sample
-    key_geom = (cfg.patch_size, cfg.stride_l0, float(cfg.scorer_downsample), float(cfg.tissue_threshold))
+    key_geom = cfg.geometry_key() + (float(cfg.tissue_threshold),)
     path_key = None
     if cache and isinstance(store_or_sample, (str, Path, SlideStore)):
         p = store_or_sample.path if isinstance(store_or_sample, SlideStore) else Path(store_or_sample)
@@ -349,10 +401,11 @@ def prepare_slide(store_or_sample: Any, cfg: ModelConfig, *, cache: bool = True)
             if hit is not None:
                 _CACHE.move_to_end(path_key)
                 return hit
-    grid = PatchGrid.from_store(store, cfg.patch_size, cfg.stride_l0)
-    lowres, cell_mask = lowres_input(store, cfg)
+    geo = slide_geometry(store, cfg)
+    grid = PatchGrid.from_store(store, geo.patch_size, geo.stride)
+    lowres, cell_mask = lowres_input(store, cfg, geo)
     lowres_u8 = (lowres * 255.0).round_().clamp_(0, 255).to(torch.uint8)
-    si = SlideInput(store, grid, lowres_u8, cell_mask, PatchReader(store, grid))
+    si = SlideInput(store, grid, lowres_u8, cell_mask, PatchReader(store, grid, geo.patch_input), geometry=geo)
     if cache:
         with _CACHE_LOCK:
             _CACHE[path_key] = si
@@ -382,7 +435,8 @@ def gather_patches(
         device, dtype: of the returned patches (default: the selection weights' device).
 
     Returns:
-        ``(patches[1, K, 3, p, p] in [0, 1], positions[1, K, 2], cells_read)``: positions are the normalised
+        ``(patches[1, K, 3, s, s] in [0, 1], positions[1, K, 2], cells_read)`` (``s = geometry.patch_input``,
+        the reader's ``out_size``): positions are the normalised
         centres of the slots' primary cells (:meth:`PatchGrid.cell_centres`).
     """
     if selection.indices.dim() != 3 or selection.indices.shape[0] != 1:
@@ -545,7 +599,8 @@ def forward_slide(
     param = next(model.parameters())
     device, dtype = param.device, param.dtype
     cell_mask = slide.cell_mask
-    scores = model.score(slide.lowres_u8[None].to(device), cell_mask[None].to(device))  # converted per tile
+    geo = slide.geometry if slide.geometry is not None else slide_geometry(slide.store, model.cfg)
+    scores = model.score(slide.lowres_u8[None].to(device), cell_mask[None].to(device), geo)  # converted per tile
     sel = model.select(scores, training=training, sigma=sigma, generator=generator)
     patches, positions, cells_read = gather_patches(slide, sel, device=device, dtype=dtype)
     cells = sel.primary[0]

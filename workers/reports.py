@@ -116,11 +116,12 @@ def plot_heatmap(store, out, model_cfg, path: Path, *, title: str = "") -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from workers.patches import PatchGrid
+    from workers.patches import PatchGrid, slide_geometry
 
-    grid = PatchGrid.from_store(store, model_cfg.patch_size, model_cfg.stride_l0)
+    geo = slide_geometry(store, model_cfg)
+    grid = PatchGrid.from_store(store, geo.patch_size, geo.stride)
     coords = out.coords_l0.detach().cpu().numpy().reshape(-1, 2)
-    img = slide_heatmap(store, score_grid(out.scores, grid.shape), model_cfg.stride_l0, model_cfg.patch_size, coords)
+    img = slide_heatmap(store, score_grid(out.scores, grid.shape), geo.stride, geo.patch_size, coords)
     h, w = img.shape[:2]
     fig, ax = plt.subplots(figsize=(6, 6 * h / max(w, 1) + 0.6))
     ax.imshow(img)
@@ -139,7 +140,9 @@ def plot_gallery(store, out, model_cfg, path: Path, *, title: str = "") -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    p = model_cfg.patch_size
+    from workers.patches import slide_geometry
+
+    p = slide_geometry(store, model_cfg).patch_size
     coords = out.coords_l0.detach().cpu().numpy().reshape(-1, 2).astype(int)
     ps = out.patch_scores.detach().float().cpu().numpy().reshape(-1)
     n = max(len(coords), 1)

@@ -135,16 +135,17 @@ class ScorerWorker:
         """Score one slide; returns ``{"slide_id", "store", "status": "ok", "scores" float32 [N] (-inf = not a
         candidate), "grid_shape" (Gh, Gw), "cells" int64 [K] (chosen cells, increasing), "slot_weights" float32
         [K] or None, "seconds"}`` or ``{..., "status": "error", "error": "..."}``."""
-        from workers.patches import lowres_input
+        from workers.patches import lowres_input, slide_geometry
         from workers.store import SlideStore
 
         t0 = time.perf_counter()
         try:
             store = SlideStore(store_path)
             self._check_mpp(slide_id, store)
-            lowres, cell_mask = lowres_input(store, self.cfg)
+            geo = slide_geometry(store, self.cfg)  # µm settings: this slide's pixels (no mpp: an error row)
+            lowres, cell_mask = lowres_input(store, self.cfg, geo)
             with torch.inference_mode():
-                scores = self.model.score(lowres[None].to(self.device), cell_mask[None].to(self.device))
+                scores = self.model.score(lowres[None].to(self.device), cell_mask[None].to(self.device), geo)
                 sel = self.model.select(scores, training=False)
             cells = sel.primary[0].cpu().numpy().astype(np.int64)
             slot_w = None if sel.slot_weights is None else sel.slot_weights[0].float().cpu().numpy()
@@ -172,15 +173,17 @@ class ScorerWorker:
 
     def _check_mpp(self, slide_id: str, store) -> None:
         """A store at another resolution than the model was trained at (> :data:`MPP_TOLERANCE` apart): a
-        warning, or with ``strict_mpp`` an error (the slide's row then says why)."""
+        warning, or with ``strict_mpp`` an error (the slide's row then says why). Not for a model whose patch
+        size and scorer resolution are both in µm (``ModelConfig.physical``): it adapts to each slide's mpp."""
         trained = getattr(self.cfg, "mpp", None)
         mpp = store.meta.mpp[0] if store.meta.mpp else None
-        if trained is None or mpp is None or abs(mpp / trained - 1.0) <= MPP_TOLERANCE:
+        if self.cfg.physical or trained is None or mpp is None or abs(mpp / trained - 1.0) <= MPP_TOLERANCE:
             return
+        px = [k for k in ("patch_size", "scorer_downsample") if getattr(self.cfg, k) is not None]
         msg = (
             f"store mpp {mpp:g} differs from the model's training mpp {trained:g} by more than "
-            f"{MPP_TOLERANCE:.0%} (patch_size and scorer_downsample are level-0 pixels); re-ingest at "
-            f"--mpp {trained:g}"
+            f"{MPP_TOLERANCE:.0%} ({' and '.join(px)} {'are' if len(px) > 1 else 'is'} level-0 pixels); "
+            f"re-ingest at --mpp {trained:g}"
         )
         if self.strict_mpp:
             raise ValueError(msg)
@@ -223,15 +226,17 @@ class ClassifierWorker:
         self.model_name = str(model_name)
 
     def _prepare(self, item: Mapping[str, Any]):
-        from workers.patches import PatchGrid, PatchReader
+        from workers.patches import PatchGrid, PatchReader, slide_geometry
         from workers.store import SlideStore
 
         store = SlideStore(item["store"])
-        grid = PatchGrid.from_store(store, self.cfg.patch_size, self.cfg.stride_l0)
+        geo = slide_geometry(store, self.cfg)
+        grid = PatchGrid.from_store(store, geo.patch_size, geo.stride)
         if tuple(grid.shape) != tuple(item["grid_shape"]):
             raise ValueError(f"grid shape {grid.shape} differs from the scorer's {tuple(item['grid_shape'])}")
         cells = torch.from_numpy(np.array(item["cells"], dtype=np.int64))
-        pix = PatchReader(store, grid).read(cells)  # uint8 [K, 3, p, p], only the chunks they touch
+        # uint8 [K, 3, s, s] (s = geo.patch_input), only the chunks they touch
+        pix = PatchReader(store, grid, geo.patch_input).read(cells)
         positions = grid.cell_centres(cells)  # [K, 2]
         coords = grid.cell_xy_l0(cells).numpy()  # [K, 2]
         return store, grid, pix, positions, coords
@@ -304,7 +309,7 @@ class ClassifierWorker:
         scores = np.asarray(item["scores"], dtype=np.float32)
         cells = np.asarray(item["cells"], dtype=np.int64)
         cls = int(np.argmax(probs))
-        p = self.cfg.patch_size
+        p = grid.patch_size  # this slide's level-0 pixels (µm patches: per slide)
         patches = [
             {**Box(int(x), int(y), p, p).as_dict(), "score": float(scores[c])}  # level-0 boxes
             for (x, y), c in zip(coords, cells)
