@@ -138,8 +138,36 @@ def test_lowres_input_matches_levels(store_and_image):
     low16, _ = lowres_input(st, ModelConfig(patch_size=128, scorer_downsample=16))
     assert tuple(low16.shape) == (3, 64, 64)
     ref = torch.from_numpy(want).permute(2, 0, 1).float().div(255).reshape(3, 64, 2, 64, 2).mean((2, 4))
-    torch.testing.assert_close(low16, ref)
+    torch.testing.assert_close(low16, ref, atol=0.5 / 255 + 1e-6, rtol=0)  # the view is uint8
     assert cell_mask.dtype == torch.bool and tuple(cell_mask.shape) == grid.shape
+
+
+@pytest.mark.parametrize("ds", [8.0, 16.0, 3.0, 5.3, 1.7])
+def test_lowres_view_in_bands_equals_the_whole_level_resampled(monkeypatch, store_and_image, ds):
+    """The banded read (one chunk row per band here) against the whole level read at once and
+    F.interpolate(area) on floats, as before: equal without resampling, within 1 (rounding) with it."""
+    import torch.nn.functional as F
+
+    import workers.patches as wp
+
+    st, _ = store_and_image
+    monkeypatch.setattr(wp, "_LOWRES_BAND_BYTES", 1)  # bands of one chunk row (128 level rows)
+    cfg = ModelConfig(patch_size=96, stride=80, scorer_downsample=ds)
+    view, _ = wp.lowres_view(st, cfg)
+    grid = PatchGrid.from_store(st, 96, 80)
+    ext_w, ext_h = grid.extent_l0
+    level = st.best_level_for_downsample(ds)
+    lds = st.downsamples[level]
+    img = st.read_region((0, 0), level, (math.ceil(ext_w / lds), math.ceil(ext_h / lds)))
+    t = torch.from_numpy(img).permute(2, 0, 1).float().div(255)
+    size = (max(1, round(ext_h / ds)), max(1, round(ext_w / ds)))
+    assert view.dtype == torch.uint8 and tuple(view.shape[1:]) == size
+    if tuple(t.shape[1:]) == size:
+        assert torch.equal(view, torch.from_numpy(img).permute(2, 0, 1))
+    else:
+        ref = (F.interpolate(t[None], size=size, mode="area")[0] * 255).round().to(torch.int16)
+        diff = (view.to(torch.int16) - ref).abs()
+        assert int(diff.max()) <= 1 and float((diff > 0).float().mean()) < 0.02
 
 
 def test_cell_tissue_fraction_brute_force(store_and_image):

@@ -10,6 +10,7 @@ __all__ = [
     "forward_slide",
     "gather_patches",
     "lowres_input",
+    "lowres_view",
     "prepare_slide",
     "slide_geometry",
     "COMPLETE_MARKER",
@@ -29,6 +30,7 @@ _LAZY_PATCHES = (
     "forward_slide",
     "gather_patches",
     "lowres_input",
+    "lowres_view",
     "prepare_slide",
     "slide_geometry",
 )

@@ -6,10 +6,11 @@
   (like OpenSlide outside the slide).
 * :func:`slide_geometry` — the model's grid, scorer scale and network patch size on one store, in its level-0
   pixels (``ModelConfig.geometry`` with the store's mpp: µm settings give per-slide pixels).
-* :func:`lowres_input` — the low-res RGB view (``[3, h, w]`` float in [0, 1]) covering exactly the grid
-  extent, at ``scorer_downsample`` (from the level ``SlideStore.best_level_for_downsample`` picks, resampled
-  with area interpolation where that level is finer), and the tissue cells ``[Gh, Gw]`` (tissue fraction of
-  the cell ``>= tissue_threshold``, from ``store.tissue_mask()``).
+* :func:`lowres_view` — the low-res RGB view (``[3, h, w]`` uint8; :func:`lowres_input` as float in [0, 1])
+  covering exactly the grid extent, at ``scorer_downsample`` (from the level
+  ``SlideStore.best_level_for_downsample`` picks, resampled with area interpolation where that level is finer,
+  read in bands of chunk rows), and the tissue cells ``[Gh, Gw]`` (tissue fraction of the cell
+  ``>= tissue_threshold``, from ``store.tissue_mask()``).
 * :class:`PatchReader` — full-resolution patches of chosen cells, reading each store chunk they touch
   exactly once per call (chunk-aligned reads, cropped in memory; never a whole-level read), resampled to the
   network's input size when it differs from the cell size (µm patches on slides of another resolution).
@@ -48,6 +49,7 @@ __all__ = [
     "cell_tissue_fraction",
     "slide_geometry",
     "lowres_input",
+    "lowres_view",
     "prepare_slide",
     "gather_patches",
     "forward_slide",
@@ -172,7 +174,19 @@ def slide_geometry(store: SlideStore, cfg: ModelConfig) -> SlideGeometry:
 def lowres_input(
     store: SlideStore, cfg: ModelConfig, geometry: SlideGeometry | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The scorer's input for one slide.
+    """The scorer's input for one slide as float: :func:`lowres_view` divided by 255.
+
+    Returns:
+        ``(lowres[3, h, w] float32 in [0, 1], cell_mask[Gh, Gw] bool)`` (see :func:`lowres_view`).
+    """
+    view, cell_mask = lowres_view(store, cfg, geometry)
+    return view.to(torch.float32).div_(255.0), cell_mask
+
+
+def lowres_view(
+    store: SlideStore, cfg: ModelConfig, geometry: SlideGeometry | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The scorer's input for one slide, uint8.
 
     Args:
         store: the slide store.
@@ -180,10 +194,12 @@ def lowres_input(
         geometry: ``slide_geometry(store, cfg)`` when the caller has it.
 
     Returns:
-        ``(lowres[3, h, w] float32 in [0, 1], cell_mask[Gh, Gw] bool)``: the low-res view covering the grid
-        extent (``h = round(extent_h / scorer_downsample)`` with the slide's scorer downsample, white beyond the
-        slide) and the tissue cells (tissue fraction ``>= tissue_threshold``; a threshold of 0 makes every cell a
-        candidate). Reads one low-resolution level (not level 0 unless the store has no coarser level).
+        ``(lowres[3, h, w] uint8, cell_mask[Gh, Gw] bool)``: the low-res view covering the grid extent
+        (``h = round(extent_h / scorer_downsample)`` with the slide's scorer downsample, white beyond the slide)
+        and the tissue cells (tissue fraction ``>= tissue_threshold``; a threshold of 0 makes every cell a
+        candidate). Reads one low-resolution level (not level 0 unless the store has no coarser level) in bands
+        of chunk rows (:func:`_level_view`): besides the uint8 view, memory holds one band, never the whole level
+        as float.
     """
     if not isinstance(store, SlideStore):
         raise TypeError(f"store must be a SlideStore, got {type(store).__name__}")
@@ -194,16 +210,72 @@ def lowres_input(
     ext_w, ext_h = grid.extent_l0
     level = store.best_level_for_downsample(geo.scorer_downsample)
     ds = store.downsamples[level]
-    img = store.read_region((0, 0), level, (math.ceil(ext_w / ds), math.ceil(ext_h / ds)))
-    t = torch.from_numpy(img).permute(2, 0, 1).to(torch.float32).div_(255.0)
     th = max(1, round(ext_h / geo.scorer_downsample))
     tw = max(1, round(ext_w / geo.scorer_downsample))
-    if tuple(t.shape[1:]) != (th, tw):
-        t = F.interpolate(t[None], size=(th, tw), mode="area")[0]
+    view = _level_view(store, level, (math.ceil(ext_w / ds), math.ceil(ext_h / ds)), (th, tw))
     mask, mask_ds = store.tissue_mask()
     frac = cell_tissue_fraction(mask, mask_ds, grid)
     cell_mask = torch.from_numpy(frac >= cfg.tissue_threshold)
-    return t.contiguous(), cell_mask
+    return view, cell_mask
+
+
+_LOWRES_BAND_BYTES = 16 * 2**20  # float32 bytes of one band of level rows while resampling (at least a chunk row)
+
+
+def _level_view(store: SlideStore, level: int, size_lv: tuple[int, int], out_hw: tuple[int, int]) -> torch.Tensor:
+    """The top-left ``size_lv = (w, h)`` pixels of store level ``level`` (white beyond it), area-resampled to
+    ``out_hw = (th, tw)``: uint8 ``[3, th, tw]``.
+
+    Read in bands of whole chunk rows (each chunk decoded once). Without resampling a band is copied into the
+    view. Otherwise the resampling is ``F.interpolate(mode="area")`` (adaptive average pooling: output row ``i``
+    averages input rows ``[floor(i*h/th), ceil((i+1)*h/th))``, columns likewise) done separably: each band is
+    pooled over columns to ``tw`` (float32), and output rows are averaged from those pooled rows (float64 running
+    sums) as soon as their input rows are in; the pooled rows still needed by the next output row carry over.
+    Rounded to uint8 (half to even; the float path rounded the same means, so values differ by at most 1 at
+    exact halves). Peak extra memory: one band (about :data:`_LOWRES_BAND_BYTES`) and its pooled rows.
+    """
+    arr = store.levels[level]
+    H, W = int(arr.shape[1]), int(arr.shape[2])
+    rw, rh = int(size_lv[0]), int(size_lv[1])
+    th, tw = int(out_hw[0]), int(out_hw[1])
+    ch = int(arr.chunks[1])
+    band_rows = max(ch, (_LOWRES_BAND_BYTES // max(1, rw * 12)) // ch * ch)
+    out = torch.empty((3, th, tw), dtype=torch.uint8)
+
+    def rows(a: int, b: int) -> torch.Tensor:  # level rows [a, b), columns [0, rw): uint8 [3, b - a, rw]
+        blk = np.full((3, b - a, rw), 255, dtype=np.uint8)
+        y1, x1 = min(b, H), min(rw, W)
+        if y1 > a and x1 > 0:
+            blk[:, : y1 - a, :x1] = arr[:, a:y1, :x1]
+        return torch.from_numpy(blk)
+
+    if (rh, rw) == (th, tw):
+        for a in range(0, rh, band_rows):
+            out[:, a : min(rh, a + band_rows)] = rows(a, min(rh, a + band_rows))
+        return out
+    i = torch.arange(th + 1, dtype=torch.int64)
+    lo, hi = (i[:-1] * rh) // th, (i[1:] * rh + th - 1) // th  # adaptive pooling's row bins
+    carry = torch.zeros((3, 0, tw), dtype=torch.float64)  # column-pooled rows [start, start + n)
+    start, nxt = 0, 0  # first carried row, next output row
+    for a in range(0, rh, band_rows):
+        b = min(rh, a + band_rows)
+        band = rows(a, b).to(torch.float32)[None]
+        pooled = F.adaptive_avg_pool2d(band, (b - a, tw))[0].to(torch.float64)  # columns only
+        del band
+        carry = torch.cat([carry, pooled], 1)
+        end = nxt
+        while end < th and int(hi[end]) <= b:
+            end += 1
+        if end > nxt:
+            cs = F.pad(carry.cumsum(1), (0, 0, 1, 0))  # [3, n + 1, tw]
+            r0, r1 = lo[nxt:end] - start, hi[nxt:end] - start
+            mean = (cs[:, r1] - cs[:, r0]) / (r1 - r0).to(torch.float64)[None, :, None]
+            out[:, nxt:end] = mean.round_().clamp_(0, 255).to(torch.uint8)
+            nxt = end
+        if nxt < th:
+            drop = int(lo[nxt]) - start
+            carry, start = carry[:, drop:], start + drop
+    return out
 
 
 class PatchReader:
@@ -314,7 +386,7 @@ class SlideInput:
     Attributes:
         store: the slide store.
         grid: its patch grid.
-        lowres_u8: ``[3, h, w]`` uint8 low-res view (see :func:`lowres_input`); :attr:`lowres` is the float one.
+        lowres_u8: ``[3, h, w]`` uint8 low-res view (see :func:`lowres_view`); :attr:`lowres` is the float one.
         cell_mask: ``[Gh, Gw]`` bool tissue cells.
         reader: a :class:`PatchReader` on the store (patches of ``geometry.patch_input`` pixels).
         geometry: the model's geometry on this slide (:func:`slide_geometry`).
@@ -403,8 +475,7 @@ def prepare_slide(store_or_sample: Any, cfg: ModelConfig, *, cache: bool = True)
                 return hit
     geo = slide_geometry(store, cfg)
     grid = PatchGrid.from_store(store, geo.patch_size, geo.stride)
-    lowres, cell_mask = lowres_input(store, cfg, geo)
-    lowres_u8 = (lowres * 255.0).round_().clamp_(0, 255).to(torch.uint8)
+    lowres_u8, cell_mask = lowres_view(store, cfg, geo)
     si = SlideInput(store, grid, lowres_u8, cell_mask, PatchReader(store, grid, geo.patch_input), geometry=geo)
     if cache:
         with _CACHE_LOCK:

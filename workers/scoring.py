@@ -1,7 +1,7 @@
 """The two stages of batch scoring as plain classes (``pipeline.score`` turns them into Ray actors).
 
 * :class:`ScorerWorker` — loads the model, reads each slide's low-resolution view and tissue cells
-  (``workers.patches.lowres_input``), runs the scorer and the hard top-k selection (on the GPU when there is
+  (``workers.patches.lowres_view``, uint8), runs the scorer and the hard top-k selection (on the GPU when there is
   one). Output per slide: a :class:`ScoredSlide` dict with the cell scores, the grid shape and the K chosen
   cells (small: no pixels).
 * :class:`ClassifierWorker` — reads the chosen patches at full resolution from the store
@@ -135,7 +135,7 @@ class ScorerWorker:
         """Score one slide; returns ``{"slide_id", "store", "status": "ok", "scores" float32 [N] (-inf = not a
         candidate), "grid_shape" (Gh, Gw), "cells" int64 [K] (chosen cells, increasing), "slot_weights" float32
         [K] or None, "seconds"}`` or ``{..., "status": "error", "error": "..."}``."""
-        from workers.patches import lowres_input, slide_geometry
+        from workers.patches import lowres_view, slide_geometry
         from workers.store import SlideStore
 
         t0 = time.perf_counter()
@@ -143,7 +143,7 @@ class ScorerWorker:
             store = SlideStore(store_path)
             self._check_mpp(slide_id, store)
             geo = slide_geometry(store, self.cfg)  # µm settings: this slide's pixels (no mpp: an error row)
-            lowres, cell_mask = lowres_input(store, self.cfg, geo)
+            lowres, cell_mask = lowres_view(store, self.cfg, geo)  # uint8, converted per scorer tile
             with torch.inference_mode():
                 scores = self.model.score(lowres[None].to(self.device), cell_mask[None].to(self.device), geo)
                 sel = self.model.select(scores, training=False)
