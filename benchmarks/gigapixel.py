@@ -81,6 +81,7 @@ def measure(kind: str, store: str, config: str, tile: int, threads: int, sets: l
     t = time.perf_counter()
     slide = prepare_slide(store, mc)
     t_prepare = time.perf_counter() - t
+    rss_prepare = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # peak so far: imports + low-res read
     gen = torch.Generator().manual_seed(0)
     out: dict = {
         "kind": kind,
@@ -89,6 +90,7 @@ def measure(kind: str, store: str, config: str, tile: int, threads: int, sets: l
         "grid_cells": slide.grid.num_cells,
         "lowres_hw": list(slide.lowres_u8.shape[1:]),
         "rss_after_imports_mb": rss0,
+        "prepare_peak_rss_mb": rss_prepare,
     }
     if kind == "train":
         opt = torch.optim.Adam(model.parameters(), lr=1e-4)
@@ -117,15 +119,15 @@ def measure(kind: str, store: str, config: str, tile: int, threads: int, sets: l
         cells = o.cell_indices.cpu()
     # bytes: the low-res level the scorer reads; the level-0 chunk files the chosen patches touch (selection only)
     st = SlideStore(store)
-    level = st.best_level_for_downsample(mc.scorer_downsample)
+    level = st.best_level_for_downsample(slide.geometry.scorer_downsample)
     root = Path(store)
     out["lowres_level"] = level
     out["lowres_level_bytes"] = du(root / str(level))
     tile_px = int(st.levels[0].chunks[-1])
     touched = set()
     for x, y in slide.grid.cell_xy_l0(cells).tolist():
-        for cy in range(int(y) // tile_px, (int(y) + mc.patch_size - 1) // tile_px + 1):
-            for cx in range(int(x) // tile_px, (int(x) + mc.patch_size - 1) // tile_px + 1):
+        for cy in range(int(y) // tile_px, (int(y) + slide.grid.patch_size - 1) // tile_px + 1):
+            for cx in range(int(x) // tile_px, (int(x) + slide.grid.patch_size - 1) // tile_px + 1):
                 touched.add((cy, cx))
     out["level0_bytes_selected"] = sum(
         (root / "0" / "c" / "0" / str(cy) / str(cx)).stat().st_size

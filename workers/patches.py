@@ -228,11 +228,11 @@ def _level_view(store: SlideStore, level: int, size_lv: tuple[int, int], out_hw:
 
     Read in bands of whole chunk rows (each chunk decoded once). Without resampling a band is copied into the
     view. Otherwise the resampling is ``F.interpolate(mode="area")`` (adaptive average pooling: output row ``i``
-    averages input rows ``[floor(i*h/th), ceil((i+1)*h/th))``, columns likewise) done separably: each band is
-    pooled over columns to ``tw`` (float32), and output rows are averaged from those pooled rows (float64 running
-    sums) as soon as their input rows are in; the pooled rows still needed by the next output row carry over.
-    Rounded to uint8 (half to even; the float path rounded the same means, so values differ by at most 1 at
-    exact halves). Peak extra memory: one band (about :data:`_LOWRES_BAND_BYTES`) and its pooled rows.
+    averages input rows ``[floor(i*h/th), ceil((i+1)*h/th))``, columns likewise) done separably: as soon as a
+    band holds all input rows of some output rows, those rows' bins are averaged (float32, full width), then
+    pooled over columns to ``tw``; the input rows the next output row still needs carry over (uint8). Rounded
+    to uint8 (half to even; the float path rounded the same means, so values differ by at most 1 near exact
+    halves). Peak extra memory: about one band in float32 (:data:`_LOWRES_BAND_BYTES`).
     """
     arr = store.levels[level]
     H, W = int(arr.shape[1]), int(arr.shape[2])
@@ -255,26 +255,26 @@ def _level_view(store: SlideStore, level: int, size_lv: tuple[int, int], out_hw:
         return out
     i = torch.arange(th + 1, dtype=torch.int64)
     lo, hi = (i[:-1] * rh) // th, (i[1:] * rh + th - 1) // th  # adaptive pooling's row bins
-    carry = torch.zeros((3, 0, tw), dtype=torch.float64)  # column-pooled rows [start, start + n)
+    carry = torch.empty((3, 0, rw), dtype=torch.uint8)  # level rows [start, a) still needed
     start, nxt = 0, 0  # first carried row, next output row
     for a in range(0, rh, band_rows):
         b = min(rh, a + band_rows)
-        band = rows(a, b).to(torch.float32)[None]
-        pooled = F.adaptive_avg_pool2d(band, (b - a, tw))[0].to(torch.float64)  # columns only
-        del band
-        carry = torch.cat([carry, pooled], 1)
+        buf = torch.cat([carry, rows(a, b)], 1)  # level rows [start, b)
         end = nxt
         while end < th and int(hi[end]) <= b:
             end += 1
         if end > nxt:
-            cs = F.pad(carry.cumsum(1), (0, 0, 1, 0))  # [3, n + 1, tw]
-            r0, r1 = lo[nxt:end] - start, hi[nxt:end] - start
-            mean = (cs[:, r1] - cs[:, r0]) / (r1 - r0).to(torch.float64)[None, :, None]
-            out[:, nxt:end] = mean.round_().clamp_(0, 255).to(torch.uint8)
+            r0, n = lo[nxt:end] - start, hi[nxt:end] - lo[nxt:end]
+            acc = torch.zeros((3, end - nxt, rw), dtype=torch.float32)
+            for t in range(int(n.max())):  # row means over each bin (at most ceil(rh / th) + 1 rows)
+                w = (t < n).to(torch.float32)
+                acc += buf[:, (r0 + t).clamp(max=buf.shape[1] - 1)].to(torch.float32) * w[None, :, None]
+            acc /= n.to(torch.float32)[None, :, None]
+            cols = F.adaptive_avg_pool2d(acc[None], (end - nxt, tw))[0]  # then columns (rows unchanged)
+            out[:, nxt:end] = cols.round_().clamp_(0, 255).to(torch.uint8)
             nxt = end
-        if nxt < th:
-            drop = int(lo[nxt]) - start
-            carry, start = carry[:, drop:], start + drop
+        keep = int(lo[nxt]) - start if nxt < th else buf.shape[1]
+        carry, start = buf[:, keep:].clone(), start + keep
     return out
 
 
