@@ -25,7 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=("checker", "objects"),
         default="checker",
         help="task family: checker (3..6 dark round structures, label = checkerboard vs flat "
-        "texture inside them) or objects (label = the kind of the majority of 3..7 small "
+        "texture inside them) or objects (label = the kind of the majority of 3..6 small "
         "textured objects among 20..60 textured distractor strokes/rings) (default checker)",
     )
     parser.add_argument(

@@ -815,15 +815,15 @@ def synth_archive(
 #
 # * tissue covers most of the slide (~80-90 %, so the tissue mask cannot narrow the search), with the same
 #   H&E-like background as the checker task (colour drift, nuclei, noise);
-# * 3..7 small round *informative objects* (diameter 32..48 px), each of a *kind* = a fine texture of period
+# * 3..6 small round *informative objects* (diameter 40..52 px), each of a *kind* = a fine texture of period
 #   4 px on the same mean ink colour: horizontal stripes, vertical stripes, checkerboard, diagonal stripes,
 #   antidiagonal stripes (``OBJECT_KINDS``; the first ``classes`` are used). The label is the kind of the
-#   strict majority of the informative objects; every slide also holds at least one object of another kind
-#   (so finding one object is not enough);
+#   majority of the informative objects; every slide also holds exactly one object of another kind (so finding
+#   one object is not enough: the majority is n - 1 of n);
 # * 20..60 *distractors* with the same ink colour and textures of random kinds (drawn from the seed, never
 #   from the label): elongated curved strokes (160..480 px long, 10..16 px wide) and rings (outer diameter
-#   52..88 px, 10..14 px thick). At 1/16 scale distractors are lines and hollow/larger spots, informative
-#   objects 2..3 px dots: a low-resolution scorer can learn where to look, but only full-resolution patches
+#   96..160 px, 10..14 px thick). At 1/16 scale distractors are faint lines and rings, informative objects
+#   compact 2.5..3.3 px dots: a low-resolution scorer can learn where to look, but only full-resolution patches
 #   tell which kind an object is.
 #
 # The texture is added on whole aligned 4 x 4 blocks only (a block is textured only when it lies entirely
@@ -839,12 +839,12 @@ OBJECTS_MIN_CLASSES, OBJECTS_MAX_CLASSES = 2, len(OBJECT_KINDS)
 OBJECTS_DEFAULT_SIZE = 8192
 INK_MEAN = np.array([118.0, 74.0, 152.0], np.float32)
 INK_AMPLITUDE = np.array([62.0, 52.0, 44.0], np.float32)  # texture: mean +- amplitude
-OBJECT_RADIUS = (16.0, 24.0)  # informative objects: diameter 32..48 px
-OBJECT_COUNT = (3, 7)
+OBJECT_RADIUS = (20.0, 26.0)  # informative objects: diameter 40..52 px
+OBJECT_COUNT = (3, 6)
 DISTRACTOR_COUNT = (20, 60)
 STROKE_LENGTH = (160.0, 480.0)
 STROKE_WIDTH = (10.0, 16.0)
-RING_RADIUS = (26.0, 44.0)
+RING_RADIUS = (48.0, 80.0)  # outer diameter 96..160 px: at 1/16 a faint ring, not a dot
 RING_THICKNESS = (10.0, 14.0)
 _TEXTURE_BLOCK = 4  # px; the kinds' common period; texture only on whole aligned blocks
 _BLOCK_INSET = 3.5  # px; a block is textured when its centre is this deep inside the shape
@@ -1034,9 +1034,9 @@ def _seg_dist(px: np.ndarray, py: np.ndarray, pts: np.ndarray, reach: float | No
 def make_objects_layout(width: int, height: int, label: int, seed: int, classes: int = 4) -> ObjectsLayout:
     """Draw an ``objects`` slide from ``seed``; ``label`` (class index) only picks the objects' kinds.
 
-    The informative objects' count ``n`` (3..7), positions, radii and which of them form the majority
-    (``m`` of them, ``floor(n/2) + 1 <= m <= n - 1``) come from the seed; the majority has kind ``label``, each
-    minority object kind ``(label + o) % classes`` with a seed-drawn offset ``o`` in ``1..classes-1``.
+    The informative objects' count ``n`` (3..6), positions, radii and which one of them is the minority come
+    from the seed; the ``n - 1`` others (the majority) have kind ``label``, the minority object kind
+    ``(label + o) % classes`` with a seed-drawn offset ``o`` in ``1..classes-1``.
     """
     width = _check_int("width", width, MIN_SIDE, MAX_SIDE)
     height = _check_int("height", height, MIN_SIDE, MAX_SIDE)
@@ -1064,7 +1064,7 @@ def make_objects_layout(width: int, height: int, label: int, seed: int, classes:
         placed.append((cx, cy, r))
     if len(placed) < n:  # pragma: no cover - the tissue always has room
         raise RuntimeError(f"could not place informative objects for seed {seed}")
-    m = int(rng.integers(n // 2 + 1, n))  # strict majority, at least one minority object
+    m = n - 1  # exactly one minority object of another kind: a strict majority, since n >= 3
     majority = np.zeros(n, bool)
     majority[rng.permutation(n)[:m]] = True
     offsets = rng.integers(1, classes, size=n)  # minority kinds relative to the label
