@@ -1,0 +1,117 @@
+"""Diagnostic: how fast does the classifier (a config's feature network + aggregator) learn a synthetic task from
+patches a perfect scorer would read? Prints held-out accuracy per epoch.
+
+Bags are the ground-truth cells of ``benchmarks/robustness.py --oracle`` (per informative object its best cell, then
+other overlapping cells, then random tissue cells up to K), fixed per slide. ``--objects N`` instead keeps N object
+cells (one per object) and fills the bag with random tissue cells drawn afresh each epoch (a scorer that is only
+partly on the objects); ``--noise-epochs E`` first trains E epochs on random tissue cells (a scorer that has not
+found anything yet), under one LR schedule over all epochs. Held-out accuracy is always on the fixed oracle bags.
+
+Usage: python benchmarks/oracle_curve.py --stores STORES [--config perturbed_mean] [--epochs 20] [--objects 3]
+       [--noise-epochs 10] [--seed 0] [--set key=value ...]
+"""
+
+import argparse
+import math
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import numpy as np
+import torch
+
+torch.set_num_threads(1)
+import robustness as R
+
+from pipeline.config import load_config
+from pipeline.model_io import build_model, with_num_classes
+from pipeline.train import TrainConfig, classification_metrics, lr_factor
+from workers.patches import prepare_slide
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--stores", required=True)
+    p.add_argument("--config", default="perturbed_mean")
+    p.add_argument("--epochs", type=int, default=20)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--objects", type=int, default=0, help="object cells per bag, rest random (0: the oracle bag)")
+    p.add_argument("--noise-epochs", type=int, default=0, help="epochs on random tissue cells first")
+    p.add_argument("--set", action="append", default=[])
+    a = p.parse_args()
+
+    split = R.load_split(a.config, Path(a.stores), a.set)
+    cfg = load_config(TrainConfig, ROOT / "configs" / f"{a.config}.yaml", a.set)
+    mcfg = with_num_classes(cfg.model, len(split.class_names))
+    torch.manual_seed(a.seed)
+    model, mcfg = build_model(mcfg)
+    rng = np.random.default_rng(a.seed)
+
+    def bag(rec, kind: str):
+        si = prepare_slide(rec.store, mcfg)
+        boxes = split.boxes[rec.store]
+        tissue = np.flatnonzero(si.cell_mask.flatten().numpy())
+        if kind == "oracle":
+            cells = R.oracle_cells(si, boxes, mcfg.k, rng)
+        elif kind == "noise":
+            cells = rng.choice(tissue, size=mcfg.k, replace=False)
+        else:
+            best = R.oracle_cells(si, boxes, len(boxes), rng)[: a.objects]
+            rest = rng.choice(np.setdiff1d(tissue, best), size=mcfg.k - len(best), replace=False)
+            cells = np.concatenate([best, rest])[rng.permutation(mcfg.k)]
+        cells = torch.from_numpy(np.asarray(cells, np.int64))
+        return si.reader.read(cells), si.grid.cell_centres(cells), rec.target
+
+    train_oracle = [bag(r, "oracle") for r in split.train]
+    test = [bag(r, "oracle") for r in split.test]
+    params = [q for q in model.parameters() if q.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
+    acc = cfg.optim.accumulate
+    total = (a.epochs + a.noise_epochs) * math.ceil(len(split.train) / acc)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: lr_factor(s, total, cfg.optim.warmup, cfg.optim.min_lr_ratio)
+    )
+    t0 = time.perf_counter()
+    for ep in range(a.noise_epochs + a.epochs):
+        if ep < a.noise_epochs:
+            items = [bag(r, "noise") for r in split.train]
+        elif a.objects:
+            items = [bag(r, "diluted") for r in split.train]
+        else:
+            items = train_oracle
+        model.train()
+        order = rng.permutation(len(items))
+        losses = []
+        for s in range(0, len(order), acc):
+            opt.zero_grad(set_to_none=True)
+            for i in order[s : s + acc]:
+                x, pos, y = items[i]
+                logits = model.classify(x[None].float().div(255.0), pos[None])
+                loss = torch.nn.functional.cross_entropy(logits.reshape(1, -1), torch.tensor([y]))
+                (loss / acc).backward()
+                losses.append(float(loss))
+            torch.nn.utils.clip_grad_norm_(params, cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else 1e9)
+            opt.step()
+            sched.step()
+        model.eval()
+        probs, ys = [], []
+        with torch.no_grad():
+            for x, pos, y in test:
+                logits = model.classify(x[None].float().div(255.0), pos[None]).reshape(1, -1)
+                probs.append(torch.softmax(logits, -1)[0].numpy())
+                ys.append(y)
+        m = classification_metrics(ys, np.array(probs))
+        phase = "noise" if ep < a.noise_epochs else ("diluted" if a.objects else "oracle")
+        print(
+            f"ep {ep + 1} {phase} loss {np.mean(losses):.3f} test acc {m['accuracy']:.2f} auc {m['auc']:.2f} "
+            f"t {time.perf_counter() - t0:.0f}s",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()
