@@ -343,7 +343,7 @@ def prepare_slide(store_or_sample: Any, cfg: ModelConfig, *, cache: bool = True)
                 return hit
     store = _resolve_store(store_or_sample)
     if cache and path_key is None:
-        path_key = (str(store.path.resolve()),) + key_geom
+        path_key = (store.location,) + key_geom
         with _CACHE_LOCK:
             hit = _CACHE.get(path_key)
             if hit is not None:
