@@ -87,9 +87,10 @@ def test_ingest_out_that_cannot_hold_stores(tmp_path, capsys):
     slides = tmp_path / "slides"
     slides.mkdir()
     (tmp_path / "afile").write_text("x")
-    with pytest.raises(ValueError, match="object-storage URLs are not supported yet"):
-        ingest([slides], "s3://bucket/stores")
-    assert not Path("s3:").exists()
+    # a URL is object storage (never a local folder named after it); one whose scheme has no filesystem fails
+    with pytest.raises(ValueError, match="'nosuchfs://bucket/stores': cannot open its filesystem"):
+        ingest([slides], "nosuchfs://bucket/stores")
+    assert not Path("nosuchfs:").exists()
     with pytest.raises(ValueError, match="is a file"):
         ingest([slides], tmp_path / "afile")
     # an empty input folder: a clear error, exit code 2, no manifest claimed
@@ -228,7 +229,7 @@ def test_missing_chunks_and_corrupt_metadata_are_never_read_as_white(tmp_path, c
     capsys.readouterr()
     assert main(["verify", str(stores)]) == 1
     out = capsys.readouterr().out
-    assert "s0: ok" in out and "s1: damaged — level 0: 0 chunk file(s) on disk" in out
+    assert "s0: ok" in out and "s1: damaged — level 0: 0 chunk object(s) in the store" in out
     assert "s2: damaged — level 0:" in out and "3 store(s)" in out
     with pytest.raises(ValueError, match=r"s1.zarr is damaged: level 0: 0 chunk file\(s\) on disk"):
         SlideStore(stores / "s1.zarr")

@@ -47,6 +47,11 @@ __all__ = [
     "children",
     "remove_tree",
     "sync_local",
+    "read_file",
+    "write_file",
+    "file_exists",
+    "sibling",
+    "modified_time",
     "local_path",
     "STORAGE_OPTIONS_ENV",
 ]
@@ -253,6 +258,63 @@ def remove_tree(location: str | os.PathLike) -> None:
         fs.rm(path, recursive=True)
     except FileNotFoundError:
         pass
+
+
+def read_file(location: str | os.PathLike) -> bytes | None:
+    """The bytes of a file / object (None when absent)."""
+    loc = normalize(location)
+    if not is_url(loc):
+        p = Path(loc)
+        return p.read_bytes() if p.is_file() else None
+    fs, path = filesystem(loc)
+    try:
+        return fs.cat_file(path)
+    except FileNotFoundError:
+        return None
+
+
+def file_exists(location: str | os.PathLike) -> bool:
+    loc = normalize(location)
+    if not is_url(loc):
+        return Path(loc).exists()
+    fs, path = filesystem(loc)
+    return bool(fs.exists(path))
+
+
+def write_file(location: str | os.PathLike, data: bytes) -> None:
+    """Replace a file / object with ``data`` atomically (local: temporary file, fsync, rename; object storage:
+    one PUT)."""
+    loc = normalize(location)
+    if is_url(loc):
+        fs, path = filesystem(loc)
+        fs.pipe_file(path, data)
+        return
+    p = Path(loc)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_name(f".{p.name}.{os.getpid()}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, p)
+
+
+def modified_time(location: str | os.PathLike) -> float:
+    """Last modification of a file / object, in seconds since the epoch."""
+    loc = normalize(location)
+    if not is_url(loc):
+        return Path(loc).stat().st_mtime
+    fs, path = filesystem(loc)
+    m = fs.modified(path)
+    return m.timestamp()
+
+
+def sibling(location: str | os.PathLike, name: str) -> str:
+    """``name`` in the folder / prefix holding ``location``."""
+    loc = normalize(location)
+    if is_url(loc):
+        return loc.rsplit("/", 1)[0] + "/" + name
+    return str(Path(loc).with_name(name))
 
 
 def sync_local(store: Any) -> None:
