@@ -206,7 +206,7 @@ class SlideStore:
             raise ValueError(f"slide store {self.path} is incomplete (no {COMPLETE_MARKER}); re-run ingest")
         register_codecs()
         try:
-            group = zarr.open_group(store=self.store, mode="r")
+            group = zarr.open_group(store=self.store, mode="r", zarr_format=3)
         except Exception as exc:
             group, open_error = None, exc
         if require_complete:
@@ -428,7 +428,7 @@ def verify_store(path: str | Path | Any, *, group: Any = None) -> list[str]:
         return [f"unreadable {COMPLETE_MARKER}: {type(exc).__name__}: {exc}"]
     problems = []
     try:
-        attrs = dict((group if group is not None else zarr.open_group(store=store, mode="r")).attrs)
+        attrs = dict((group if group is not None else zarr.open_group(store=store, mode="r", zarr_format=3)).attrs)
         if "foveate" not in attrs:
             problems.append("not a foveate store (no 'foveate' attribute in zarr.json)")
     except Exception as exc:
