@@ -207,7 +207,7 @@ def test_ingest_train_score_resume_with_every_path_on_s3(s3, ray_local, slide_cs
     from pipeline.train import TrainConfig, train
 
     root = f"s3://{BUCKET}/e2e"
-    res = ingest([slide_csv], f"{root}/stores", options=IngestOptions(tile_size=64, min_size=64), progress=False)
+    res = ingest([slide_csv], f"{root}/stores", options=IngestOptions(tile_size=128, min_size=128), progress=False)
     status = {r["slide_id"].split("-")[0]: r["status"] for r in res.rows}
     assert status == {**{f"e{i}": "ok" for i in range(6)}, "broken": "failed"}
     assert res.manifest_path == f"{root}/stores/manifest.parquet"
