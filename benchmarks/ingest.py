@@ -209,10 +209,10 @@ def compare_storage(slide: Path, work: Path, ref: str, repeat: int, s3: bool) ->
     variants = [("baseline", base, "default"), ("sharded", REPO, "default"), ("unsharded", REPO, "unsharded")]
     server = None
     if s3:
+        import logging
+
         import boto3
         from moto.server import ThreadedMotoServer
-
-        import logging
 
         logging.getLogger("werkzeug").setLevel(logging.ERROR)
         server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
