@@ -1,8 +1,10 @@
 """Stores on object storage, against a real S3 API: moto's server on 127.0.0.1 (``moto[server]``), reached through
 s3fs with credentials and endpoint from the environment (``AWS_*``), exactly as a user's bucket would be.
 
-- a tiler killed mid-slide leaves no object that looks like a complete store, and a fresh tiler resumes at region
-  granularity to the same pixels as an uninterrupted local ingest; a missing shard object is found;
+- a tiler reading its slide from the bucket (copied to bounded local scratch, removed after the slide) and killed
+  mid-slide leaves no object that looks like a complete store, and a fresh tiler resumes at region granularity to
+  the same pixels as an uninterrupted local ingest; a missing shard object is found; JPEG passthrough from a
+  slide in the bucket copies the source tiles;
 - ingest -> train (crash after epoch 1, resume) -> score -> score again (resume), every path an ``s3://`` URL,
   on an in-process Ray; a slide that fails leaves no store behind.
 """
@@ -82,9 +84,56 @@ def svs(tmp_path_factory) -> Path:
     return p
 
 
-def test_killed_tiler_on_s3_leaves_no_complete_store_and_resumes_by_region(s3, svs, tmp_path):
+@pytest.fixture(scope="module")
+def svs_url(s3, svs) -> str:
+    """The slide uploaded to the bucket, with a CSV manifest beside it (relative path, a label)."""
+    s3.put_object(Bucket=BUCKET, Key="slides/a/s3a.svs", Body=svs.read_bytes())
+    s3.put_object(Bucket=BUCKET, Key="slides/a/broken.svs", Body=b"II*\x00 not a slide")
+    s3.put_object(Bucket=BUCKET, Key="slides/list.csv", Body=b"path,label\na/s3a.svs,pos\n")
+    return f"s3://{BUCKET}/slides/a/s3a.svs"
+
+
+def test_slides_on_s3_are_listed_and_copied_to_bounded_scratch(s3, svs, svs_url, tmp_path):
+    from pipeline.ingest_inputs import discover_inputs
+    from workers.ingest_source import SlideOpenError
+
+    found = discover_inputs([f"s3://{BUCKET}/slides/a/"])
+    assert [i.path for i in found] == [f"s3://{BUCKET}/slides/a/broken.svs", svs_url]
+    (row,) = discover_inputs([f"s3://{BUCKET}/slides/list.csv"])
+    assert row.path == svs_url and row.carried == {"label": "pos"} and row.slide_id == found[1].slide_id
+    scratch = tmp_path / "scratch"
+    opts = IngestOptions(tile_size=256, min_size=256, codec="jpeg")  # JPEG passthrough from the copy
+    t = Tiler(tmp_path / "stores", opts, scratch_dir=scratch, scratch_max_bytes=svs.stat().st_size + 1)
+    plan = t.plan(found[1])
+    copies = [p for p in scratch.rglob("*") if p.is_file()]
+    assert len(copies) == 1 and copies[0].stat().st_size == svs.stat().st_size  # one local copy while writing
+    for st in plan.todo:
+        for r in st:
+            t.write_region(plan.store_path, r)
+    meta = t.finalize(plan.store_path)
+    assert meta["codec"] == "jpeg-passthrough"
+    assert not [p for p in scratch.rglob("*") if p.is_file()]  # removed after the slide
+    ref = Tiler(tmp_path / "ref", opts)
+    (local,) = discover_inputs([svs])
+    ref.ingest_slide(local)
+    a, b = SlideStore(plan.store_path), SlideStore(ref.store_path(local.slide_id))
+    assert a.meta.fingerprint == b.meta.fingerprint and a.meta.source == svs_url
+    for lvl in range(a.level_count):
+        np.testing.assert_array_equal(a.read_level(lvl), b.read_level(lvl), err_msg=f"level {lvl}")
+    with pytest.raises(SlideOpenError, match="not a slide OpenSlide can open"):
+        t.plan(found[0])
+    with pytest.raises(SlideOpenError, match="no such object"):
+        t.plan(discover_inputs([f"s3://{BUCKET}/slides/a/missing.svs"])[0])
+    small = Tiler(tmp_path / "stores", opts, scratch_dir=scratch, scratch_max_bytes=1000)
+    with pytest.raises(SlideOpenError, match="more than the scratch bound of 0.00 GB"):
+        small.plan(found[1])
+    t.close()
+    assert not scratch.exists() or not any(scratch.rglob("*.svs"))
+
+
+def test_killed_tiler_on_s3_leaves_no_complete_store_and_resumes_by_region(s3, svs, svs_url, tmp_path):
     opts = IngestOptions(tile_size=256, min_size=256, region_tiles=2)
-    (inp,) = discover_inputs([svs])
+    (inp,) = discover_inputs([svs_url])  # the slide itself is read from the bucket too
     prefix = "kill/stores"
 
     class DiesInRegion5(Tiler):
@@ -123,8 +172,9 @@ def test_killed_tiler_on_s3_leaves_no_complete_store_and_resumes_by_region(s3, s
     assert f"{prefix}/{inp.slide_id}.zarr/{COMPLETE_MARKER}" in keys
 
     ref = Tiler(tmp_path / "local", opts)
-    ref.ingest_slide(inp)
-    a, b = SlideStore(plan2.store_path), SlideStore(ref.store_path(inp.slide_id))
+    (local,) = discover_inputs([svs])
+    ref.ingest_slide(local)
+    a, b = SlideStore(plan2.store_path), SlideStore(ref.store_path(local.slide_id))
     assert a.level_count == b.level_count == 4
     for lvl in range(a.level_count):
         np.testing.assert_array_equal(a.read_level(lvl), b.read_level(lvl), err_msg=f"level {lvl}")

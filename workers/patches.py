@@ -334,8 +334,10 @@ def prepare_slide(store_or_sample: Any, cfg: ModelConfig, *, cache: bool = True)
     key_geom = (cfg.patch_size, cfg.stride_l0, float(cfg.scorer_downsample), float(cfg.tissue_threshold))
     path_key = None
     if cache and isinstance(store_or_sample, (str, Path, SlideStore)):
-        p = store_or_sample.path if isinstance(store_or_sample, SlideStore) else Path(store_or_sample)
-        path_key = (str(Path(p).resolve()),) + key_geom
+        from workers.storage import normalize
+
+        loc = store_or_sample.location if isinstance(store_or_sample, SlideStore) else normalize(store_or_sample)
+        path_key = (loc,) + key_geom
         with _CACHE_LOCK:
             hit = _CACHE.get(path_key)
             if hit is not None:

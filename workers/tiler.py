@@ -30,7 +30,7 @@ from operators.errors import ConfigError
 from workers import storage
 from workers.chunks import ChunkWriter, level_codec_kwargs
 from workers.frames import Box
-from workers.ingest_source import SlideFile, SlideOpenError, SlideSource
+from workers.ingest_source import SlideFile, SlideOpenError, SlideScratch, SlideSource
 from workers.pyramid import Reducer, Region, SlidePlan, level_shard_sides, plan_levels, plan_stages
 from workers.store import COMPLETE_MARKER, installed_version, mark_complete, register_codecs, write_store_metadata
 
@@ -95,6 +95,10 @@ class Tiler:
         options: :class:`IngestOptions`.
         cache_size: how many slides to keep open.
         version: the foveate version the stores record (default: the installed distribution's).
+        scratch_dir, scratch_max_bytes: where slides on object storage (``s3://...`` paths) are copied to, and the
+            bound on those copies (:class:`workers.ingest_source.SlideScratch`; defaults from
+            ``$FOVEATE_SCRATCH_DIR`` / ``$FOVEATE_SCRATCH_MAX_GB``). A copy is deleted when its slide is finalised,
+            evicted from the cache or the tiler closes.
     """
 
     def __init__(
@@ -104,6 +108,8 @@ class Tiler:
         *,
         cache_size: int = 4,
         version: str | None = None,
+        scratch_dir: str | Path | None = None,
+        scratch_max_bytes: int | None = None,
     ):
         self.store_dir = storage.normalize(store_dir)
         self.version = version or installed_version()
@@ -114,6 +120,8 @@ class Tiler:
         self._block_buffers: dict[tuple[int, int], np.ndarray] = {}  # reused source blocks (bounded: few sizes)
         self._writers: dict[str, ChunkWriter] = {}
         self._stores: OrderedDict[str, Any] = OrderedDict()
+        self._scratch_args = (scratch_dir, scratch_max_bytes)
+        self._scratch: SlideScratch | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._reducer = Reducer()
         register_codecs()
@@ -122,11 +130,17 @@ class Tiler:
     def _source(self, path: str, files: tuple[str, ...] | None = None) -> SlideSource:
         src = self._sources.get(path)
         if src is None:
-            src = SlideSource.open(path, files=files, allow_direct=self.options.direct)
+            if storage.is_url(path):  # a slide on object storage: opened from its local scratch copy
+                local = self._scratch_copies().local(path)
+                src = SlideSource.open(local, files=(local,), allow_direct=self.options.direct)
+            else:
+                src = SlideSource.open(path, files=files, allow_direct=self.options.direct)
             self._sources[path] = src
             while len(self._sources) > self.cache_size:
-                _, old = self._sources.popitem(last=False)
+                old_path, old = self._sources.popitem(last=False)
                 old.close()
+                if self._scratch is not None:
+                    self._scratch.release(old_path)
         else:
             self._sources.move_to_end(path)
         return src
@@ -139,6 +153,16 @@ class Tiler:
             while len(self._stores) > 4 * self.cache_size:
                 self._stores.popitem(last=False)
         return st
+
+    def _scratch_copies(self) -> SlideScratch:
+        if self._scratch is None:
+            self._scratch = SlideScratch(*self._scratch_args, on_evict=self._close_source)
+        return self._scratch
+
+    def _close_source(self, path: str) -> None:
+        src = self._sources.pop(path, None)
+        if src is not None:
+            src.close()
 
     def _plan(self, store_path: str) -> SlidePlan:
         plan = self._plans.get(store_path)
@@ -165,6 +189,8 @@ class Tiler:
             s.close()
         self._sources.clear()
         self._plans.clear()
+        if self._scratch is not None:
+            self._scratch.clear()
 
     # ------------------------------------------------------------------ plan
     def store_path(self, slide_id: str) -> str:
@@ -462,6 +488,8 @@ class Tiler:
         )
         self._plans.pop(str(store_path), None)
         self._writers.pop(str(store_path), None)
+        if self._scratch is not None:  # the slide is done: its local copy goes
+            self._scratch.release(plan.source_path)
         return {
             "width": plan.level_shapes[0][0],
             "height": plan.level_shapes[0][1],
