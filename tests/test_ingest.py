@@ -449,7 +449,10 @@ def test_all_white_region_writes_no_chunks_and_removes_stale_ones(tmp_path, synt
         np.testing.assert_array_equal(store.read_level(lvl), ref, err_msg=f"level {lvl}")
 
 
-def test_tissue_label_levels_are_exact_nearest_neighbour_resamplings(tmp_path):
+@pytest.mark.parametrize("shard_chunks", [None, 3, 8])
+def test_tissue_label_levels_are_exact_nearest_neighbour_resamplings(tmp_path, shard_chunks):
+    """Read back through zarr: one object per chunk, shards of 3 x 3 chunks (several rows of shards, partial ones
+    at the edges) and of 8 x 8 (non-square: cut to the level)."""
     from workers.store import write_tissue_labels
 
     rng = np.random.default_rng(5)
@@ -457,7 +460,12 @@ def test_tissue_label_levels_are_exact_nearest_neighbour_resamplings(tmp_path):
     mask[:4] = True  # whole tissue chunks too
     shapes, downs = [(161, 100), (81, 50), (41, 25), (21, 13)], [1.0, 2.0, 4.0, 8.0]
     g = zarr.open_group(str(tmp_path / "s.zarr"), mode="w", zarr_format=3)
-    write_tissue_labels(g, mask, shapes, downs, (0.5, 0.5), chunk=16)
+    write_tissue_labels(g, mask, shapes, downs, (0.5, 0.5), chunk=16, shard_chunks=shard_chunks)
+    level0 = [p for p in (tmp_path / "s.zarr/labels/tissue/0/c").rglob("*") if p.is_file()]
+    if shard_chunks:  # level 0 is 7 x 11 chunks of 16 px: 3 x 4 shards of 3 x 3 chunks, or 1 x 2 of up to 7 x 8
+        assert len(level0) == {3: 12, 8: 2}[shard_chunks]
+    else:
+        assert len(level0) > 40  # one object per chunk (each holding some tissue)
     for j, ((w, h), dj) in enumerate(zip(shapes, downs)):
         iy = np.minimum(((np.arange(h) + 0.5) * (dj / 8.0)).astype(int), 12)
         ix = np.minimum(((np.arange(w) + 0.5) * (dj / 8.0)).astype(int), 20)

@@ -90,29 +90,30 @@ _MAX_U64 = 2**64 - 1
 _morton_cache: dict[int, list[tuple[int, int]]] = {}
 
 
-def _morton(n: int) -> list[tuple[int, int]]:
-    """``(cy, cx)`` of an ``n x n`` shard in the order zarr's ShardingCodec lays out its inner chunks."""
-    order = _morton_cache.get(n)
+def _morton(ny: int, nx: int) -> list[tuple[int, int]]:
+    """``(cy, cx)`` of an ``ny x nx`` shard in the order zarr's ShardingCodec lays out its inner chunks."""
+    order = _morton_cache.get((ny, nx))
     if order is None:
         from zarr.core.indexing import morton_order_iter
 
-        order = _morton_cache[n] = [(c[1], c[2]) for c in morton_order_iter((1, n, n))]
+        order = _morton_cache[(ny, nx)] = [(c[1], c[2]) for c in morton_order_iter((1, ny, nx))]
     return order
 
 
-def encode_shard(chunks: dict[tuple[int, int], bytes], n: int) -> bytes | None:
+def encode_shard(chunks: dict[tuple[int, int], bytes], n: int | tuple[int, int]) -> bytes | None:
     """The bytes zarr's ``ShardingCodec`` (index at the end, index codecs ``bytes`` little-endian + ``crc32c``)
-    writes for a shard of ``n x n`` inner chunks of a ``(3, y, x)`` array, given the encoded inner chunks by
-    their ``(cy, cx)`` within the shard (absent or empty: fill value). None when the shard holds no chunk (zarr
-    then stores no object)."""
+    writes for a shard of ``n x n`` (or ``ny x nx``) inner chunks of a ``(c, y, x)`` array with one chunk along
+    ``c``, given the encoded inner chunks by their ``(cy, cx)`` within the shard (absent or empty: fill value).
+    None when the shard holds no chunk (zarr then stores no object)."""
     import google_crc32c
 
     if not chunks:
         return None
-    index = np.full((1, n, n, 2), _MAX_U64, dtype="<u8")
+    ny, nx = (n, n) if isinstance(n, int) else n
+    index = np.full((1, ny, nx, 2), _MAX_U64, dtype="<u8")
     parts: list[bytes] = []
     offset = 0
-    for cy, cx in _morton(n):
+    for cy, cx in _morton(ny, nx):
         data = chunks.get((cy, cx))
         if not data:
             continue

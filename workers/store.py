@@ -335,6 +335,7 @@ def write_store_metadata(
     source_mpp: tuple[float, float] | None = None,
     fingerprint: str = "",
     extra: dict[str, Any] | None = None,
+    shard_labels: bool = True,
 ) -> StoreMeta:
     """Finish a store whose image levels are written: the tissue mask (from the smallest level) as NGFF labels,
     and the NGFF ``multiscales``, the ``omero`` RGB rendering (:func:`ngff_omero`) and foveate metadata as group
@@ -345,7 +346,9 @@ def write_store_metadata(
     last = len(level_shapes) - 1
     low = np.asarray(group[str(last)][...])
     mask = tissue_mask(np.ascontiguousarray(np.moveaxis(low, 0, -1)))
-    write_tissue_labels(group, mask, [tuple(x) for x in level_shapes], list(downsamples), mpp)
+    write_tissue_labels(
+        group, mask, [tuple(x) for x in level_shapes], list(downsamples), mpp, shard_chunks=8 if shard_labels else None
+    )
     meta = StoreMeta(
         slide_id=slide_id,
         source=source,
@@ -527,6 +530,7 @@ def write_tissue_labels(
     mpp: tuple[float, float] | None,
     *,
     chunk: int = 1024,
+    shard_chunks: int | None = 8,
 ) -> None:
     """Write ``labels/tissue`` as an NGFF label image with one level per image level.
 
@@ -538,9 +542,13 @@ def write_tissue_labels(
 
     Label level ``j`` is the nearest-neighbour resampling of ``mask`` to level ``j``'s shape. Chunks that
     are all background are not written; all-tissue chunks share one encoded byte string, so even a
-    full-resolution label level costs little.
+    full-resolution label level costs little. With ``shard_chunks`` each level is sharded (zarr v3 sharding,
+    shards of ``shard_chunks x shard_chunks`` chunks, cut to the level): a few objects per level instead of
+    one per chunk (None: one object per chunk).
     """
     import imagecodecs
+
+    from workers.chunks import encode_shard
 
     mask = np.asarray(mask, dtype=np.uint8)
     mh, mw = mask.shape
@@ -557,10 +565,13 @@ def write_tissue_labels(
     ones_cache: dict[tuple[int, int], bytes] = {}
     for j, ((w, h), dj) in enumerate(zip(level_shapes, downsamples)):
         ch = min(chunk, h), min(chunk, w)
+        # chunks per shard along y and x (the whole level when it is smaller than one shard)
+        ns = (min(shard_chunks, -(-h // ch[0])), min(shard_chunks, -(-w // ch[1]))) if shard_chunks else (1, 1)
         arr = tg.create_array(
             str(j),
             shape=(1, h, w),
             chunks=(1, *ch),
+            shards=(1, ns[0] * ch[0], ns[1] * ch[1]) if shard_chunks else None,
             dtype="uint8",
             fill_value=0,
             compressors=[zarr.codecs.ZstdCodec(level=3)],
@@ -572,7 +583,9 @@ def write_tissue_labels(
         iy = np.minimum(((np.arange(h) + 0.5) * (float(dj) / dm)).astype(np.int64), mh - 1)
         ix = np.minimum(((np.arange(w) + 0.5) * (float(dj) / dm)).astype(np.int64), mw - 1)
         prefix = "/".join(p for p in (group.path, "labels", TISSUE_LABEL, str(j), "c", "0") if p)
-        for cy, y0 in enumerate(range(0, h, ch[0])):
+        shard_row: dict[tuple[int, int], bytes] = {}
+        rows_y = list(enumerate(range(0, h, ch[0])))
+        for cy, y0 in rows_y:
             ys = iy[y0 : y0 + ch[0]]
             row: dict[str, bytes] = {}
             for cx, x0 in enumerate(range(0, w, ch[1])):
@@ -592,7 +605,21 @@ def write_tissue_labels(
                     full[: len(ys), : len(xs)] = _nearest_block(mask, ys, xs, y0, x0, dm / float(dj))
                     data = bytes(imagecodecs.zstd_encode(full, level=3))
                 row[f"{prefix}/{cy}/{cx}"] = data
-            storage.put_bytes(group.store, row)  # through zarr's store API, one row of chunks at a time
+                shard_row[(cy, cx)] = data
+            if not shard_chunks:
+                storage.put_bytes(group.store, row)  # through zarr's store API, one row of chunks at a time
+                continue
+            if (cy + 1) % ns[0] and cy != rows_y[-1][0]:
+                continue
+            # a row of shards is complete: one object per shard (same bytes as zarr's ShardingCodec)
+            sy = cy // ns[0]
+            by_shard: dict[int, dict[tuple[int, int], bytes]] = {}
+            for (ky, kx), data in shard_row.items():
+                by_shard.setdefault(kx // ns[1], {})[(ky - sy * ns[0], kx % ns[1])] = data
+            storage.put_bytes(
+                group.store, {f"{prefix}/{sy}/{sx}": encode_shard(d, ns) for sx, d in by_shard.items() if d}
+            )
+            shard_row = {}
     tg.attrs["ome"] = {
         "version": "0.5",
         "image-label": {

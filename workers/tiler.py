@@ -476,6 +476,7 @@ class Tiler:
                 "resampled_to_mpp": plan.options.get("mpp"),
                 "shard_sides": plan.shard_sides,
             },
+            shard_labels=bool(plan.shard_sides),
         )
         storage.delete_prefix(store, PROGRESS_DIR)
         mark_complete(
