@@ -255,7 +255,13 @@ def _score_locked(
     from workers import storage
 
     remote = isinstance(out, str)
-    uri = resolve_tracking_uri(tracking_uri, default_dir=storage.sibling(out, "") if remote else out.parent)
+    try:
+        uri = resolve_tracking_uri(tracking_uri, default_dir=storage.sibling(out, "") if remote else out.parent)
+    except ValueError:
+        # --out on object storage and no tracking URI: fine for a model file and no --experiment (MLflow unused)
+        if experiment or ":/" in str(model):
+            raise
+        uri = None
     from pipeline.model_io import checkpoint_dict, checkpoint_digest, load_model
 
     net, cfg, class_names = load_model(str(model), tracking_uri=uri)

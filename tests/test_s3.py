@@ -295,3 +295,14 @@ def test_ingest_train_score_resume_with_every_path_on_s3(s3, ray_local, slide_cs
     assert len(pngs) == 6 and len(overlays) == 6
     r2 = score(result.model_uri, f"{root}/stores", out, workers=1, scorer_workers=1)  # resumes: nothing to redo
     assert (r2.scored, r2.skipped) == (0, 6) and sorted(r2.table["slide_id"]) == sorted(table["slide_id"])
+
+
+def test_no_sqlite_tracking_store_in_a_bucket(monkeypatch):
+    from pipeline.tracking import resolve_tracking_uri
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    with pytest.raises(
+        ValueError, match=r"cannot live under 's3://b/runs'.*--tracking-uri or set \$MLFLOW_TRACKING_URI"
+    ):
+        resolve_tracking_uri(None, default_dir="s3://b/runs")
+    assert resolve_tracking_uri("http://mlflow:5000", default_dir="s3://b/runs") == "http://mlflow:5000"
