@@ -1,7 +1,7 @@
 """``foveate verify STORES``: check every slide store of a folder against its completion marker.
 
 A store is *whole* when its completion marker is readable, its metadata opens, and every image level holds
-exactly the chunk files the marker's inventory lists (:func:`workers.store.verify_store`). Stores written
+exactly the chunk (shard) objects the marker's inventory lists (:func:`workers.store.verify_store`). Stores written
 before the inventory existed are checked for the marker and metadata only (reported as ``ok (no
 inventory)``). Exit code 1 when any store is damaged or incomplete, so scripts can gate on it.
 """

@@ -1,11 +1,12 @@
 """The tiler actor: plans a slide's store, writes its regions, finalises it (one plain class, no Ray).
 
-Planning is pure (:mod:`workers.pyramid`: levels, stages of regions, the 2x downsampler); chunk files are
-encoded and written by :class:`workers.chunks.ChunkWriter`; this module opens sources, creates or resumes
-stores and runs regions. Frames: :mod:`workers.frames` (a region's box is in pixels of store level
+Planning is pure (:mod:`workers.pyramid`: levels, stages of regions, shard sides, the 2x downsampler); chunks
+and shards are encoded and stored through zarr's store API by :class:`workers.chunks.ChunkWriter` (a local folder
+or object storage, :mod:`workers.storage`); this module opens sources (slides on object storage from a local
+scratch copy, :class:`workers.ingest_source.SlideScratch`), creates or resumes stores and runs regions. Frames: :mod:`workers.frames` (a region's box is in pixels of store level
 ``Region.level``; names ending ``_l0`` / ``_lv`` mark level-0 / level pixels).
 
-Each finished region leaves ``foveate_progress/s<stage>_r<index>.done`` in the store; a re-run skips
+Each finished region leaves the key ``foveate_progress/s<stage>_r<index>.done`` in the store; a re-run skips
 those (resume at region granularity, same bytes as an uninterrupted run because every region is a
 deterministic function of the source). :meth:`Tiler.finalize` writes the tissue mask and the NGFF/foveate
 metadata (``workers.store.write_store_metadata``, shared with ``write_store_from_array``), removes the
