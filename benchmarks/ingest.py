@@ -22,6 +22,15 @@ quality 90) is cached in ``--work-dir``.
     python benchmarks/ingest.py --threads 1,2 --zstd-level -1   # also 1 actor x 2 threads; a fast zstd level
 
 Each run records the 1-minute load average before and after it (``load_avg``): the machine may be shared.
+
+``--compare-storage REF`` instead measures where stores go, side by side in one run: ``foveate ingest`` (1 actor,
+zstd) of the code at git revision ``REF`` (the baseline: raw chunk files), of this tree with one zarr shard per
+region and level (the default), of this tree with one object per chunk (``--no-shard``), and of this tree into
+``s3://`` on a local S3 server (moto, 127.0.0.1; ``--no-s3`` skips it). Each run is a fresh Python process
+(its own in-process Ray, started before the clock), the variants alternate for ``--repeat`` rounds, and the
+table reports the median MP/s of each, its ratio to the baseline's, objects (files) per slide and bytes::
+
+    python benchmarks/ingest.py --size 16384 --compare-storage main --repeat 3
 """
 
 from __future__ import annotations
@@ -149,6 +158,119 @@ def run_ingest(
     }
 
 
+_RUNNER = r"""
+import json, os, sys, time
+from pathlib import Path
+slide, out, kind = sys.argv[1], sys.argv[2], sys.argv[3]
+import ray
+from pipeline.ingest import ingest
+from workers.tiler import IngestOptions
+ray.init(num_cpus=1, include_dashboard=False, object_store_memory=128 * 1024**2, configure_logging=False,
+         runtime_env={"env_vars": {"PYTHONPATH": os.getcwd(), "OMP_NUM_THREADS": "1"}})
+opts = IngestOptions(codec="zstd", **({"shard": False} if kind == "unsharded" else {}))
+load0 = os.getloadavg()[0]
+t = time.perf_counter()
+res = ingest([slide], out, options=opts, workers=1, overwrite=True, progress=False)
+dt = time.perf_counter() - t
+(row,) = res.rows
+assert row["status"] == "ok", row["error"]
+mp = row["width"] * row["height"] / 1e6
+print("RESULT " + json.dumps({"seconds": dt, "mp": mp, "mp_per_s": mp / dt, "cpu_seconds": res.cpu_seconds,
+      "store": row["store"], "load_avg": [load0, os.getloadavg()[0]], "code": os.path.dirname(os.path.dirname(
+      __import__("pipeline.ingest").ingest.__file__))}))
+ray.shutdown()
+"""
+
+
+def _objects(location: str) -> tuple[int, int]:
+    """(objects, bytes) under a store folder or ``s3://`` prefix."""
+    if location.startswith("s3://"):
+        import s3fs
+
+        fs = s3fs.S3FileSystem(endpoint_url=os.environ["AWS_ENDPOINT_URL"])
+        sizes = [v["size"] for v in fs.find(location, detail=True).values()]
+        return len(sizes), sum(sizes)
+    files = [f for f in Path(location).rglob("*") if f.is_file()]
+    return len(files), sum(f.stat().st_size for f in files)
+
+
+def compare_storage(slide: Path, work: Path, ref: str, repeat: int, s3: bool) -> dict:
+    """Baseline (git ``ref``) vs sharded vs unsharded (vs sharded on a local S3 server), alternating rounds."""
+    import statistics
+    import subprocess
+
+    base = work / "baseline_src"
+    shutil.rmtree(base, ignore_errors=True)
+    base.mkdir(parents=True)
+    sha = subprocess.run(["git", "-C", str(REPO), "rev-parse", ref], check=True, capture_output=True, text=True)
+    sha = sha.stdout.strip()
+    archive = subprocess.run(["git", "-C", str(REPO), "archive", sha], check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(base)], input=archive, check=True)
+    variants = [("baseline", base, "default"), ("sharded", REPO, "default"), ("unsharded", REPO, "unsharded")]
+    server = None
+    if s3:
+        import logging
+
+        import boto3
+        from moto.server import ThreadedMotoServer
+
+        logging.getLogger("werkzeug").setLevel(logging.ERROR)
+        server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+        server.start()
+        host, port = server.get_host_and_port()
+        os.environ.update(
+            AWS_ACCESS_KEY_ID="bench",
+            AWS_SECRET_ACCESS_KEY="bench",
+            AWS_DEFAULT_REGION="us-east-1",
+            AWS_ENDPOINT_URL=f"http://{host}:{port}",
+        )
+        boto3.client("s3").create_bucket(Bucket="bench")
+        variants.append(("sharded_s3", REPO, "default"))
+    runs: dict[str, list[dict]] = {name: [] for name, _, _ in variants}
+    try:
+        for rnd in range(repeat):
+            for name, tree, kind in variants:
+                out = "s3://bench/stores" if name == "sharded_s3" else str(work / f"stores_{name}")
+                if not out.startswith("s3://"):
+                    shutil.rmtree(out, ignore_errors=True)
+                print(f"round {rnd + 1}/{repeat}: {name} ...", flush=True)
+                env = {**os.environ, "PYTHONPATH": str(tree), "RAY_USAGE_STATS_ENABLED": "0"}
+                proc = subprocess.run(
+                    [sys.executable, "-c", _RUNNER, str(slide), out, kind],
+                    cwd=tree,
+                    env=env,
+                    capture_output=True,
+                    text=True,
+                )
+                line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+                if proc.returncode or not line:
+                    raise RuntimeError(f"{name} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+                r = json.loads(line[-1][len("RESULT ") :])
+                r["objects"], r["store_bytes"] = _objects(r["store"])
+                runs[name].append(r)
+                print(
+                    f"  {r['mp_per_s']:.1f} MP/s, {r['objects']} objects, {r['store_bytes'] / 1e6:.1f} MB", flush=True
+                )
+    finally:
+        if server is not None:
+            server.stop()
+    summary = {}
+    for name, rs in runs.items():
+        summary[name] = {
+            "mp_per_s_median": statistics.median(r["mp_per_s"] for r in rs),
+            "mp_per_s": [r["mp_per_s"] for r in rs],
+            "mp_per_cpu_s_median": statistics.median(r["mp"] / r["cpu_seconds"] for r in rs if r["cpu_seconds"]),
+            "objects": rs[-1]["objects"],
+            "store_bytes": rs[-1]["store_bytes"],
+            "mp": rs[-1]["mp"],
+        }
+    b = summary["baseline"]
+    for v in summary.values():
+        v["vs_baseline"] = v["mp_per_s_median"] / b["mp_per_s_median"]
+        v["per_cpu_s_vs_baseline"] = v["mp_per_cpu_s_median"] / b["mp_per_cpu_s_median"]
+    return {"baseline_ref": ref, "baseline_sha": sha, "repeat": repeat, "runs": runs, "summary": summary}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
@@ -179,6 +301,14 @@ def main(argv=None) -> int:
     )
     p.add_argument("--json", default=None, help="write results here (default WORK_DIR/ingest_<size>.json)")
     p.add_argument("--keep-stores", action="store_true", help="keep the scratch stores")
+    p.add_argument(
+        "--compare-storage",
+        metavar="REF",
+        default=None,
+        help="only compare store layouts: git revision REF (baseline) vs sharded vs unsharded (vs S3), see above",
+    )
+    p.add_argument("--repeat", type=int, default=3, help="rounds of --compare-storage (default 3)")
+    p.add_argument("--no-s3", action="store_true", help="--compare-storage without the local S3 server run")
     args = p.parse_args(argv)
     workers = [int(w) for w in args.workers.split(",") if w]
     threads = [int(t) for t in args.threads.split(",") if t]
@@ -192,6 +322,31 @@ def main(argv=None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     slide = make_slide(work, args.size)
     src_bytes = du(slide)
+    if args.compare_storage:
+        if args.repeat < 1:
+            raise ValueError(f"--repeat must be >= 1, got {args.repeat!r}")
+        res = compare_storage(slide, work, args.compare_storage, args.repeat, not args.no_s3)
+        res.update(
+            size=args.size,
+            source_bytes=src_bytes,
+            machine=f"{platform.machine()} {os.cpu_count()} CPUs ({platform.processor() or 'cpu'}), shared",
+            command="python benchmarks/ingest.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        )
+        print(f"\nslide {args.size}x{args.size}, 1 tiler actor, zstd; medians of {args.repeat} alternating rounds")
+        print("| run | MP/s (median) | vs baseline | MP per CPU-s vs baseline | objects | store MB |")
+        print("|---|---:|---:|---:|---:|---:|")
+        for name, v in res["summary"].items():
+            print(
+                f"| {name} | {v['mp_per_s_median']:.1f} | {v['vs_baseline']:.2f} | {v['per_cpu_s_vs_baseline']:.2f} "
+                f"| {v['objects']} | {v['store_bytes'] / 1e6:.1f} |"
+            )
+        out = Path(args.json) if args.json else work / f"ingest_storage_{args.size}.json"
+        out.write_text(json.dumps(res, indent=1))
+        print(f"wrote {out}")
+        if not args.keep_stores:
+            for d in work.glob("stores_*"):
+                shutil.rmtree(d, ignore_errors=True)
+        return 0
     import ray
 
     results: dict = {

@@ -9,6 +9,11 @@ output, summed over both stages), and writes JSON.
 
     python benchmarks/score.py                          # 16 slides of 4096 x 4096, batch sizes 1 and 4
     python benchmarks/score.py --count 64 --size 8192 --batch-sizes 1,4,8 --json out.json
+    python benchmarks/score.py --s3 --batch-sizes 4   # also from/to a local S3 server (moto), alternating
+
+``--s3`` starts a moto S3 server on 127.0.0.1, uploads the stores to a bucket and, for each batch size, scores
+the local stores into a local file and the bucket's stores into an ``s3://`` predictions file, one after the
+other (rows ``where: local`` / ``s3``).
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", type=int, default=None, help="classifier actors (default: auto)")
     p.add_argument("--work-dir", default=str(REPO / "benchmarks" / "_work" / "score"), help="cache of slides/stores")
     p.add_argument("--json", default=str(REPO / "benchmarks" / "results" / "score_cpu.json"), help="JSON output")
+    p.add_argument("--s3", action="store_true", help="also score from / to a local S3 server (moto)")
     args = p.parse_args(argv)
 
     import ray
@@ -81,21 +87,46 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     ckpt = save_checkpoint(work / "model.pt", FoveateModel(cfg).eval(), cfg, ["0", "1"])
 
+    places = [("local", str(stores), lambda bs: work / f"pred_bs{bs}.parquet")]
+    server = None
+    if args.s3:  # before ray.init: the workers inherit the endpoint and credentials
+        import logging
+
+        import boto3
+        import s3fs
+        from moto.server import ThreadedMotoServer
+
+        logging.getLogger("werkzeug").setLevel(logging.ERROR)
+        server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+        server.start()
+        host, port = server.get_host_and_port()
+        os.environ.update(
+            AWS_ACCESS_KEY_ID="bench",
+            AWS_SECRET_ACCESS_KEY="bench",
+            AWS_DEFAULT_REGION="us-east-1",
+            AWS_ENDPOINT_URL=f"http://{host}:{port}",
+        )
+        boto3.client("s3").create_bucket(Bucket="bench")
+        s3fs.S3FileSystem(endpoint_url=os.environ["AWS_ENDPOINT_URL"]).put(str(stores), "bench/stores", recursive=True)
+        places.append(("s3", "s3://bench/stores", lambda bs: f"s3://bench/pred_bs{bs}.parquet"))
     ray.init(include_dashboard=False, log_to_driver=False)
     cpus = int(ray.cluster_resources().get("CPU", 1))
     rows = []
     try:
-        for bs in [int(b) for b in args.batch_sizes.split(",")]:
-            out = work / f"pred_bs{bs}.parquet"
-            if out.exists():
-                out.unlink()
-            shutil.rmtree(work / f"pred_bs{bs}_heatmaps", ignore_errors=True)
+        for bs, (where, src, out_of) in [(int(b), p) for b in args.batch_sizes.split(",") for p in places]:
+            out = out_of(bs)
+            if isinstance(out, Path):
+                if out.exists():
+                    out.unlink()
+                shutil.rmtree(work / f"pred_bs{bs}_heatmaps", ignore_errors=True)
+                shutil.rmtree(work / f"pred_bs{bs}_ngff", ignore_errors=True)
             t0 = time.perf_counter()
-            res = score(str(ckpt), stores, out, workers=args.workers, batch_size=bs, experiment=None)
+            res = score(str(ckpt), src, out, workers=args.workers, batch_size=bs, experiment=None, overwrite=True)
             wall = time.perf_counter() - t0
             ok = res.table[res.table["status"] == "ok"]
             rows.append(
                 {
+                    "where": where,
                     "batch_size": bs,
                     "slides": res.total,
                     "ok": int(len(ok)),
@@ -109,14 +140,17 @@ def main(argv: list[str] | None = None) -> int:
             )
     finally:
         ray.shutdown()
+        if server is not None:
+            server.stop()
     print(
         f"{args.count} slides of {args.size}x{args.size}, model from {Path(args.config).name} (K={cfg.k}, "
         f"patch {cfg.patch_size}), Ray with {cpus} CPUs"
     )
-    print(f"{'batch':>5} {'slides':>6} {'ok':>4} {'wall s':>8} {'slides/s':>9} {'compute s/slide':>16}")
+    print(f"{'where':>5} {'batch':>5} {'slides':>6} {'ok':>4} {'wall s':>8} {'slides/s':>9} {'compute s/slide':>16}")
     for r in rows:
         print(
-            f"{r['batch_size']:>5} {r['slides']:>6} {r['ok']:>4} {r['wall_s']:>8.1f} {r['slides_per_s']:>9.3f} "
+            f"{r['where']:>5} {r['batch_size']:>5} {r['slides']:>6} {r['ok']:>4} {r['wall_s']:>8.1f} "
+            f"{r['slides_per_s']:>9.3f} "
             f"{r['compute_s_per_slide']:>16.3f}"
         )
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from operators.errors import ConfigError
+from workers import storage
 from workers.store import is_complete
 
 __all__ = [
@@ -105,10 +106,18 @@ def _label_str(value: object) -> str | None:
     return text or None
 
 
-def _read_manifest(stores_dir: Path):
+def _read_manifest(stores_dir: str):
+    import io
+
     import pandas as pd
 
-    path = stores_dir / MANIFEST_NAME
+    if storage.is_url(stores_dir):
+        fs, path = storage.filesystem(stores_dir)
+        try:
+            return pd.read_parquet(io.BytesIO(fs.cat_file(f"{path}/{MANIFEST_NAME}")))
+        except FileNotFoundError:
+            return None
+    path = Path(stores_dir) / MANIFEST_NAME
     if not path.is_file():
         return None
     return pd.read_parquet(path)
@@ -131,15 +140,15 @@ def load_labels(source: str, stores_dir: str | Path, *, label_column: str = "lab
     """
     import pandas as pd
 
-    stores_dir = Path(stores_dir)
+    stores_dir = storage.normalize(stores_dir)
     manifest = _read_manifest(stores_dir)
     if source == "manifest":
         if manifest is None:
             raise FileNotFoundError(
-                f"labels='manifest' but there is no {stores_dir / MANIFEST_NAME}; run `foveate ingest` "
+                f"labels='manifest' but there is no {storage.join(stores_dir, MANIFEST_NAME)}; run `foveate ingest` "
                 f"with a labels.csv, or set data.labels to a CSV path"
             )
-        table, where = manifest, str(stores_dir / MANIFEST_NAME)
+        table, where = manifest, storage.join(stores_dir, MANIFEST_NAME)
         if "slide_id" not in table.columns:
             raise ValueError(f"{where}: no 'slide_id' column (columns: {list(table.columns)})")
         if "status" in table.columns:
@@ -212,11 +221,11 @@ def build_slide_table(cfg: DataConfig) -> SlideTable:
         FileNotFoundError: ``cfg.stores`` is not a directory.
         ValueError: no labelled slides, or fewer than two classes.
     """
-    stores_dir = Path(cfg.stores).expanduser().resolve()
-    if not stores_dir.is_dir():
+    stores_dir = storage.normalize(cfg.stores)
+    if not storage.is_url(stores_dir) and not Path(stores_dir).is_dir():
         raise FileNotFoundError(f"data.stores: no such directory {str(stores_dir)!r}")
     labels = load_labels(cfg.labels, stores_dir, label_column=cfg.label_column)
-    stores = {p.name.removesuffix(".zarr"): p for p in sorted(stores_dir.glob("*.zarr")) if p.is_dir()}
+    stores = {name.removesuffix(".zarr"): loc for name, loc in storage.children(stores_dir, ".zarr")}
     incomplete = sorted(s for s, p in stores.items() if not is_complete(p))
     if incomplete:
         log.warning("skipping %d incomplete store(s): %s", len(incomplete), incomplete[:5])

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import sys
 import time
 from collections import deque
@@ -33,6 +32,7 @@ from pipeline.ingest_inputs import discover_inputs
 from pipeline.ingest_manifest import merge_manifest
 from pipeline.progress import Progress
 from pipeline.runtime import ActorPool, init_ray, wait_done
+from workers import storage
 from workers.ingest_source import SlideFile
 from workers.tiler import CODECS, IngestOptions, Tiler
 
@@ -47,7 +47,7 @@ class IngestConfig:
 
     Attributes:
         inputs: slide files, directories (searched recursively) or CSV manifests with a ``path`` column.
-        out: folder for ``<slide_id>.zarr`` stores and the manifest.
+        out: folder or object-storage URL (``s3://bucket/prefix``) for ``<slide_id>.zarr`` stores and the manifest.
         workers: tiler actors (None: the CPUs of the Ray cluster).
         address: Ray cluster to join (None: in-process Ray, see ``pipeline.runtime.init_ray``).
         overwrite: redo slides whose store is already complete.
@@ -91,6 +91,7 @@ _FLAGS = {
     "options.region_tiles": "region_tiles",
     "options.passthrough": "passthrough",
     "options.direct": "direct",
+    "options.shard": "shard",
 }
 
 
@@ -102,7 +103,12 @@ def add_arguments(p) -> None:
         default=None,
         help="slide files, directories (searched recursively) or CSV manifests with a 'path' column",
     )
-    p.add_argument("--out", metavar="STORE_DIR", help="folder for <slide_id>.zarr stores and the manifest (required)")
+    p.add_argument(
+        "--out",
+        metavar="STORE_DIR",
+        help="folder or object-storage URL (s3://bucket/prefix; credentials from the environment) for "
+        "<slide_id>.zarr stores and the manifest (required)",
+    )
     p.add_argument("--workers", type=int, default=None, help="tiler actors (default: CPUs of the Ray cluster)")
     p.add_argument(
         "--address",
@@ -151,6 +157,13 @@ def add_arguments(p) -> None:
         default=None,
         help="always read through OpenSlide read_region",
     )
+    p.add_argument(
+        "--no-shard",
+        dest="shard",
+        action="store_false",
+        default=None,
+        help="one object per chunk instead of one zarr shard per ingest region and level (the default)",
+    )
     p.add_argument("--overwrite", action="store_true", default=None, help="redo slides whose store is already complete")
     p.add_argument(
         "--allow-failures",
@@ -184,7 +197,7 @@ def run(args) -> int:
 class IngestResult:
     rows: list[dict[str, Any]]
     seconds: float
-    manifest_path: Path
+    manifest_path: str
     pixels: int = 0  # level-0 pixels of the slides completed in this run
     cpu_seconds: float = 0.0  # CPU time the tiler actors spent in region and finalize tasks (not plan)
 
@@ -249,14 +262,12 @@ def _actors(workers: int | None) -> int:
     return max(1, min(workers or cpus, cpus))
 
 
-def _out_dir(out: str | Path) -> Path:
-    """``--out`` as a writable local folder (created), or a ValueError saying why not."""
+def _out_dir(out: str | Path) -> str:
+    """``--out`` as a writable local folder (created) or an object-storage URL whose bucket exists (normalised),
+    or a ValueError saying why not."""
     text = str(out)
-    if "://" in text:
-        raise ValueError(
-            f"--out {text!r}: object-storage URLs are not supported yet; give a local folder (a URL would "
-            "otherwise become a local folder named after it)"
-        )
+    if storage.is_url(text):
+        return _out_url(text)
     path = Path(text).expanduser()
     if path.exists() and not path.is_dir():
         raise ValueError(f"--out {text!r} is a file; give a folder for the stores (created if missing)")
@@ -266,7 +277,25 @@ def _out_dir(out: str | Path) -> Path:
         raise ValueError(f"--out {text!r}: cannot create the folder ({exc.strerror or exc})") from exc
     if not os.access(path, os.W_OK | os.X_OK):
         raise ValueError(f"--out {text!r} is not writable by this user")
-    return path
+    return storage.normalize(path)
+
+
+def _out_url(text: str) -> str:
+    """Checks of an object-storage ``--out``: its filesystem package is installed and its bucket (the first
+    part of the path) can be listed with the environment's credentials."""
+    url = storage.normalize(text)
+    try:
+        fs, path = storage.filesystem(url)
+    except (ImportError, ValueError) as exc:
+        raise ValueError(f"--out {text!r}: cannot open its filesystem ({exc})") from exc
+    bucket = path.split("/", 1)[0]
+    try:
+        ok = fs.exists(bucket)
+    except Exception as exc:  # credentials, endpoint, network
+        raise ValueError(f"--out {text!r}: cannot reach bucket {bucket!r} ({type(exc).__name__}: {exc})") from exc
+    if not ok:
+        raise ValueError(f"--out {text!r}: bucket {bucket!r} does not exist (create it first)")
+    return url
 
 
 def ingest(
@@ -285,7 +314,7 @@ def ingest(
 
     Args:
         inputs: files, directories, CSV manifests.
-        out: store folder (created).
+        out: store folder (created) or object-storage URL (``s3://bucket/prefix``, :mod:`workers.storage`).
         options: :class:`workers.tiler.IngestOptions`.
         workers: number of tiler actors (default: the cluster's CPUs).
         address: Ray address to join; ``None`` starts a local Ray (or uses the one already initialised).
@@ -319,7 +348,7 @@ def ingest(
 
 
 def _ingest_locked(
-    inputs, out: Path, t_start: float, options, workers, address, overwrite, max_task_retries, progress, tiler_cls
+    inputs, out: str, t_start: float, options, workers, address, overwrite, max_task_retries, progress, tiler_cls
 ) -> IngestResult:
     import ray
 
@@ -331,7 +360,7 @@ def _ingest_locked(
     states: dict[str, _SlideState] = {}
     queue: deque[_Task] = deque()
     for inp in slides:
-        spath = out / f"{inp.slide_id}.zarr"
+        spath = storage.join(out, f"{inp.slide_id}.zarr")
         if not overwrite and _complete(spath):
             rows[inp.slide_id] = _skipped_row(inp, spath)
             continue
@@ -360,10 +389,10 @@ def _ingest_locked(
             r.setdefault("error", None)
             r.pop("cpu_seconds", None)
         merge_manifest(out, ordered)
-    return IngestResult(ordered, time.perf_counter() - t_start, out / "manifest.parquet", pixels, cpu)
+    return IngestResult(ordered, time.perf_counter() - t_start, storage.join(out, "manifest.parquet"), pixels, cpu)
 
 
-def _complete(spath: Path) -> bool:
+def _complete(spath: str) -> bool:
     """A store to skip: it has its completion marker and its chunks match the marker's inventory (a damaged
     store is ingested again)."""
     from workers.store import is_complete, verify_store
@@ -380,7 +409,7 @@ def _base_row(inp: SlideFile) -> dict[str, Any]:
     return {"slide_id": inp.slide_id, "source": inp.source, **inp.carried}
 
 
-def _skipped_row(inp: SlideFile, spath: Path) -> dict[str, Any]:
+def _skipped_row(inp: SlideFile, spath: str) -> dict[str, Any]:
     from workers.store import SlideStore
 
     row = {**_base_row(inp), "status": "skipped", "error": None, "store": str(spath), "seconds": 0.0}
@@ -406,7 +435,7 @@ def _schedule(
     states: dict[str, _SlideState],
     queue: deque,
     rows: dict,
-    out: Path,
+    out: str,
     options: IngestOptions,
     n_actors: int,
     overwrite: bool,
@@ -418,7 +447,7 @@ def _schedule(
 
     actor_cls = ray.remote(num_cpus=1, max_restarts=0)(tiler_cls)
     pool = ActorPool(
-        lambda: actor_cls.remote(str(out), options, version=__version__),
+        lambda: actor_cls.remote(out, options, version=__version__),
         n_actors,
         depth=2,
         max_task_retries=max_task_retries,
@@ -469,8 +498,8 @@ def _schedule(
         log.warning("slide %s failed: %s", slide, error)
         for t in [t for t in queue if t.slide == slide]:
             queue.remove(t)
-        if remove_store and st.store_path and Path(st.store_path).exists():
-            shutil.rmtree(st.store_path, ignore_errors=True)
+        if remove_store and st.store_path:
+            storage.remove_tree(st.store_path)
         slide_bar.update(1)
 
     def enqueue_stage(slide: str) -> None:

@@ -4,7 +4,12 @@
 slide_id rule (deterministic, filesystem-safe, unique): ``<stem>-<h8>`` where ``stem`` is the file name
 without its extension (for a DICOM slide: the folder name), reduced to ``[A-Za-z0-9._-]`` and at most 48
 characters, and ``h8`` the first 8 hex digits of the SHA-1 of the absolute source path (for DICOM: the
-folder path plus the series UID). The same source always gets the same id, two sources never share one.
+folder path plus the series UID; for a slide on object storage: its URL). The same source always gets the same
+id, two sources never share one.
+
+Inputs may be object-storage URLs (``s3://bucket/archive/``: listed recursively through fsspec; a single object;
+or a CSV manifest object whose relative paths are relative to the CSV's prefix). Their slides are copied to each
+tiler's local scratch when opened (:class:`workers.ingest_source.SlideScratch`).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from workers import storage
 from workers.ingest_source import SlideFile
 
 __all__ = ["SLIDE_EXTENSIONS", "SlideFile", "discover_inputs", "make_slide_id"]
@@ -55,6 +61,41 @@ def _file_input(path: Path, carried: dict[str, Any] | None = None) -> SlideFile:
             stem = stem[: -len(ext)]
             break
     return SlideFile(make_slide_id(stem, ap), ap, ap, dict(carried or {}), (ap,))
+
+
+def _url_input(url: str, carried: dict[str, Any] | None = None) -> SlideFile:
+    url = storage.normalize(url)
+    stem = storage.basename(url)
+    for ext in SLIDE_EXTENSIONS:
+        if stem.lower().endswith(ext):
+            stem = stem[: -len(ext)]
+            break
+    return SlideFile(make_slide_id(stem, url), url, url, dict(carried or {}), (url,))
+
+
+def _walk_url(url: str) -> list[SlideFile]:
+    """The slide objects under a URL prefix (recursive listing; the files inside a ``.mrxs`` folder are not
+    slides of their own)."""
+    fs, path = storage.filesystem(url)
+    scheme = storage.normalize(url).split("://", 1)[0]
+    out = []
+    for key in sorted(fs.find(path)):
+        parts = key.split("/")
+        if not key.lower().endswith(SLIDE_EXTENSIONS) or any(p.lower().endswith(".mrxs") for p in parts[:-1]):
+            continue
+        out.append(_url_input(f"{scheme}://{key}"))
+    return out
+
+
+def _url_kind(url: str) -> str:
+    """``"dir"``, ``"file"`` or ``"missing"`` for an object-storage URL."""
+    fs, path = storage.filesystem(url)
+    try:
+        if fs.isdir(path):
+            return "dir"
+        return "file" if fs.isfile(path) else "missing"
+    except FileNotFoundError:
+        return "missing"
 
 
 def _dicom_series_key(path: Path) -> str:
@@ -102,14 +143,24 @@ def _walk(directory: Path) -> list[SlideFile]:
     return out
 
 
-def _read_csv_manifest(path: Path) -> list[SlideFile]:
-    """A CSV manifest: a ``path`` column (file or folder; relative to the CSV) and any columns to carry into the
-    manifest (e.g. ``label``). Columns that ``foveate ingest`` writes itself are refused; a blank ``path``
-    fails its own row; two rows for the same slide that carry different values are refused, naming both."""
+def _read_csv_manifest(path: Path | str) -> list[SlideFile]:
+    """A CSV manifest (a local file or an object-storage URL): a ``path`` column (file or folder, local or a URL;
+    relative to the CSV) and any columns to carry into the manifest (e.g. ``label``). Columns that
+    ``foveate ingest`` writes itself are refused; a blank ``path`` fails its own row; two rows for the same slide
+    that carry different values are refused, naming both."""
+    import io
+
     from pipeline.ingest_manifest import MANIFEST_COLUMNS
 
-    with open(path, newline="") as fh:
-        rows = list(csv.DictReader(fh))
+    remote = storage.is_url(path)
+    if remote:
+        path = storage.normalize(path)
+        rows = list(csv.DictReader(io.StringIO((storage.read_file(path) or b"").decode())))
+        path_name, path_stem = storage.basename(path), storage.basename(path).rsplit(".", 1)[0]
+    else:
+        with open(path, newline="") as fh:
+            rows = list(csv.DictReader(fh))
+        path_name, path_stem = path.name, path.stem
     if not rows or "path" not in rows[0]:
         raise ValueError(f"CSV manifest {path} needs a 'path' column; got columns {list(rows[0]) if rows else []}")
     reserved = [c for c in rows[0] if c in MANIFEST_COLUMNS]
@@ -123,10 +174,17 @@ def _read_csv_manifest(path: Path) -> list[SlideFile]:
         carried = {k: v for k, v in row.items() if k != "path" and k is not None}
         raw = (row.get("path") or "").strip()
         if not raw:  # never walk the CSV's own folder for a blank cell: a row that fails with its reason
-            blank = path.resolve().parent / f"<blank path in {path.name} line {n}>"
-            out.append(
-                SlideFile(make_slide_id(f"blank-{path.stem}-line{n}", str(blank)), str(blank), str(blank), carried, ())
-            )
+            where = storage.sibling(path, "") if remote else str(path.resolve().parent) + "/"
+            blank = f"{where}<blank path in {path_name} line {n}>"
+            out.append(SlideFile(make_slide_id(f"blank-{path_stem}-line{n}", blank), blank, blank, carried, ()))
+            continue
+        if storage.is_url(raw) or (remote and not raw.startswith("/")):
+            url = raw if storage.is_url(raw) else storage.sibling(path, raw)
+            kind = _url_kind(url)
+            if kind == "dir":
+                out.extend(SlideFile(i.slide_id, i.path, i.source, carried, i.files) for i in _walk_url(url))
+            else:
+                out.append(_url_input(url, carried))
             continue
         p = Path(raw)
         if not p.is_absolute():
@@ -159,6 +217,16 @@ def discover_inputs(inputs: Iterable[str | Path]) -> list[SlideFile]:
     out: list[SlideFile] = []
     dcm_explicit: dict[Path, list[Path]] = {}
     for raw in inputs:
+        if storage.is_url(raw):
+            url = storage.normalize(raw)
+            kind = _url_kind(url)
+            if kind == "dir":
+                out.extend(_walk_url(url))
+            elif url.lower().endswith(".csv") and kind == "file":
+                out.extend(_read_csv_manifest(url))
+            else:  # a slide object (a missing one fails its own row when a tiler opens it)
+                out.append(_url_input(url))
+            continue
         p = Path(raw)
         if p.is_dir():
             out.extend(_walk(p))

@@ -10,6 +10,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from workers import storage
+
 __all__ = ["MANIFEST_COLUMNS", "merge_manifest", "read_manifest"]
 
 MANIFEST_COLUMNS = [
@@ -33,9 +35,18 @@ MANIFEST_COLUMNS = [
 
 
 def read_manifest(store_dir: str | Path):
-    """The manifest as a pandas DataFrame (empty with the standard columns when there is none)."""
+    """The manifest as a pandas DataFrame (empty with the standard columns when there is none); ``store_dir``:
+    a folder or an object-storage URL."""
+    import io
+
     import pandas as pd
 
+    if storage.is_url(store_dir):
+        fs, path = storage.filesystem(str(store_dir))
+        try:
+            return pd.read_parquet(io.BytesIO(fs.cat_file(f"{path}/manifest.parquet")))
+        except FileNotFoundError:
+            return pd.DataFrame(columns=MANIFEST_COLUMNS)
     p = Path(store_dir) / "manifest.parquet"
     if p.is_file():
         return pd.read_parquet(p)
@@ -46,7 +57,6 @@ def merge_manifest(store_dir: str | Path, rows: Iterable[dict[str, Any]]):
     """Merge ``rows`` (keyed by slide_id) into the manifest and write Parquet + CSV atomically."""
     import pandas as pd
 
-    store_dir = Path(store_dir)
     old = read_manifest(store_dir)
     new = pd.DataFrame(list(rows))
     if new.empty:
@@ -66,6 +76,16 @@ def merge_manifest(store_dir: str | Path, rows: Iterable[dict[str, Any]]):
     for c in df.columns:  # carried CSV columns can mix types across runs; keep Parquet happy
         if df[c].dtype == object:
             df[c] = df[c].map(lambda v: None if v is None or (isinstance(v, float) and v != v) else str(v))
+    if storage.is_url(store_dir):  # one PUT per file: atomic
+        import io
+
+        fs, path = storage.filesystem(str(store_dir))
+        buf = io.BytesIO()
+        df.to_parquet(buf, index=False)
+        fs.pipe_file(f"{path}/manifest.parquet", buf.getvalue())
+        fs.pipe_file(f"{path}/manifest.csv", df.to_csv(index=False).encode())
+        return df
+    store_dir = Path(store_dir)
     store_dir.mkdir(parents=True, exist_ok=True)
     for name, write in (
         ("manifest.parquet", lambda p: df.to_parquet(p, index=False)),

@@ -5,7 +5,12 @@ folder) or ``.<name>.lock`` beside a file, and records who holds it (command, pi
 file. A second writer fails at once with :class:`OutputLocked` naming the holder. The kernel drops the lock
 when its process ends, however it ends (``kill -9`` included), so a crashed run never leaves a stale lock:
 the next run simply takes it. Locks are per machine and need a local filesystem with ``flock`` (not every
-network filesystem has one); on object storage another mechanism is needed.
+network filesystem has one).
+
+For an object-storage target (``s3://...``) the lock file is a local one named after the URL
+(``$TMPDIR/foveate-locks/<sha256 of the URL>.lock``): two writers of one URL on the same machine exclude each
+other, writers on different machines do not (object storage has no lock that a killed process releases by
+itself; keep one ingest per ``--out`` URL, e.g. one RayJob).
 """
 
 from __future__ import annotations
@@ -28,7 +33,16 @@ class OutputLocked(RuntimeError):
 
 
 def lock_path(target: str | Path) -> Path:
-    """The lock file of ``target``: ``<target>/.foveate.lock`` for a folder, ``.<name>.lock`` beside a file."""
+    """The lock file of ``target``: ``<target>/.foveate.lock`` for a folder, ``.<name>.lock`` beside a file, a
+    per-machine file named after the URL for an object-storage URL."""
+    from workers import storage
+
+    if storage.is_url(target):
+        import hashlib
+        import tempfile
+
+        digest = hashlib.sha256(storage.normalize(target).encode()).hexdigest()[:32]
+        return Path(tempfile.gettempdir()) / "foveate-locks" / f"{digest}.lock"
     target = Path(target)
     return target / ".foveate.lock" if target.is_dir() else target.with_name(f".{target.name}.lock")
 

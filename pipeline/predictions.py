@@ -22,13 +22,12 @@ __all__ = ["list_stores", "read_predictions", "read_metadata", "PredictionWriter
 def list_stores(stores_dir: str | Path) -> list[tuple[str, str]]:
     """``[(slide_id, store path)]`` of every ``*.zarr`` directory in ``stores_dir``, sorted by slide id
     (complete or not: an incomplete store gets an error row)."""
-    root = Path(stores_dir)
-    if not root.is_dir():
-        raise FileNotFoundError(f"--stores: no such directory {str(root)!r}")
-    out = [
-        (p.name[: -len(".zarr")], str(p.resolve())) for p in root.iterdir() if p.is_dir() and p.name.endswith(".zarr")
-    ]
-    return sorted(out)
+    from workers import storage
+
+    root = storage.normalize(stores_dir)
+    if not storage.is_url(root) and not Path(root).is_dir():
+        raise FileNotFoundError(f"--stores: no such directory {root!r}")
+    return sorted((name[: -len(".zarr")], loc) for name, loc in storage.children(root, ".zarr"))
 
 
 def schema(prob_columns: list[str]):
@@ -70,14 +69,19 @@ def read_predictions(path: str | Path, *, option: str = "--out") -> list[dict[st
     Raises:
         ValueError: the file exists but is not a readable predictions file.
     """
+    import io
+
     import pyarrow.parquet as pq
 
-    path = Path(path)
-    if not path.exists():
+    from workers import storage
+
+    raw = storage.read_file(path)
+    if raw is None:
         return []
+    path = storage.normalize(path)
     advice = "; move it away or choose another --out" if option == "--out" else ""
     try:
-        table = pq.read_table(path)
+        table = pq.read_table(io.BytesIO(raw))
     except Exception as exc:
         raise ValueError(
             f"{option} {str(path)!r} exists but is not a readable predictions file ({exc}){advice}"
@@ -93,12 +97,16 @@ def read_predictions(path: str | Path, *, option: str = "--out") -> list[dict[st
 
 def read_metadata(path: str | Path) -> dict[str, str]:
     """The key-value metadata of an existing predictions file (``{}`` if there is none or no file)."""
+    import io
+
     import pyarrow.parquet as pq
 
-    path = Path(path)
-    if not path.exists():
+    from workers import storage
+
+    raw = storage.read_file(path)
+    if raw is None:
         return {}
-    meta = pq.read_schema(path).metadata or {}
+    meta = pq.read_schema(io.BytesIO(raw)).metadata or {}
     return {k.decode(): v.decode() for k, v in meta.items() if not k.startswith(b"ARROW:") and k != b"pandas"}
 
 
@@ -119,7 +127,9 @@ class PredictionWriter:
         flush_every_s: float = 2.0,
         metadata: dict[str, str] | None = None,
     ):
-        self.path = Path(path)
+        from workers import storage
+
+        self.path = storage.local_path(path) or storage.normalize(path)  # a Path, or an object-storage URL
         self.metadata = {str(k): str(v) for k, v in (metadata or {}).items()}  # Parquet key-value metadata
         self.rows: dict[str, dict[str, Any]] = {}
         for r in rows:
@@ -176,6 +186,18 @@ class PredictionWriter:
         import pyarrow.parquet as pq
 
         if not (self._dirty or force):
+            return
+        if isinstance(self.path, str):  # object storage: one PUT replaces the object atomically
+            import io
+
+            from workers import storage
+
+            buf = io.BytesIO()
+            pq.write_table(self.table(), buf)
+            storage.write_file(self.path, buf.getvalue())
+            self._last = time.monotonic()
+            self._dirty = False
+            self.writes += 1
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")

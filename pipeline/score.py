@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import io
 import logging
 import time
 from dataclasses import dataclass
@@ -227,7 +228,9 @@ def score(
         overwrite=overwrite,
         strict_mpp=strict_mpp,
     )  # validates
-    out = Path(out).expanduser().resolve()
+    from workers import storage
+
+    out = storage.local_path(out) or storage.normalize(out)  # a Path, or an object-storage URL (a str)
     from pipeline.locks import output_lock
 
     with output_lock(out, "foveate score"):  # one writer per predictions file
@@ -239,7 +242,7 @@ def score(
 
 
 def _score_locked(
-    model, stores, out: Path, workers, scorer_workers, address, batch_size, max_in_flight, heatmaps, experiment,
+    model, stores, out: Path | str, workers, scorer_workers, address, batch_size, max_in_flight, heatmaps, experiment,
     tracking_uri, max_restarts, max_task_retries, flush_every_s, num_cpus, overwrite, scorer_cls, classifier_cls,
     strict_mpp=False,
 ) -> ScoreResult:  # fmt: skip
@@ -249,7 +252,16 @@ def _score_locked(
     all_stores = list_stores(stores)
     if not all_stores:
         raise ValueError(f"--stores {str(stores)!r} has no <slide_id>.zarr stores")
-    uri = resolve_tracking_uri(tracking_uri, default_dir=out.parent)
+    from workers import storage
+
+    remote = isinstance(out, str)
+    try:
+        uri = resolve_tracking_uri(tracking_uri, default_dir=storage.sibling(out, "") if remote else out.parent)
+    except ValueError:
+        # --out on object storage and no tracking URI: fine for a model file and no --experiment (MLflow unused)
+        if experiment or ":/" in str(model):
+            raise
+        uri = None
     from pipeline.model_io import checkpoint_dict, checkpoint_digest, load_model
 
     net, cfg, class_names = load_model(str(model), tracking_uri=uri)
@@ -273,8 +285,9 @@ def _score_locked(
     todo = [(sid, p) for sid, p in all_stores if sid not in done]
     kept = [r for r in existing if r.get("status") == "ok" or r["slide_id"] not in {s for s, _ in todo}]
     skipped = len(all_stores) - len(todo)
-    heatmap_dir = out.with_name(f"{out.stem}_heatmaps") if heatmaps else None
-    ngff_dir = out.with_name(f"{out.stem}_ngff") if heatmaps else None  # OME-Zarr overlays (napari)
+    stem = storage.basename(out).removesuffix(".parquet")
+    heatmap_dir = storage.sibling(out, f"{stem}_heatmaps") if heatmaps else None
+    ngff_dir = storage.sibling(out, f"{stem}_ngff") if heatmaps else None  # OME-Zarr overlays (napari)
     writer = PredictionWriter(out, kept, flush_every_s=flush_every_s, metadata=identity)
     log.info(
         "%d store(s) in %s: %d already scored in %s, %d to score", len(all_stores), stores, skipped, out, len(todo)
@@ -289,13 +302,15 @@ def _score_locked(
         client = client_for(uri)
         exp_id = get_or_create_experiment(client, experiment, uri)
         run_id = client.create_run(
-            exp_id, run_name=f"score-{Path(stores).name}", tags={"foveate.stage": "score", "foveate.model": str(model)}
+            exp_id,
+            run_name=f"score-{storage.basename(stores)}",
+            tags={"foveate.stage": "score", "foveate.model": str(model)},
         ).info.run_id
         from mlflow.entities import Param
 
         params = {
             "model": str(model),
-            "stores": str(Path(stores).resolve()),
+            "stores": storage.normalize(stores),
             "out": str(out),
             "workers": workers or "auto",
             "scorer_workers": scorer_workers or "auto",
@@ -337,7 +352,7 @@ def _score_locked(
                     ray.shutdown()
         else:
             log.info("nothing to score: every slide in %s already has a row in %s", stores, out)
-            writer.flush(force=not out.exists())
+            writer.flush(force=not storage.file_exists(out))
         status = "FINISHED"
     finally:
         seconds = time.perf_counter() - t0
@@ -357,12 +372,13 @@ def _score_locked(
                 },
                 step=0,
             )
-            if out.exists():
+            if not remote and out.exists():
                 client.log_artifact(run_id, str(out), "predictions")
             client.set_terminated(run_id, status=status)
     import pandas as pd
 
-    table = pd.read_parquet(out) if out.exists() else pd.DataFrame()
+    raw = storage.read_file(out)
+    table = pd.read_parquet(io.BytesIO(raw)) if raw is not None else pd.DataFrame()
     return ScoreResult(
         out=out,
         heatmap_dir=heatmap_dir,
@@ -387,7 +403,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "local checkpoint (.pt) / MLflow model directory (required)",
     )
     parser.add_argument("--stores", help="folder of <slide_id>.zarr stores (foveate ingest's STORE_DIR; required)")
-    parser.add_argument("--out", help="predictions file (.parquet); an existing one is resumed (required)")
+    parser.add_argument(
+        "--out",
+        help="predictions file (.parquet; a local path or an object-storage URL such as s3://bucket/p.parquet); an "
+        "existing one is resumed (required)",
+    )
     parser.add_argument(
         "--workers",
         type=int,

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import logging
 import os
-from pathlib import Path
 from typing import Any
 
 import mlflow.pyfunc
@@ -83,7 +82,7 @@ def signature(class_names: list[str] | tuple[str, ...]):
 
 
 def _slide_id(store: str) -> str:
-    name = Path(str(store).rstrip("/")).name
+    name = str(store).rstrip("/").rsplit("/", 1)[-1]  # a local path or an object-storage URL
     return name[: -len(".zarr")] if name.endswith(".zarr") else name
 
 

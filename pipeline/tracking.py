@@ -43,6 +43,13 @@ def resolve_tracking_uri(explicit: str | None = None, *, default_dir: str | Path
     if env:
         return env
     if default_dir is not None:
+        from workers import storage
+
+        if storage.is_url(default_dir):
+            raise ValueError(
+                f"no MLflow tracking URI: the default sqlite file cannot live under {str(default_dir)!r} (object "
+                "storage); give --tracking-uri or set $MLFLOW_TRACKING_URI (an MLflow server, or sqlite:///<local file>)"
+            )
         wd = Path(default_dir).expanduser().resolve()
         wd.mkdir(parents=True, exist_ok=True)
         return f"sqlite:///{wd / 'mlflow.db'}"

@@ -43,6 +43,7 @@ from pipeline.config import ConfigError, add_config_arguments, config_from_cli, 
 from pipeline.data import SlideRecord, build_slide_table, split_train_val
 from pipeline.train_config import OptimConfig, ScheduleConfig, TrackingConfig, TrainConfig
 from pipeline.train_loop import MODEL_FILE, train_loop_per_worker
+from workers import storage
 from workers.metrics import classification_metrics, roc_auc
 from workers.reports import plot_gallery, plot_heatmap
 from workers.trainer import lr_factor, sigma_at
@@ -152,29 +153,35 @@ def with_training_mpp(model_cfg, mpps: list[float]):
     return model_cfg
 
 
-def _run_dir(cfg: TrainConfig, resume: bool) -> Path:
-    runs = Path(cfg.workdir).expanduser().resolve() / "train"
+def _run_dir(cfg: TrainConfig, resume: bool) -> str:
+    """The run folder (a local path or an object-storage URL under ``<workdir>/train``)."""
+    runs = storage.join(cfg.workdir, "train")
     if cfg.tracking.run_name:
-        run_dir = runs / cfg.tracking.run_name
-        if resume and not (run_dir / STATE_FILE).is_file():
+        run_dir = storage.join(runs, cfg.tracking.run_name)
+        if resume and not storage.file_exists(storage.join(run_dir, STATE_FILE)):
             raise FileNotFoundError(f"--resume: no run to resume at {run_dir} (no {STATE_FILE})")
-        if not resume and run_dir.exists():
+        if not resume and storage.file_exists(run_dir):
             raise ValueError(
                 f"run directory {run_dir} exists: use --resume to continue it, or another tracking.run_name"
             )
         return run_dir
     if resume:
-        candidates = sorted((p for p in runs.glob(f"*/{STATE_FILE}")), key=lambda p: p.stat().st_mtime)
+        candidates = sorted(
+            (storage.modified_time(f), loc)
+            for _, loc in storage.children(runs)
+            for f in [storage.join(loc, STATE_FILE)]
+            if storage.file_exists(f)
+        )
         if not candidates:
             raise FileNotFoundError(f"--resume: no run to resume under {runs}")
-        return candidates[-1].parent
+        return candidates[-1][1]
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in cfg.tracking.experiment).strip(".") or "run"
-    run_dir = runs / f"{safe[:150]}-{stamp}"  # a plain folder name (tracking.run_name's rule), even for "a/b"
+    run_dir = storage.join(runs, f"{safe[:150]}-{stamp}")  # a plain folder name (tracking.run_name's rule)
     i = 1
-    while run_dir.exists():
+    while storage.file_exists(run_dir):
         i += 1
-        run_dir = runs / f"{cfg.tracking.experiment}-{stamp}-{i}"
+        run_dir = storage.join(runs, f"{safe[:150]}-{stamp}-{i}")
     return run_dir
 
 
@@ -192,13 +199,12 @@ def _resolve(config: TrainConfig, *, workers: int | None, workdir: str | Path | 
         if not (isinstance(workers, int) and workers >= 1):
             raise ValueError(f"workers must be a positive integer, got {workers!r}")
         config = dataclasses.replace(config, workers=workers)
-    wd = Path(workdir if workdir is not None else config.workdir).expanduser().resolve()
-    stores = Path(config.data.stores).expanduser()
+    wd = storage.normalize(workdir if workdir is not None else config.workdir)
     labels = config.data.labels
     if labels != "manifest":
-        labels = str(Path(labels).expanduser().resolve())
-    data = dataclasses.replace(config.data, stores=str(stores.resolve()), labels=labels)
-    return dataclasses.replace(config, workdir=str(wd), data=data)
+        labels = storage.normalize(labels)
+    data = dataclasses.replace(config.data, stores=storage.normalize(config.data.stores), labels=labels)
+    return dataclasses.replace(config, workdir=wd, data=data)
 
 
 def train(
@@ -261,12 +267,14 @@ def train(
     config = dataclasses.replace(config, model=with_training_mpp(config.model, train_mpps))
     run_dir = _run_dir(config, resume)
     if config.tracking.run_name is None:
-        config = dataclasses.replace(config, tracking=dataclasses.replace(config.tracking, run_name=run_dir.name))
+        config = dataclasses.replace(
+            config, tracking=dataclasses.replace(config.tracking, run_name=storage.basename(run_dir))
+        )
     uri = resolve_tracking_uri(default_dir=config.workdir)
     client = client_for(uri)
     resolved = to_dict(config)
     if resume:
-        state = json.loads((run_dir / STATE_FILE).read_text())
+        state = json.loads(storage.read_file(storage.join(run_dir, STATE_FILE)) or b"{}")
         diff = [k for k in _config_diff(state["config"], resolved) if k not in ("workers",)]
         if diff:
             raise ValueError(f"--resume: the config differs from the run's in {diff}; resume with the same config")
@@ -295,11 +303,11 @@ def train(
             },
             "split.json",
         )
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / STATE_FILE).write_text(
+        storage.write_file(
+            storage.join(run_dir, STATE_FILE),
             json.dumps(
                 {"run_id": run_id, "experiment_id": experiment_id, "tracking_uri": uri, "config": resolved}, indent=2
-            )
+            ).encode(),
         )
     log.info("MLflow run %s in experiment %r at %s", run_id, config.tracking.experiment, uri)
 
@@ -373,7 +381,7 @@ def _load_ckpt(result) -> dict:
 
 def _fit(
     cfg: TrainConfig,
-    run_dir: Path,
+    run_dir: str,
     train_recs,
     val_recs,
     class_names,
@@ -407,15 +415,30 @@ def _fit(
         ),
         run_config=RunConfig(
             name="ray",
-            storage_path=str(run_dir),
+            **_storage(run_dir),
             failure_config=FailureConfig(max_failures=cfg.max_failures),
             checkpoint_config=CheckpointConfig(num_to_keep=2),
         ),
     )
     log.info(
-        "Ray Train: %d worker(s), %s, storage %s", cfg.workers, "GPU/nccl" if use_gpu else "CPU/gloo", run_dir / "ray"
+        "Ray Train: %d worker(s), %s, storage %s",
+        cfg.workers,
+        "GPU/nccl" if use_gpu else "CPU/gloo",
+        storage.join(run_dir, "ray"),
     )
     return trainer.fit()
+
+
+def _storage(run_dir: str) -> dict[str, Any]:
+    """Ray Train's ``storage_path`` (and ``storage_filesystem``) for a run folder: the folder itself, or for an
+    object-storage URL the same fsspec filesystem (and credentials, endpoint) the stores use, wrapped for pyarrow,
+    so checkpoints go to the bucket and every worker node reads them back from there (no shared disk)."""
+    if not storage.is_url(run_dir):
+        return {"storage_path": run_dir}
+    import pyarrow.fs
+
+    fs, path = storage.filesystem(run_dir)
+    return {"storage_path": path, "storage_filesystem": pyarrow.fs.PyFileSystem(pyarrow.fs.FSSpecHandler(fs))}
 
 
 # ---------------------------------------------------------------------------------------------- artifacts

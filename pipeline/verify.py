@@ -1,7 +1,7 @@
 """``foveate verify STORES``: check every slide store of a folder against its completion marker.
 
 A store is *whole* when its completion marker is readable, its metadata opens, and every image level holds
-exactly the chunk files the marker's inventory lists (:func:`workers.store.verify_store`). Stores written
+exactly the chunk (shard) objects the marker's inventory lists (:func:`workers.store.verify_store`). Stores written
 before the inventory existed are checked for the marker and metadata only (reported as ``ok (no
 inventory)``). Exit code 1 when any store is damaged or incomplete, so scripts can gate on it.
 """
@@ -20,21 +20,24 @@ __all__ = ["verify", "add_arguments", "run"]
 def verify(stores: str | Path) -> list[dict[str, object]]:
     """One ``{"slide_id", "store", "status": "ok" | "damaged", "problems": [...], "inventory": bool}`` per
     ``*.zarr`` folder in ``stores`` (sorted)."""
-    root = Path(stores)
-    if not root.is_dir():
-        raise FileNotFoundError(f"STORES: no such directory {str(root)!r}")
+    from workers import storage
+
+    root = storage.normalize(stores)
+    if not storage.is_url(root) and not Path(root).is_dir():
+        raise FileNotFoundError(f"STORES: no such directory {root!r}")
     rows = []
-    for p in sorted(q for q in root.iterdir() if q.is_dir() and q.name.endswith(".zarr")):
-        problems = verify_store(p)
+    for name, loc in storage.children(root, ".zarr"):
+        store = storage.open_store(loc, read_only=True)
+        problems = verify_store(store)
         inventory = False
         try:
-            inventory = "inventory" in json.loads((p / COMPLETE_MARKER).read_text())
+            inventory = "inventory" in json.loads(storage.get_bytes(store, COMPLETE_MARKER) or b"{}")
         except Exception:
             pass
         rows.append(
             {
-                "slide_id": p.name[: -len(".zarr")],
-                "store": str(p),
+                "slide_id": name[: -len(".zarr")],
+                "store": loc,
                 "status": "damaged" if problems else "ok",
                 "problems": problems,
                 "inventory": inventory,
@@ -44,7 +47,7 @@ def verify(stores: str | Path) -> list[dict[str, object]]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("stores", help="folder of <slide_id>.zarr stores (foveate ingest's --out)")
+    parser.add_argument("stores", help="folder or URL of <slide_id>.zarr stores (foveate ingest's --out)")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -74,6 +74,7 @@ def test_run_folder_of_an_experiment_with_a_slash_stays_in_the_workdir(tmp_path)
 
     cfg = load_config(TrainConfig, None, ["data.stores=/x", f"workdir={tmp_path}", "tracking.experiment=../../a/b"])
     run_dir = _run_dir(cfg, resume=False)
+    run_dir = Path(run_dir)  # (a local workdir: a path; an object-storage workdir gives a URL)
     assert run_dir.parent == (tmp_path / "train").resolve() and run_dir.name.startswith("_.._a_b-")
 
 
@@ -87,9 +88,10 @@ def test_ingest_out_that_cannot_hold_stores(tmp_path, capsys):
     slides = tmp_path / "slides"
     slides.mkdir()
     (tmp_path / "afile").write_text("x")
-    with pytest.raises(ValueError, match="object-storage URLs are not supported yet"):
-        ingest([slides], "s3://bucket/stores")
-    assert not Path("s3:").exists()
+    # a URL is object storage (never a local folder named after it); one whose scheme has no filesystem fails
+    with pytest.raises(ValueError, match="'nosuchfs://bucket/stores': cannot open its filesystem"):
+        ingest([slides], "nosuchfs://bucket/stores")
+    assert not Path("nosuchfs:").exists()
     with pytest.raises(ValueError, match="is a file"):
         ingest([slides], tmp_path / "afile")
     # an empty input folder: a clear error, exit code 2, no manifest claimed
@@ -228,9 +230,9 @@ def test_missing_chunks_and_corrupt_metadata_are_never_read_as_white(tmp_path, c
     capsys.readouterr()
     assert main(["verify", str(stores)]) == 1
     out = capsys.readouterr().out
-    assert "s0: ok" in out and "s1: damaged — level 0: 0 chunk file(s) on disk" in out
+    assert "s0: ok" in out and "s1: damaged — level 0: 0 chunk object(s) in the store" in out
     assert "s2: damaged — level 0:" in out and "3 store(s)" in out
-    with pytest.raises(ValueError, match=r"s1.zarr is damaged: level 0: 0 chunk file\(s\) on disk"):
+    with pytest.raises(ValueError, match=r"s1.zarr is damaged: level 0: 0 chunk object\(s\) in the store"):
         SlideStore(stores / "s1.zarr")
     torch.manual_seed(0)
     from operators.model import FoveateModel

@@ -135,7 +135,7 @@ def test_rayjob_entrypoint_is_a_command_of_this_version(doc):
         from pipeline.train import TrainConfig
 
         cfg = load_config(TrainConfig, resolve_config_path(args.config), args.overrides)
-        assert cfg.workers >= 1 and cfg.data.stores.startswith("/data/")
+        assert cfg.workers >= 1 and cfg.data.stores.startswith("s3://") and cfg.workdir.startswith("s3://")
         if cfg.use_gpu:  # a GPU per Ray Train worker: the job's cluster must have that many GPUs
             gpus = sum(
                 int(g["replicas"])
@@ -143,11 +143,17 @@ def test_rayjob_entrypoint_is_a_command_of_this_version(doc):
                 for g in doc["spec"]["rayClusterSpec"]["workerGroupSpecs"]
             )
             assert gpus >= cfg.workers, (gpus, cfg.workers)
-    # every path the job names is on the shared volume its pods mount
-    paths = [a for a in argv[4:] if a.startswith("/")] + [
-        a.split("=", 1)[1] for a in argv if "=" in a and a.split("=", 1)[1].startswith("/")
-    ]
-    assert paths and all(p.startswith("/data/") for p in paths), paths
+    # stores, runs and predictions are on object storage; the only local paths (slides) are on the volume the
+    # pods mount
+    values = argv[4:] + [a.split("=", 1)[1] for a in argv if "=" in a]
+    paths = [a for a in values if a.startswith("/")]
+    assert all(p.startswith("/data/") for p in paths), paths
+    assert any(a.startswith("s3://foveate/stores") for a in values), values
+    # every pod of the job gets the object store's credentials
+    spec = doc["spec"]["rayClusterSpec"]
+    for pod in [spec["headGroupSpec"]["template"], *(g["template"] for g in spec["workerGroupSpecs"])]:
+        refs = [e.get("secretRef", {}).get("name") for e in pod["spec"]["containers"][0].get("envFrom", [])]
+        assert "foveate-s3" in refs, doc["metadata"]["name"]
 
 
 def test_dockerfile_matches_the_manifests_and_setup():

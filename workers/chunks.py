@@ -1,49 +1,27 @@
-"""Raw chunk files of a store level, written without going through zarr (the tiler's hot path).
+"""Chunks (or shards) of a store level, encoded here and stored through zarr's store API (the tiler's hot path).
 
 Chunks are encoded exactly as zarr would (zstd levels: ``transpose(1, 2, 0)`` then zstd, i.e. the
 interleaved chunk; JPEG levels: one RGB JPEG per chunk, ``workers.codecs``; full-size edge chunks padded
-with the fill value 255; all-white chunks are not written, like zarr's ``write_empty_chunks=False``), so any
-zarr v3 reader reads them. Chunk ``(cy, cx)`` of level ``l`` is the file ``<store>/<l>/c/0/<cy>/<cx>``
-(``(c, y, x)`` arrays with one chunk along ``c``). Positions are level pixels (``_lv``, see
+with the fill value 255; all-white chunks are not written, like zarr's ``write_empty_chunks=False``), and
+shards are laid out exactly as zarr's ShardingCodec lays them out (:func:`encode_shard`), so any zarr v3 reader
+reads them. Chunk (or shard) ``(cy, cx)`` of level ``l`` is the key ``<l>/c/0/<cy>/<cx>`` of the store
+(``(c, y, x)`` arrays with one chunk along ``c``), set with one ``store.set`` — a local folder or object storage
+(:mod:`workers.storage`). The encoding stays here rather than in zarr's array API so that chunk rows keep being
+encoded on the tiler's threads while it reduces the next level. Positions are level pixels (``_lv``, see
 :mod:`workers.frames`).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-__all__ = ["ChunkWriter", "fsync_dir", "level_codec_kwargs", "sync_filesystem", "write_file", "write_json_atomic"]
-
-
-def write_file(path: str, data: bytes, *, sync: bool = False) -> None:
-    """Create/replace ``path`` with ``data`` (raw ``os.write``: less overhead than a buffered file); ``sync``:
-    ``fdatasync`` before closing (its directory entry needs :func:`fsync_dir` of the folder)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-        if sync:
-            os.fdatasync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_dir(path: str) -> None:
-    """Make the entries of folder ``path`` (files created, replaced or removed in it) durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+__all__ = ["ChunkWriter", "decode_shard", "encode_shard", "level_codec_kwargs", "sync_filesystem"]
 
 
 _syncfs: Any = None
@@ -76,16 +54,18 @@ def sync_filesystem(path: str) -> None:
         os.close(fd)
 
 
-def write_json_atomic(path: Path, obj: Any) -> None:
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=1))
-    os.replace(tmp, path)
-
-
-def level_codec_kwargs(codec: str, *, zstd_level: int, jpeg_quality: int) -> dict[str, Any]:
+def level_codec_kwargs(
+    codec: str, *, zstd_level: int, jpeg_quality: int, shard_side: int | None = None
+) -> dict[str, Any]:
     """``zarr.create_array`` keyword arguments of a level stored with ``codec`` (``"zstd"``, ``"jpeg"`` or
-    ``"passthrough:<colorspace>"``)."""
+    ``"passthrough:<colorspace>"``), in shards of ``shard_side`` px (zarr's ShardingCodec) when given."""
     import zarr
+
+    if shard_side:
+        return {
+            **level_codec_kwargs(codec, zstd_level=zstd_level, jpeg_quality=jpeg_quality),
+            "shards": (3, int(shard_side), int(shard_side)),
+        }
 
     from workers.codecs import JpegRGBCodec
 
@@ -106,35 +86,106 @@ def level_codec_kwargs(codec: str, *, zstd_level: int, jpeg_quality: int) -> dic
     raise ValueError(f"unknown level codec {codec!r}")
 
 
+_MAX_U64 = 2**64 - 1
+_morton_cache: dict[int, list[tuple[int, int]]] = {}
+
+
+def _morton(ny: int, nx: int) -> list[tuple[int, int]]:
+    """``(cy, cx)`` of an ``ny x nx`` shard in the order zarr's ShardingCodec lays out its inner chunks."""
+    order = _morton_cache.get((ny, nx))
+    if order is None:
+        from zarr.core.indexing import morton_order_iter
+
+        order = _morton_cache[(ny, nx)] = [(c[1], c[2]) for c in morton_order_iter((1, ny, nx))]
+    return order
+
+
+def encode_shard(chunks: dict[tuple[int, int], bytes], n: int | tuple[int, int]) -> bytes | None:
+    """The bytes zarr's ``ShardingCodec`` (index at the end, index codecs ``bytes`` little-endian + ``crc32c``)
+    writes for a shard of ``n x n`` (or ``ny x nx``) inner chunks of a ``(c, y, x)`` array with one chunk along
+    ``c``, given the encoded inner chunks by their ``(cy, cx)`` within the shard (absent or empty: fill value).
+    None when the shard holds no chunk (zarr then stores no object)."""
+    import google_crc32c
+
+    if not chunks:
+        return None
+    ny, nx = (n, n) if isinstance(n, int) else n
+    index = np.full((1, ny, nx, 2), _MAX_U64, dtype="<u8")
+    parts: list[bytes] = []
+    offset = 0
+    for cy, cx in _morton(ny, nx):
+        data = chunks.get((cy, cx))
+        if not data:
+            continue
+        index[0, cy, cx] = (offset, len(data))
+        parts.append(data)
+        offset += len(data)
+    if not parts:
+        return None
+    ib = index.tobytes()
+    parts.append(ib)
+    parts.append(np.uint32(google_crc32c.value(ib)).astype("<u4").tobytes())
+    return b"".join(parts)
+
+
+def decode_shard(data: bytes, n: int) -> dict[tuple[int, int], bytes]:
+    """The inverse of :func:`encode_shard`: the encoded inner chunks ``{(cy, cx): bytes}`` of a shard object of
+    ``n x n`` chunks (checksum of the index checked; ValueError when it does not match)."""
+    import google_crc32c
+
+    size = n * n * 16
+    if len(data) < size + 4:
+        raise ValueError(f"a shard of {n}x{n} chunks needs at least {size + 4} bytes, got {len(data)}")
+    ib, crc = data[-size - 4 : -4], data[-4:]
+    if np.uint32(google_crc32c.value(ib)).astype("<u4").tobytes() != crc:
+        raise ValueError("shard index checksum mismatch (a damaged or truncated shard)")
+    index = np.frombuffer(ib, dtype="<u8").reshape(n, n, 2)
+    return {
+        (cy, cx): data[int(o) : int(o) + int(ln)]
+        for cy in range(n)
+        for cx in range(n)
+        for o, ln in [index[cy, cx]]
+        if o != _MAX_U64
+    }
+
+
 class ChunkWriter:
-    """Encodes and writes the chunks of one store's levels.
+    """Encodes the chunks of one store's levels and writes them through zarr's store API.
+
+    Unsharded levels get one object per chunk (``<level>/c/0/<cy>/<cx>``). Sharded levels (``shard_sides``)
+    get one object per shard of ``side x side`` pixels — the footprint of one ingest region on that level — so
+    a block written by a region is exactly one shard (``<level>/c/0/<sy>/<sx>``), assembled here with zarr's
+    byte layout (:func:`encode_shard`) and stored with one ``set``.
 
     Args:
-        store_path: the ``<slide_id>.zarr`` folder.
+        store: the store's zarr store (``workers.storage.open_store``).
         tile: chunk side.
         level_shapes: ``(width, height)`` per level (bounds checks).
         level_codecs: codec per level (see :func:`level_codec_kwargs`).
+        shard_sides: shard side in pixels per level (a multiple of ``tile``), or None (unsharded).
         zstd_level, jpeg_quality: encoder settings.
         executor: returns the thread pool that encodes chunk rows in parallel, or None (inline).
-        durable: :meth:`sync` flushes what was written to the disk (else it does nothing).
+        durable: :meth:`sync` flushes what was written to a local disk (else it does nothing).
     """
 
     def __init__(
         self,
-        store_path: str,
+        store: Any,
         *,
         tile: int,
         level_shapes: list[tuple[int, int]],
         level_codecs: list[str],
+        shard_sides: list[int] | None = None,
         zstd_level: int,
         jpeg_quality: int,
         executor: Callable[[], ThreadPoolExecutor | None] = lambda: None,
         durable: bool = False,
     ):
-        self.store_path = str(store_path)
+        self.store = store
         self.tile = int(tile)
         self.level_shapes = level_shapes
         self.level_codecs = level_codecs
+        self.shard_sides = list(shard_sides) if shard_sides else None
         self.zstd_level, self.jpeg_quality = zstd_level, jpeg_quality
         self._executor = executor
         self._local = threading.local()  # per-thread chunk buffers
@@ -142,59 +193,114 @@ class ChunkWriter:
         self.durable = bool(durable)
 
     def sync(self) -> None:
-        """Make every chunk written (or removed) so far durable, folders included (:func:`sync_filesystem`); the
-        tiler calls it before it marks a region done. A no-op unless ``durable``."""
+        """Make every chunk written (or removed) so far durable on a local disk
+        (:func:`workers.storage.sync_local`); the tiler calls it before it marks a region done. A no-op unless
+        ``durable`` (and on object storage, where a finished PUT is durable)."""
         if self.durable:
-            sync_filesystem(self.store_path)
+            from workers.storage import sync_local
 
-    def _root(self, level: int) -> str:
-        return f"{self.store_path}/{level}/c/0"
+            sync_local(self.store)
 
-    def put_chunk(self, row_dirs: dict[int, str], level: int, cy: int, cx: int, data: bytes) -> None:
-        """Write one encoded chunk file (plain strings: pathlib is too slow here)."""
-        d = row_dirs.get(cy)
-        if d is None:
-            d = row_dirs[cy] = f"{self._root(level)}/{cy}"
-            os.makedirs(d, exist_ok=True)
-        write_file(f"{d}/{cx}", data)
+    def _shard(self, level: int) -> int:
+        return self.shard_sides[level] if self.shard_sides else 0
+
+    def _check_box(self, level: int, x_lv: int, y_lv: int, w: int, h: int) -> None:
+        t = self.tile
+        w_lv, h_lv = self.level_shapes[level]
+        if x_lv % t or y_lv % t:
+            raise ValueError(f"block origin ({x_lv}, {y_lv}) is not aligned to the {t}-px chunk grid")
+        if x_lv + w > w_lv or y_lv + h > h_lv:
+            raise ValueError(f"block {w}x{h} at ({x_lv}, {y_lv}) exceeds level {level} of size {w_lv}x{h_lv}")
+        s = self._shard(level)
+        if s and (x_lv // s != (x_lv + w - 1) // s or y_lv // s != (y_lv + h - 1) // s):
+            raise ValueError(
+                f"block {w}x{h} at ({x_lv}, {y_lv}) of level {level} spans more than one {s}-px shard "
+                "(sharded levels are written one region = one shard at a time)"
+            )
 
     def write_block(self, level: int, x_lv: int, y_lv: int, block: np.ndarray) -> list[Future]:
-        """Encode and write the chunks of ``block`` (h, w, 3) at ``(x_lv, y_lv)`` of ``level`` (chunk-aligned).
+        """Encode and store the chunks of ``block`` (h, w, 3) at ``(x_lv, y_lv)`` of ``level`` (chunk-aligned;
+        within one shard on a sharded level).
 
         With a thread pool the chunk rows are encoded there and their futures returned (``block`` must stay
         unchanged until they finish); otherwise everything is written before returning ``[]``."""
         t = self.tile
-        w_lv, h_lv = self.level_shapes[level]
         bh, bw, _ = block.shape
-        if x_lv % t or y_lv % t:
-            raise ValueError(f"block origin ({x_lv}, {y_lv}) is not aligned to the {t}-px chunk grid")
-        if x_lv + bw > w_lv or y_lv + bh > h_lv:
-            raise ValueError(f"block {bw}x{bh} at ({x_lv}, {y_lv}) exceeds level {level} of size {w_lv}x{h_lv}")
+        self._check_box(level, x_lv, y_lv, bw, bh)
         codec = self.level_codecs[level]
-        root = self._root(level)
         rows = range(0, bh, t)
         pool = self._executor()
+        s = self._shard(level)
+        if not s:
+            if pool is None or len(rows) < 2:
+                for oy in rows:
+                    self._store_row(level, self._encode_row(codec, x_lv, y_lv, block, oy))
+                return []
+            return [
+                pool.submit(lambda oy: self._store_row(level, self._encode_row(codec, x_lv, y_lv, block, oy)), oy)
+                for oy in rows
+            ]
         if pool is None or len(rows) < 2:
+            encoded: dict[tuple[int, int], bytes | None] = {}
             for oy in rows:
-                self._write_chunk_row(codec, root, x_lv, y_lv, block, oy)
+                encoded.update(self._encode_row(codec, x_lv, y_lv, block, oy))
+            self._store_shard(level, x_lv, y_lv, encoded)
             return []
-        return [pool.submit(self._write_chunk_row, codec, root, x_lv, y_lv, block, oy) for oy in rows]
+        futures = [pool.submit(self._encode_row, codec, x_lv, y_lv, block, oy) for oy in rows]
+
+        def assemble() -> None:
+            encoded: dict[tuple[int, int], bytes | None] = {}
+            for f in futures:  # submitted before this task: never waits on a task queued behind it
+                encoded.update(f.result())
+            self._store_shard(level, x_lv, y_lv, encoded)
+
+        return [*futures, pool.submit(assemble)]
+
+    def write_encoded(self, level: int, x_lv: int, y_lv: int, w: int, h: int, chunks: dict[tuple[int, int], bytes]):
+        """Store already-encoded chunks (JPEG passthrough) of the box ``(x_lv, y_lv, w, h)`` of ``level``, keyed by
+        their level chunk indices ``(cy, cx)``; chunks of the box not given are fill value."""
+        self._check_box(level, x_lv, y_lv, w, h)
+        t = self.tile
+        full: dict[tuple[int, int], bytes | None] = {
+            (cy, cx): None
+            for cy in range(y_lv // t, -(-(y_lv + h) // t))
+            for cx in range(x_lv // t, -(-(x_lv + w) // t))
+        }
+        full.update(chunks)
+        if self._shard(level):
+            self._store_shard(level, x_lv, y_lv, full)
+        else:
+            self._store_row(level, full)
 
     def clear_chunks(self, level: int, x_lv: int, y_lv: int, w: int, h: int) -> None:
         """An all-white box of ``level``: no chunk is stored (fill value); remove any left by an earlier run."""
-        t = self.tile
-        root = self._root(level)
-        for cy in range(y_lv // t, -(-(y_lv + h) // t)):
-            row = f"{root}/{cy}"
-            if not os.path.isdir(row):
-                continue
-            for cx in range(x_lv // t, -(-(x_lv + w) // t)):
-                p = f"{row}/{cx}"
-                if os.path.exists(p):
-                    os.unlink(p)
+        self.write_encoded(level, x_lv, y_lv, w, h, {})
 
-    def _write_chunk_row(self, codec: str, root: str, x_lv: int, y_lv: int, block: np.ndarray, oy: int) -> None:
-        """Encode and write the chunks of block rows ``oy:oy+t`` (one chunk-row directory; thread-safe)."""
+    def _store_row(self, level: int, encoded: dict[tuple[int, int], bytes | None]) -> None:
+        from workers.storage import delete_keys, put_bytes
+
+        put_bytes(self.store, [(f"{level}/c/0/{cy}/{cx}", d) for (cy, cx), d in encoded.items() if d is not None])
+        # (a re-run of a region never leaves a stale chunk)
+        delete_keys(self.store, [f"{level}/c/0/{cy}/{cx}" for (cy, cx), d in encoded.items() if d is None])
+
+    def _store_shard(self, level: int, x_lv: int, y_lv: int, encoded: dict[tuple[int, int], bytes | None]) -> None:
+        from workers.storage import delete_keys, put_bytes
+
+        s, t = self._shard(level), self.tile
+        sy, sx = y_lv // s, x_lv // s
+        n, cy0, cx0 = s // t, sy * (s // t), sx * (s // t)
+        data = encode_shard({(cy - cy0, cx - cx0): d for (cy, cx), d in encoded.items() if d is not None}, n)
+        key = f"{level}/c/0/{sy}/{sx}"
+        if data is None:
+            delete_keys(self.store, [key])
+        else:
+            put_bytes(self.store, [(key, data)])
+
+    def _encode_row(
+        self, codec: str, x_lv: int, y_lv: int, block: np.ndarray, oy: int
+    ) -> dict[tuple[int, int], bytes | None]:
+        """Encode the chunks of block rows ``oy:oy+t``: ``{(cy, cx): bytes, or None for an all-white chunk}``
+        (thread-safe)."""
         from workers.codecs import encode_jpeg_hwc
 
         t = self.tile
@@ -203,7 +309,7 @@ class ChunkWriter:
             cbuf = self._local.chunk = np.empty((t, t, 3), np.uint8)
         zstd = self._zstd_codec() if codec == "zstd" else None
         cy = (y_lv + oy) // t
-        row_dir: str | None = None
+        out: dict[tuple[int, int], bytes | None] = {}
         for ox in range(0, block.shape[1], t):
             chunk = block[oy : oy + t, ox : ox + t]
             cx = (x_lv + ox) // t
@@ -213,18 +319,13 @@ class ChunkWriter:
             else:
                 np.copyto(cbuf, chunk)
             if cbuf[0, 0, 0] == 255 and cbuf.min() == 255:  # short-circuits for most tissue chunks
-                p = f"{root}/{cy}/{cx}"
-                if os.path.exists(p):  # (a re-run of a region never leaves a stale chunk)
-                    os.unlink(p)
+                out[(cy, cx)] = None
                 continue
             if zstd is not None:
-                data = zstd.encode(cbuf)  # the transpose codec's (y, x, c) chunk, zarr's own zstd encoder
+                out[(cy, cx)] = zstd.encode(cbuf)  # the transpose codec's (y, x, c) chunk, zarr's own zstd encoder
             else:
-                data = encode_jpeg_hwc(cbuf, self.jpeg_quality)
-            if row_dir is None:
-                row_dir = f"{root}/{cy}"
-                os.makedirs(row_dir, exist_ok=True)
-            write_file(f"{row_dir}/{cx}", data)
+                out[(cy, cx)] = encode_jpeg_hwc(cbuf, self.jpeg_quality)
+        return out
 
     def _zstd_codec(self) -> Any:
         """numcodecs' Zstd at the run's level: the encoder zarr's ``ZstdCodec`` itself uses (same bytes)."""

@@ -341,3 +341,125 @@ def _direct_pages(path: str, osr: Any) -> tuple[Any, dict[int, Any], list]:
         tiff.close()
         return None, {}, [None] * osr.level_count
     return tiff, pages, jpeg_levels
+
+
+def _remove_dead_scratch(base: Path) -> None:
+    """Remove the scratch folders of processes that no longer run (a tiler killed with its copies)."""
+    import os
+    import shutil
+
+    if not base.is_dir():
+        return
+    for d in base.glob("p*"):
+        try:
+            pid = int(d.name[1:])
+        except ValueError:
+            continue
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            shutil.rmtree(d, ignore_errors=True)
+        except PermissionError:  # another user's live process
+            pass
+
+
+REMOTE_SINGLE_FILE = (".svs", ".tif", ".tiff", ".ndpi", ".bif", ".scn", ".svslide", ".qptiff")
+
+
+class SlideScratch:
+    """Local copies of slides that live on object storage (OpenSlide reads local files only).
+
+    :meth:`local` copies a slide URL into ``folder`` once (a temporary name renamed when complete) and returns the
+    local path; :meth:`release` deletes a copy. At most ``max_bytes`` of copies exist at a time: older copies are
+    released first (``on_evict`` is called before, so the caller can close its handle), and a slide larger than
+    the bound fails with :class:`SlideOpenError` naming it. Multi-file formats (MIRAX, VMS, DICOM series) are
+    refused from object storage.
+
+    Args:
+        folder: scratch folder (created; default ``$FOVEATE_SCRATCH_DIR``, else ``<tmp>/foveate-scratch``), one
+            sub-folder per process.
+        max_bytes: bound on the copies (default ``$FOVEATE_SCRATCH_MAX_GB`` GB, else 64 GB).
+    """
+
+    def __init__(self, folder: str | Path | None = None, max_bytes: int | None = None, on_evict=None):
+        import os
+        import tempfile
+
+        base = Path(folder or os.environ.get("FOVEATE_SCRATCH_DIR") or Path(tempfile.gettempdir()) / "foveate-scratch")
+        self.folder = base / f"p{os.getpid()}"
+        _remove_dead_scratch(base)
+        if max_bytes is None:
+            raw = os.environ.get("FOVEATE_SCRATCH_MAX_GB", "64")
+            try:
+                max_bytes = int(float(raw) * 1e9)
+            except ValueError:
+                raise ValueError(f"$FOVEATE_SCRATCH_MAX_GB must be a number of gigabytes, got {raw!r}") from None
+        if max_bytes <= 0:
+            raise ValueError(f"scratch max_bytes must be > 0, got {max_bytes!r}")
+        self.max_bytes = int(max_bytes)
+        self.on_evict = on_evict
+        self._copies: dict[str, tuple[Path, int]] = {}  # url -> (local path, bytes), oldest first
+
+    @property
+    def used_bytes(self) -> int:
+        return sum(n for _, n in self._copies.values())
+
+    def local(self, url: str) -> str:
+        """The local copy of ``url`` (copied now if needed). Raises SlideOpenError for a missing or too large
+        object, or a multi-file format."""
+        from workers import storage
+
+        got = self._copies.get(url)
+        if got is not None and got[0].is_file():
+            self._copies[url] = self._copies.pop(url)  # most recently used last
+            return str(got[0])
+        name = storage.basename(url)
+        if not name.lower().endswith(REMOTE_SINGLE_FILE):
+            raise SlideOpenError(
+                f"{url}: only single-file slide formats {list(REMOTE_SINGLE_FILE)} are read from object storage "
+                "(MIRAX, VMS and DICOM series need their folder: copy them to a local or shared disk)"
+            )
+        try:
+            fs, path = storage.filesystem(url)
+            size = int(fs.size(path))
+        except FileNotFoundError:
+            raise SlideOpenError(f"no such object: {url}") from None
+        except Exception as exc:
+            raise SlideOpenError(f"cannot read {url}: {type(exc).__name__}: {exc}") from exc
+        if size > self.max_bytes:
+            raise SlideOpenError(
+                f"{url} is {size / 1e9:.2f} GB, more than the scratch bound of {self.max_bytes / 1e9:.2f} GB "
+                "($FOVEATE_SCRATCH_MAX_GB)"
+            )
+        while self._copies and self.used_bytes + size > self.max_bytes:
+            self.release(next(iter(self._copies)))
+        import hashlib
+
+        self.folder.mkdir(parents=True, exist_ok=True)
+        local = self.folder / f"{hashlib.sha1(url.encode()).hexdigest()[:12]}-{name}"
+        tmp = local.with_name(local.name + ".part")
+        try:
+            fs.get_file(path, str(tmp))
+            tmp.replace(local)
+        except Exception as exc:
+            tmp.unlink(missing_ok=True)
+            raise SlideOpenError(f"cannot copy {url} to scratch: {type(exc).__name__}: {exc}") from exc
+        self._copies[url] = (local, size)
+        return str(local)
+
+    def release(self, url: str) -> None:
+        """Delete the local copy of ``url`` (if any)."""
+        got = self._copies.pop(url, None)
+        if got is None:
+            return
+        if self.on_evict is not None:
+            self.on_evict(url)
+        got[0].unlink(missing_ok=True)
+
+    def clear(self) -> None:
+        for url in list(self._copies):
+            self.release(url)
+        try:
+            self.folder.rmdir()
+        except OSError:
+            pass

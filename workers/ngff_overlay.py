@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import zarr
 
+from workers import storage
 from workers.store import ngff_multiscales
 
 __all__ = ["write_score_overlay", "PATCHES_LABEL"]
@@ -39,7 +40,7 @@ def write_score_overlay(
     stride: int,
     mpp: tuple[float, float] | None,
     name: str = "scores",
-) -> Path:
+) -> Path | str:
     """Write the overlay image for one slide at ``path`` (atomically: a temporary folder renamed into place).
 
     Args:
@@ -64,10 +65,24 @@ def write_score_overlay(
         raise ValueError(f"cells must lie in [0, {gh * gw}), got range [{cells.min()}, {cells.max()}]")
     ranks = np.zeros(gh * gw, np.uint16)
     ranks[cells] = np.arange(1, cells.size + 1, dtype=np.uint16)
+    if storage.is_url(path):  # object storage: written in place (no rename); the group's attributes come last
+        url = storage.normalize(path)
+        storage.remove_tree(url)
+        group = zarr.open_group(store=storage.open_store(url), mode="w", zarr_format=3)
+        _fill_overlay(group, s, ranks, cells, gh, gw, stride=stride, mpp=mpp, name=name)
+        return url
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     group = zarr.open_group(str(tmp), mode="w", zarr_format=3)
+    _fill_overlay(group, s, ranks, cells, gh, gw, stride=stride, mpp=mpp, name=name)
+    if path.exists():
+        shutil.rmtree(path)
+    os.replace(tmp, path)
+    return path
+
+
+def _fill_overlay(group, s, ranks, cells, gh: int, gw: int, *, stride: int, mpp, name: str) -> None:
     a = group.create_array(
         "0",
         shape=(1, gh, gw),
@@ -110,7 +125,3 @@ def write_score_overlay(
         },
         "multiscales": ngff_multiscales(PATCHES_LABEL, [float(stride)], mpp),
     }
-    if path.exists():
-        shutil.rmtree(path)
-    os.replace(tmp, path)
-    return path

@@ -458,8 +458,10 @@ def prepare_slide(store_or_sample: Any, cfg: ModelConfig, *, cache: bool = True)
     key_geom = cfg.geometry_key() + (float(cfg.tissue_threshold),)
     path_key = None
     if cache and isinstance(store_or_sample, (str, Path, SlideStore)):
-        p = store_or_sample.path if isinstance(store_or_sample, SlideStore) else Path(store_or_sample)
-        path_key = (str(Path(p).resolve()),) + key_geom
+        from workers.storage import normalize
+
+        loc = store_or_sample.location if isinstance(store_or_sample, SlideStore) else normalize(store_or_sample)
+        path_key = (loc,) + key_geom
         with _CACHE_LOCK:
             hit = _CACHE.get(path_key)
             if hit is not None:
@@ -467,7 +469,7 @@ def prepare_slide(store_or_sample: Any, cfg: ModelConfig, *, cache: bool = True)
                 return hit
     store = _resolve_store(store_or_sample)
     if cache and path_key is None:
-        path_key = (str(store.path.resolve()),) + key_geom
+        path_key = (store.location,) + key_geom
         with _CACHE_LOCK:
             hit = _CACHE.get(path_key)
             if hit is not None:

@@ -37,6 +37,7 @@ __all__ = [
     "LevelPlan",
     "plan_levels",
     "plan_stages",
+    "level_shard_sides",
     "blocks",
 ]
 
@@ -157,6 +158,7 @@ class SlidePlan:
     todo: list[list[Region]] = field(default_factory=list)  # not yet done (filled by plan())
     resumed_regions: int = 0
     files: tuple[str, ...] = ()
+    shard_sides: list[int] | None = None  # per level: shard side in px (one shard per region), None: unsharded
 
     def identity(self) -> dict[str, Any]:
         """What must match for a partially written store to be resumed."""
@@ -286,3 +288,27 @@ def plan_stages(levels: LevelPlan, *, tile: int, region_tiles: int) -> list[list
         )
         done_to += k
     return stages
+
+
+def level_shard_sides(stages: list[list[Region]], level_shapes: list[tuple[int, int]], *, tile: int) -> list[int]:
+    """Per store level, the side in pixels of the shard that one region of ``stages`` writes on it: the
+    region's full block (``tile * region_tiles`` on the level it reads) halved once per level below it, cut to
+    the level's longer side rounded up to whole chunks. Every region's box on that level then lies in exactly
+    one shard (regions start on multiples of the block size), so a region writes each of its levels as one
+    object, and no two regions share one."""
+    t = int(tile)
+    sides: list[int] = [0] * len(level_shapes)
+    groups: dict[tuple[int, int], list[Region]] = {}
+    for st in stages:
+        for r in st:  # (a passthrough stage copies several levels: one group per level read)
+            groups.setdefault((r.stage, r.level), []).append(r)
+    for (_, base), regs in groups.items():
+        full = max(max(r.box.width, r.box.height) for r in regs)
+        full = t * (1 << max(0, math.ceil(math.log2(-(-full // t)))))  # the block size (a power of two)
+        for lvl in regs[0].out_levels:
+            side = full >> (lvl - base) if lvl > base else full
+            w, h = level_shapes[lvl]
+            sides[lvl] = max(t, min(side, -(-max(w, h) // t) * t))
+    if any(s == 0 for s in sides):
+        raise ValueError(f"level_shard_sides: no region writes level {sides.index(0)}")
+    return sides

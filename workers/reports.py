@@ -81,10 +81,21 @@ def heatmap_image(
     return out
 
 
-def write_heatmap(path: str | Path, image: np.ndarray) -> Path:
-    """Write an RGB uint8 image as PNG (atomically)."""
+def write_heatmap(path: str | Path, image: np.ndarray) -> Path | str:
+    """Write an RGB uint8 image as PNG (atomically: a renamed temporary file, or one PUT to an object-storage
+    URL, which is returned as is)."""
+    import io
+
     from PIL import Image
 
+    from workers import storage
+
+    if storage.is_url(path):
+        buf = io.BytesIO()
+        Image.fromarray(image).save(buf, format="PNG")
+        fs, key = storage.filesystem(str(path))
+        fs.pipe_file(key, buf.getvalue())
+        return storage.normalize(path)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp.png")

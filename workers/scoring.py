@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from workers import storage
 from workers.frames import Box
 from workers.reports import heatmap_image, score_grid, slide_heatmap, write_heatmap
 
@@ -221,8 +222,8 @@ class ClassifierWorker:
         _set_threads(threads)
         self.model, self.cfg, self.class_names = _load(model)
         self.model.to("cpu").eval()
-        self.heatmap_dir = Path(heatmap_dir) if heatmap_dir is not None else None
-        self.ngff_dir = Path(ngff_dir) if ngff_dir is not None else None
+        self.heatmap_dir = storage.normalize(heatmap_dir) if heatmap_dir is not None else None
+        self.ngff_dir = storage.normalize(ngff_dir) if ngff_dir is not None else None
         self.model_name = str(model_name)
 
     def _prepare(self, item: Mapping[str, Any]):
@@ -322,7 +323,7 @@ class ClassifierWorker:
 
             ranked = cells[np.argsort(-np.nan_to_num(scores[cells], nan=-np.inf), kind="stable")]
             write_score_overlay(
-                self.ngff_dir / f"{item['slide_id']}.zarr",
+                storage.join(self.ngff_dir, f"{item['slide_id']}.zarr"),
                 sgrid,
                 ranked,
                 stride=grid.stride,
@@ -331,7 +332,7 @@ class ClassifierWorker:
             )
         if self.heatmap_dir is not None:
             img = slide_heatmap(store, sgrid, grid.stride, p, coords)
-            heatmap = str(write_heatmap(self.heatmap_dir / f"{item['slide_id']}.png", img).resolve())
+            heatmap = str(write_heatmap(storage.join(self.heatmap_dir, f"{item['slide_id']}.png"), img))
         return {
             "slide_id": item["slide_id"],
             "status": "ok",

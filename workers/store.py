@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,6 +33,7 @@ from typing import Any
 import numpy as np
 import zarr
 
+from workers import storage
 from workers.pyramid import downsample2x, pyramid_shapes  # (pyramid_shapes re-exported)
 
 __all__ = [
@@ -159,32 +159,58 @@ def ngff_omero() -> dict[str, Any]:
     }
 
 
-def is_complete(path: str | Path) -> bool:
-    """True when the store at ``path`` carries its completion marker (written last by ingest)."""
-    return (Path(path) / COMPLETE_MARKER).is_file()
+def _as_store(where: Any) -> Any:
+    """A zarr store: ``where`` itself when it is one, else the store at the path/URL ``where``."""
+    if hasattr(where, "list_prefix") and hasattr(where, "set"):
+        return where
+    return storage.open_store(where, read_only=True)
+
+
+def _store_name(store: Any) -> str:
+    root = getattr(store, "root", None)
+    if root is not None:
+        return str(root)
+    fs, path = getattr(store, "fs", None), getattr(store, "path", "")
+    protocol = getattr(fs, "protocol", "")
+    protocol = protocol[0] if isinstance(protocol, tuple | list) else protocol
+    return f"{protocol}://{path}" if protocol else str(path)
+
+
+def is_complete(path: str | Path | Any) -> bool:
+    """True when the store at ``path`` (a path, URL or zarr store) carries its completion marker (written last
+    by ingest)."""
+    try:
+        return storage.exists(_as_store(path), COMPLETE_MARKER)
+    except FileNotFoundError:
+        return False
 
 
 class SlideStore:
     """Read access to one slide store (the contract every stage after ingest uses).
 
     Args:
-        path: ``.../<slide_id>.zarr``.
+        path: ``.../<slide_id>.zarr``: a local path or an object-storage URL (:mod:`workers.storage`).
         require_complete: raise ``ValueError`` for a store without its completion marker.
+
+    ``location`` is the normalised path or URL (a string); ``path`` is a :class:`~pathlib.Path` for a local
+    store and the URL string otherwise.
     """
 
     def __init__(self, path: str | Path, *, require_complete: bool = True):
-        self.path = Path(path)
-        if not self.path.is_dir():
+        self.location = storage.normalize(path)
+        self.path: Path | str = storage.local_path(self.location) or self.location
+        self.store = storage.open_store(self.location, read_only=True)
+        if not storage.exists(self.store, "zarr.json"):
             raise FileNotFoundError(f"no slide store at {self.path}")
-        if require_complete and not is_complete(self.path):
+        if require_complete and not is_complete(self.store):
             raise ValueError(f"slide store {self.path} is incomplete (no {COMPLETE_MARKER}); re-run ingest")
         register_codecs()
         try:
-            group = zarr.open_group(str(self.path), mode="r")
+            group = zarr.open_group(store=self.store, mode="r", zarr_format=3)
         except Exception as exc:
             group, open_error = None, exc
         if require_complete:
-            problems = verify_store(self.path, group=group)  # without a group it names the metadata error
+            problems = verify_store(self.store, group=group)  # without a group it names the metadata error
             if problems:
                 raise ValueError(
                     f"slide store {self.path} is damaged: {'; '.join(problems)}; re-ingest it (foveate ingest "
@@ -309,6 +335,7 @@ def write_store_metadata(
     source_mpp: tuple[float, float] | None = None,
     fingerprint: str = "",
     extra: dict[str, Any] | None = None,
+    shard_labels: bool = True,
 ) -> StoreMeta:
     """Finish a store whose image levels are written: the tissue mask (from the smallest level) as NGFF labels,
     and the NGFF ``multiscales``, the ``omero`` RGB rendering (:func:`ngff_omero`) and foveate metadata as group
@@ -319,7 +346,9 @@ def write_store_metadata(
     last = len(level_shapes) - 1
     low = np.asarray(group[str(last)][...])
     mask = tissue_mask(np.ascontiguousarray(np.moveaxis(low, 0, -1)))
-    write_tissue_labels(group, mask, [tuple(x) for x in level_shapes], list(downsamples), mpp)
+    write_tissue_labels(
+        group, mask, [tuple(x) for x in level_shapes], list(downsamples), mpp, shard_chunks=8 if shard_labels else None
+    )
     meta = StoreMeta(
         slide_id=slide_id,
         source=source,
@@ -349,85 +378,73 @@ def write_store_metadata(
     return meta
 
 
-def chunk_inventory(path: str | Path, levels: int) -> dict[str, dict[str, Any]]:
-    """What each image level of the store at ``path`` holds on disk: ``{"<level>": {"chunks": n, "digest":
-    sha256 of the sorted chunk keys}}`` (keys relative to the level folder; ``zarr.json`` excluded)."""
+def chunk_inventory(path: str | Path | Any, levels: int) -> dict[str, dict[str, Any]]:
+    """What each image level of the store at ``path`` (path, URL or zarr store) holds: ``{"<level>": {"chunks":
+    n, "digest": sha256 of the sorted chunk keys}}`` — the chunk objects, or the shard objects of a sharded
+    level (keys relative to the level; ``zarr.json`` excluded). One listing per level."""
     import hashlib
 
+    store = _as_store(path)
     out = {}
     for lv in range(int(levels)):
-        root = Path(path) / str(lv)
-        keys = (
-            sorted(str(f.relative_to(root)) for f in root.rglob("*") if f.is_file() and f.name != "zarr.json")
-            if root.is_dir()
-            else []
-        )
+        prefix = f"{lv}/"
+        keys = sorted(k[len(prefix) :] for k in storage.list_keys(store, prefix) if k != f"{lv}/zarr.json")
         out[str(lv)] = {"chunks": len(keys), "digest": hashlib.sha256("\n".join(keys).encode()).hexdigest()}
     return out
 
 
-def mark_complete(path: str | Path, slide_id: str, levels: int, **fields: Any) -> None:
-    """Write the completion marker (atomically, fsynced; last: a store with it is complete). It records the
-    chunk inventory of every level (:func:`chunk_inventory`), so :func:`verify_store` can prove the store whole."""
-    path = Path(path)
-    tmp = path / f".{COMPLETE_MARKER}.tmp{os.getpid()}"
-    body = {"slide_id": slide_id, "levels": int(levels), **fields, "inventory": chunk_inventory(path, levels)}
-    # what was written through zarr (metadata, the tissue mask; the image chunks were synced by the tiler) is
-    # durable before the marker
-    synced = [path / "zarr.json", *(path / str(lv) / "zarr.json" for lv in range(int(levels)))]
-    if (path / "labels").is_dir():
-        synced += sorted((path / "labels").rglob("*"))
-    for f in synced:
-        if f.exists():
-            fd = os.open(f, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-    with open(tmp, "w") as fh:
-        fh.write(json.dumps(body, indent=1))
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path / COMPLETE_MARKER)
-    dfd = os.open(path, os.O_RDONLY)
+def mark_complete(path: str | Path | Any, slide_id: str, levels: int, *, durable: bool = True, **fields: Any) -> None:
+    """Write the completion marker (last: a store with it is complete). It records the chunk inventory of
+    every level (:func:`chunk_inventory`), so :func:`verify_store` can prove the store whole. ``path``: a path,
+    URL or writable zarr store.
+
+    The marker is one atomic key write (a renamed temporary file on a local disk, one PUT on object storage).
+    On a local disk everything written before it (metadata, tissue mask; the image chunks were synced by the
+    tiler) is made durable first, and the marker itself after (``syncfs``; not when ``durable`` is false)."""
+    store = path if hasattr(path, "set") else storage.open_store(path)
+    body = {"slide_id": slide_id, "levels": int(levels), **fields, "inventory": chunk_inventory(store, levels)}
+    if durable:
+        storage.sync_local(store)
+    storage.put_bytes(store, {COMPLETE_MARKER: json.dumps(body, indent=1).encode()})
+    if durable:
+        storage.sync_local(store)
+
+
+def verify_store(path: str | Path | Any, *, group: Any = None) -> list[str]:
+    """Problems of the store at ``path`` (a path, URL or zarr store; ``[]``: whole): no or unreadable
+    completion marker, unreadable metadata, or a level whose chunk (shard) objects differ from the marker's
+    inventory (missing or extra). A marker without an inventory (stores written before it existed) is not a
+    problem. ``group``: the store's zarr group when the caller has already opened it (not opened again)."""
     try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
-
-
-def verify_store(path: str | Path, *, group: Any = None) -> list[str]:
-    """Problems of the store at ``path`` (``[]``: whole): no or unreadable completion marker, unreadable
-    metadata, or a level whose chunks differ from the marker's inventory (missing or extra chunk files).
-    A marker without an inventory (stores written before it existed) is not a problem. ``group``: the store's
-    zarr group when the caller has already opened it (not opened again)."""
-    path = Path(path)
-    if not path.is_dir():
+        store = _as_store(path)
+        if not storage.exists(store, "zarr.json"):
+            return [f"no slide store at {path if isinstance(path, str | Path) else _store_name(store)}"]
+        raw = storage.get_bytes(store, COMPLETE_MARKER)
+    except FileNotFoundError:
         return [f"no slide store at {path}"]
-    marker = path / COMPLETE_MARKER
-    if not marker.is_file():
+    if raw is None:
         return [f"incomplete: no {COMPLETE_MARKER} (ingest did not finish; re-run ingest)"]
     try:
-        body = json.loads(marker.read_text())
+        body = json.loads(raw)
         levels = int(body["levels"])
     except Exception as exc:
         return [f"unreadable {COMPLETE_MARKER}: {type(exc).__name__}: {exc}"]
     problems = []
     try:
-        attrs = dict((group if group is not None else zarr.open_group(str(path), mode="r")).attrs)
+        attrs = dict((group if group is not None else zarr.open_group(store=store, mode="r", zarr_format=3)).attrs)
         if "foveate" not in attrs:
             problems.append("not a foveate store (no 'foveate' attribute in zarr.json)")
     except Exception as exc:
         problems.append(f"unreadable metadata: {type(exc).__name__}: {str(exc)[:200]}")
     expected = body.get("inventory")
     if expected is not None:
-        found = chunk_inventory(path, levels)
+        found = chunk_inventory(store, levels)
         for lv in sorted(expected, key=int):
             e, f = expected[lv], found.get(lv, {"chunks": 0, "digest": ""})
             if e != f:
                 problems.append(
-                    f"level {lv}: {f['chunks']} chunk file(s) on disk, the completion marker lists {e['chunks']}"
-                    + (" (same count, other keys)" if f["chunks"] == e["chunks"] else "")
+                    f"level {lv}: {f['chunks']} chunk object(s) in the store, the completion marker lists "
+                    f"{e['chunks']}" + (" (same count, other keys)" if f["chunks"] == e["chunks"] else "")
                 )
     return problems
 
@@ -446,16 +463,18 @@ def write_store_from_array(
 ) -> SlideStore:
     """Write an in-memory (h, w, 3) uint8 image as a complete store (zstd, power-of-two pyramid).
 
-    For tests and small synthetic data; archives go through ``foveate ingest``.
+    For tests and small synthetic data; archives go through ``foveate ingest``. ``path``: a local path or a URL.
     """
     if rgb.ndim != 3 or rgb.shape[2] != 3 or rgb.dtype != np.uint8:
         raise ValueError(f"rgb must be (h, w, 3) uint8, got {rgb.shape} {rgb.dtype}")
-    path = Path(path)
-    slide_id = slide_id or path.name.removesuffix(".zarr")
+    loc = storage.normalize(path)
+    slide_id = slide_id or storage.basename(loc).removesuffix(".zarr")
     h, w = rgb.shape[:2]
     shapes = pyramid_shapes((w, h), min_size=min_size)
     downsamples = tuple(float(ds) for ds, _ in shapes)
-    group = zarr.open_group(str(path), mode="w", zarr_format=3)
+    storage.remove_tree(loc)
+    store = storage.open_store(loc)
+    group = zarr.open_group(store=store, mode="w", zarr_format=3)
     level = np.ascontiguousarray(rgb)
     compressors = [zarr.codecs.ZstdCodec(level=3)]
     for i, (_, (lw, lh)) in enumerate(shapes):
@@ -485,8 +504,8 @@ def write_store_from_array(
         version=version or installed_version(),
         extra=extra,
     )
-    mark_complete(path, slide_id, len(downsamples))
-    return SlideStore(path)
+    mark_complete(store, slide_id, len(downsamples))
+    return SlideStore(loc)
 
 
 def _nearest_block(mask: np.ndarray, ys: np.ndarray, xs: np.ndarray, y0: int, x0: int, factor: float) -> np.ndarray:
@@ -511,6 +530,7 @@ def write_tissue_labels(
     mpp: tuple[float, float] | None,
     *,
     chunk: int = 1024,
+    shard_chunks: int | None = 8,
 ) -> None:
     """Write ``labels/tissue`` as an NGFF label image with one level per image level.
 
@@ -522,9 +542,13 @@ def write_tissue_labels(
 
     Label level ``j`` is the nearest-neighbour resampling of ``mask`` to level ``j``'s shape. Chunks that
     are all background are not written; all-tissue chunks share one encoded byte string, so even a
-    full-resolution label level costs little.
+    full-resolution label level costs little. With ``shard_chunks`` each level is sharded (zarr v3 sharding,
+    shards of ``shard_chunks x shard_chunks`` chunks, cut to the level): a few objects per level instead of
+    one per chunk (None: one object per chunk).
     """
     import imagecodecs
+
+    from workers.chunks import encode_shard
 
     mask = np.asarray(mask, dtype=np.uint8)
     mh, mw = mask.shape
@@ -541,10 +565,13 @@ def write_tissue_labels(
     ones_cache: dict[tuple[int, int], bytes] = {}
     for j, ((w, h), dj) in enumerate(zip(level_shapes, downsamples)):
         ch = min(chunk, h), min(chunk, w)
+        # chunks per shard along y and x (the whole level when it is smaller than one shard)
+        ns = (min(shard_chunks, -(-h // ch[0])), min(shard_chunks, -(-w // ch[1]))) if shard_chunks else (1, 1)
         arr = tg.create_array(
             str(j),
             shape=(1, h, w),
             chunks=(1, *ch),
+            shards=(1, ns[0] * ch[0], ns[1] * ch[1]) if shard_chunks else None,
             dtype="uint8",
             fill_value=0,
             compressors=[zarr.codecs.ZstdCodec(level=3)],
@@ -555,10 +582,12 @@ def write_tissue_labels(
             continue
         iy = np.minimum(((np.arange(h) + 0.5) * (float(dj) / dm)).astype(np.int64), mh - 1)
         ix = np.minimum(((np.arange(w) + 0.5) * (float(dj) / dm)).astype(np.int64), mw - 1)
-        root = os.path.join(str(group.store.root), group.path, "labels", TISSUE_LABEL, str(j), "c", "0")
-        for cy, y0 in enumerate(range(0, h, ch[0])):
+        prefix = "/".join(p for p in (group.path, "labels", TISSUE_LABEL, str(j), "c", "0") if p)
+        shard_row: dict[tuple[int, int], bytes] = {}
+        rows_y = list(enumerate(range(0, h, ch[0])))
+        for cy, y0 in rows_y:
             ys = iy[y0 : y0 + ch[0]]
-            row_dir = None
+            row: dict[str, bytes] = {}
             for cx, x0 in enumerate(range(0, w, ch[1])):
                 xs = ix[x0 : x0 + ch[1]]
                 sub = mask[ys[0] : ys[-1] + 1, xs[0] : xs[-1] + 1]
@@ -575,11 +604,22 @@ def write_tissue_labels(
                     full = np.zeros(ch, np.uint8)
                     full[: len(ys), : len(xs)] = _nearest_block(mask, ys, xs, y0, x0, dm / float(dj))
                     data = bytes(imagecodecs.zstd_encode(full, level=3))
-                if row_dir is None:
-                    row_dir = os.path.join(root, str(cy))
-                    os.makedirs(row_dir, exist_ok=True)
-                with open(os.path.join(row_dir, str(cx)), "wb") as fh:
-                    fh.write(data)
+                row[f"{prefix}/{cy}/{cx}"] = data
+                shard_row[(cy, cx)] = data
+            if not shard_chunks:
+                storage.put_bytes(group.store, row)  # through zarr's store API, one row of chunks at a time
+                continue
+            if (cy + 1) % ns[0] and cy != rows_y[-1][0]:
+                continue
+            # a row of shards is complete: one object per shard (same bytes as zarr's ShardingCodec)
+            sy = cy // ns[0]
+            by_shard: dict[int, dict[tuple[int, int], bytes]] = {}
+            for (ky, kx), data in shard_row.items():
+                by_shard.setdefault(kx // ns[1], {})[(ky - sy * ns[0], kx % ns[1])] = data
+            storage.put_bytes(
+                group.store, {f"{prefix}/{sy}/{sx}": encode_shard(d, ns) for sx, d in by_shard.items() if d}
+            )
+            shard_row = {}
     tg.attrs["ome"] = {
         "version": "0.5",
         "image-label": {

@@ -1,11 +1,12 @@
 """The tiler actor: plans a slide's store, writes its regions, finalises it (one plain class, no Ray).
 
-Planning is pure (:mod:`workers.pyramid`: levels, stages of regions, the 2x downsampler); chunk files are
-encoded and written by :class:`workers.chunks.ChunkWriter`; this module opens sources, creates or resumes
-stores and runs regions. Frames: :mod:`workers.frames` (a region's box is in pixels of store level
+Planning is pure (:mod:`workers.pyramid`: levels, stages of regions, shard sides, the 2x downsampler); chunks
+and shards are encoded and stored through zarr's store API by :class:`workers.chunks.ChunkWriter` (a local folder
+or object storage, :mod:`workers.storage`); this module opens sources (slides on object storage from a local
+scratch copy, :class:`workers.ingest_source.SlideScratch`), creates or resumes stores and runs regions. Frames: :mod:`workers.frames` (a region's box is in pixels of store level
 ``Region.level``; names ending ``_l0`` / ``_lv`` mark level-0 / level pixels).
 
-Each finished region leaves ``foveate_progress/s<stage>_r<index>.done`` in the store; a re-run skips
+Each finished region leaves the key ``foveate_progress/s<stage>_r<index>.done`` in the store; a re-run skips
 those (resume at region granularity, same bytes as an uninterrupted run because every region is a
 deterministic function of the source). :meth:`Tiler.finalize` writes the tissue mask and the NGFF/foveate
 metadata (``workers.store.write_store_metadata``, shared with ``write_store_from_array``), removes the
@@ -17,7 +18,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import shutil
 import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -28,10 +28,11 @@ from typing import Any
 import numpy as np
 
 from operators.errors import ConfigError
-from workers.chunks import ChunkWriter, fsync_dir, level_codec_kwargs, write_file, write_json_atomic
+from workers import storage
+from workers.chunks import ChunkWriter, level_codec_kwargs
 from workers.frames import Box
-from workers.ingest_source import SlideFile, SlideOpenError, SlideSource
-from workers.pyramid import Reducer, Region, SlidePlan, plan_levels, plan_stages
+from workers.ingest_source import SlideFile, SlideOpenError, SlideScratch, SlideSource
+from workers.pyramid import Reducer, Region, SlidePlan, level_shard_sides, plan_levels, plan_stages
 from workers.store import COMPLETE_MARKER, installed_version, mark_complete, register_codecs, write_store_metadata
 
 __all__ = ["IngestOptions", "Region", "SlidePlan", "Tiler", "PLAN_FILE", "PROGRESS_DIR"]
@@ -60,6 +61,7 @@ class IngestOptions:
     direct: bool = True  # decode TIFF tiles directly (tifffile + imagecodecs) where exact
     threads: int = 1  # threads per tiler for JPEG decoding, zstd encoding and reductions (all release the GIL)
     fsync: bool = True  # chunks and region markers reach the disk before a region counts as done
+    shard: bool = True  # one zarr shard per region and level (False: one object per chunk)
 
     def __post_init__(self) -> None:
         if self.tile_size < 16 or self.tile_size % 16:
@@ -80,6 +82,9 @@ class IngestOptions:
             raise ConfigError(f"threads must be an int in [1, 64], got {self.threads!r}")
         if self.region_tiles < 1 or self.region_tiles & (self.region_tiles - 1):
             raise ConfigError(f"region_tiles must be a power of two >= 1, got {self.region_tiles!r}")
+        for name in ("passthrough", "direct", "fsync", "shard"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
 
 
 class Tiler:
@@ -87,10 +92,14 @@ class Tiler:
     instance (one Ray actor) opens each slide once.
 
     Args:
-        store_dir: folder holding ``<slide_id>.zarr`` stores.
+        store_dir: folder or object-storage URL holding ``<slide_id>.zarr`` stores (:mod:`workers.storage`).
         options: :class:`IngestOptions`.
         cache_size: how many slides to keep open.
         version: the foveate version the stores record (default: the installed distribution's).
+        scratch_dir, scratch_max_bytes: where slides on object storage (``s3://...`` paths) are copied to, and the
+            bound on those copies (:class:`workers.ingest_source.SlideScratch`; defaults from
+            ``$FOVEATE_SCRATCH_DIR`` / ``$FOVEATE_SCRATCH_MAX_GB``). A copy is deleted when its slide is finalised,
+            evicted from the cache or the tiler closes.
     """
 
     def __init__(
@@ -100,8 +109,10 @@ class Tiler:
         *,
         cache_size: int = 4,
         version: str | None = None,
+        scratch_dir: str | Path | None = None,
+        scratch_max_bytes: int | None = None,
     ):
-        self.store_dir = Path(store_dir)
+        self.store_dir = storage.normalize(store_dir)
         self.version = version or installed_version()
         self.options = options or IngestOptions()
         self.cache_size = int(cache_size)
@@ -109,6 +120,9 @@ class Tiler:
         self._plans: OrderedDict[str, SlidePlan] = OrderedDict()
         self._block_buffers: dict[tuple[int, int], np.ndarray] = {}  # reused source blocks (bounded: few sizes)
         self._writers: dict[str, ChunkWriter] = {}
+        self._stores: OrderedDict[str, Any] = OrderedDict()
+        self._scratch_args = (scratch_dir, scratch_max_bytes)
+        self._scratch: SlideScratch | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._reducer = Reducer()
         register_codecs()
@@ -117,19 +131,47 @@ class Tiler:
     def _source(self, path: str, files: tuple[str, ...] | None = None) -> SlideSource:
         src = self._sources.get(path)
         if src is None:
-            src = SlideSource.open(path, files=files, allow_direct=self.options.direct)
+            if storage.is_url(path):  # a slide on object storage: opened from its local scratch copy
+                local = self._scratch_copies().local(path)
+                src = SlideSource.open(local, files=(local,), allow_direct=self.options.direct)
+            else:
+                src = SlideSource.open(path, files=files, allow_direct=self.options.direct)
             self._sources[path] = src
             while len(self._sources) > self.cache_size:
-                _, old = self._sources.popitem(last=False)
+                old_path, old = self._sources.popitem(last=False)
                 old.close()
+                if self._scratch is not None:
+                    self._scratch.release(old_path)
         else:
             self._sources.move_to_end(path)
         return src
 
+    def _store(self, store_path: str) -> Any:
+        """The zarr store of a slide store (opened once per actor)."""
+        st = self._stores.get(store_path)
+        if st is None:
+            st = self._stores[store_path] = storage.open_store(store_path)
+            while len(self._stores) > 4 * self.cache_size:
+                self._stores.popitem(last=False)
+        return st
+
+    def _scratch_copies(self) -> SlideScratch:
+        if self._scratch is None:
+            self._scratch = SlideScratch(*self._scratch_args, on_evict=self._close_source)
+        return self._scratch
+
+    def _close_source(self, path: str) -> None:
+        src = self._sources.pop(path, None)
+        if src is not None:
+            src.close()
+
     def _plan(self, store_path: str) -> SlidePlan:
         plan = self._plans.get(store_path)
         if plan is None:
-            plan = SlidePlan.from_json(json.loads((Path(store_path) / PLAN_FILE).read_text()))
+            raw = storage.get_bytes(self._store(store_path), PLAN_FILE)
+            if raw is None:
+                raise RuntimeError(f"{store_path} has no {PLAN_FILE}: plan the slide first")
+            plan = SlidePlan.from_json(json.loads(raw))
             self._plans[store_path] = plan
             while len(self._plans) > 4 * self.cache_size:
                 self._plans.popitem(last=False)
@@ -148,10 +190,12 @@ class Tiler:
             s.close()
         self._sources.clear()
         self._plans.clear()
+        if self._scratch is not None:
+            self._scratch.clear()
 
     # ------------------------------------------------------------------ plan
-    def store_path(self, slide_id: str) -> Path:
-        return self.store_dir / f"{slide_id}.zarr"
+    def store_path(self, slide_id: str) -> str:
+        return storage.join(self.store_dir, f"{slide_id}.zarr")
 
     def plan(self, slide: SlideFile, *, overwrite: bool = False) -> SlidePlan:
         """Open the slide, create (or reopen, to resume) its store and return the regions still to do.
@@ -205,6 +249,7 @@ class Tiler:
             mpp=mpp,
             stages=stages,
             files=tuple(slide.files),
+            shard_sides=level_shard_sides(stages, levels.shapes, tile=t) if opts.shard else None,
         )
         self._create_or_resume(plan, overwrite=overwrite)
         self._plans[plan.store_path] = plan
@@ -213,23 +258,29 @@ class Tiler:
     def _create_or_resume(self, plan: SlidePlan, *, overwrite: bool) -> None:
         import zarr
 
-        path = Path(plan.store_path)
-        plan_file = path / PLAN_FILE
-        if path.exists() and not overwrite and plan_file.is_file() and not (path / COMPLETE_MARKER).exists():
+        loc = plan.store_path
+        store = self._store(loc)
+        raw = storage.get_bytes(store, PLAN_FILE)
+        if raw is not None and not overwrite and not storage.exists(store, COMPLETE_MARKER):
             try:
-                old = SlidePlan.from_json(json.loads(plan_file.read_text()))
+                old = SlidePlan.from_json(json.loads(raw))
                 same = old.identity() == json.loads(json.dumps(plan.identity()))
             except Exception:
                 same = False
             if same:
-                prog = path / PROGRESS_DIR
-                done = {p.stem for p in prog.glob("*.done")} if prog.is_dir() else set()
+                done = {
+                    k.rsplit("/", 1)[-1].removesuffix(".done") for k in storage.list_keys(store, PROGRESS_DIR + "/")
+                }
                 plan.todo = [[r for r in st if r.key not in done] for st in plan.stages]
                 plan.resumed_regions = sum(len(st) for st in plan.stages) - sum(len(st) for st in plan.todo)
                 return
-        if path.exists():
-            shutil.rmtree(path)
-        group = zarr.open_group(str(path), mode="w", zarr_format=3)
+        # a fresh store: nothing of an earlier one survives (the completion marker first, so that a crash
+        # while removing never leaves an old marker over missing chunks)
+        storage.delete_keys(store, [COMPLETE_MARKER])
+        storage.remove_tree(loc)
+        self._stores.pop(loc, None)
+        store = self._store(loc)
+        group = zarr.open_group(store=store, mode="w", zarr_format=3)
         t = plan.tile
         for lvl, ((w, h), codec) in enumerate(zip(plan.level_shapes, plan.level_codecs)):
             group.create_array(
@@ -239,10 +290,15 @@ class Tiler:
                 dtype="uint8",
                 fill_value=255,
                 dimension_names=("c", "y", "x"),
-                **level_codec_kwargs(codec, zstd_level=self.options.zstd_level, jpeg_quality=self.options.jpeg_quality),
+                **level_codec_kwargs(
+                    codec,
+                    zstd_level=self.options.zstd_level,
+                    jpeg_quality=self.options.jpeg_quality,
+                    shard_side=plan.shard_sides[lvl] if plan.shard_sides else None,
+                ),
             )
-        (path / PROGRESS_DIR).mkdir()
-        write_json_atomic(plan_file, plan.to_json())  # last: a store with a plan file has all its arrays
+        # last: a store with a plan file has all its arrays
+        storage.put_bytes(store, {PLAN_FILE: json.dumps(plan.to_json(), indent=1).encode()})
         plan.todo = [list(st) for st in plan.stages]
         plan.resumed_regions = 0
 
@@ -251,10 +307,11 @@ class Tiler:
         w = self._writers.get(plan.store_path)
         if w is None:
             w = self._writers[plan.store_path] = ChunkWriter(
-                plan.store_path,
+                self._store(plan.store_path),
                 tile=plan.tile,
                 level_shapes=plan.level_shapes,
                 level_codecs=plan.level_codecs,
+                shard_sides=plan.shard_sides,
                 zstd_level=self.options.zstd_level,
                 jpeg_quality=self.options.jpeg_quality,
                 executor=self._executor,
@@ -268,9 +325,9 @@ class Tiler:
         """Write one region (idempotent; skipped when its done marker exists). Returns counters."""
         t0, c0 = time.perf_counter(), time.process_time()
         plan = self._plan(str(store_path))
-        path = Path(plan.store_path)
-        marker = path / PROGRESS_DIR / f"{region.key}.done"
-        if marker.exists():
+        store = self._store(plan.store_path)
+        marker = f"{PROGRESS_DIR}/{region.key}.done"
+        if storage.exists(store, marker):
             return {"tiles": self._region_tiles(plan, region), "skipped": True, "seconds": 0.0, "cpu_seconds": 0.0}
         if region.kind == "copy":
             self._copy_region(plan, region)
@@ -304,11 +361,10 @@ class Tiler:
             finally:
                 for f in pending:
                     f.result()
-        # the region's chunks (and their folder entries) are durable before its done marker exists
+        # the region's chunks (and their folder entries) are durable before its done marker exists; a marker
+        # lost in a crash only makes the re-run write the region again
         self._writer(plan).sync()
-        write_file(str(marker), b"", sync=self.options.fsync)
-        if self.options.fsync:
-            fsync_dir(str(marker.parent))
+        storage.put_bytes(store, {marker: b""})
         return {
             "tiles": self._region_tiles(plan, region),
             "skipped": False,
@@ -358,7 +414,7 @@ class Tiler:
     def _read_store_block(self, plan: SlidePlan, region: Region) -> np.ndarray:
         import zarr
 
-        arr = zarr.open_array(str(Path(plan.store_path) / str(region.level)), mode="r")
+        arr = zarr.open_array(store=self._store(plan.store_path), path=str(region.level), mode="r")
         b = region.box
         return np.ascontiguousarray(np.moveaxis(arr[:, b.y : b.bottom, b.x : b.right], 0, -1))
 
@@ -370,16 +426,15 @@ class Tiler:
         writer = self._writer(plan)
         t = plan.tile
         b = region.box
-        n = 0
-        row_dirs: dict[int, str] = {}
+        chunks: dict[tuple[int, int], bytes] = {}
         for ty in range(b.y // t, -(-b.bottom // t)):
             for tx in range(b.x // t, -(-b.right // t)):
                 raw = src.raw_jpeg_tile(region.src_level, tx, ty)
                 if raw is None:
                     continue
-                writer.put_chunk(row_dirs, region.level, ty, tx, merge_jpeg_tables(raw[1], raw[0]))
-                n += 1
-        return n
+                chunks[(ty, tx)] = merge_jpeg_tables(raw[1], raw[0])
+        writer.write_encoded(region.level, b.x, b.y, b.width, b.height, chunks)
+        return len(chunks)
 
     # ------------------------------------------------------------------ finalize
     def finalize(self, store_path: str) -> dict[str, Any]:
@@ -388,12 +443,16 @@ class Tiler:
 
         c0 = time.process_time()
         plan = self._plan(str(store_path))
-        path = Path(plan.store_path)
-        prog = path / PROGRESS_DIR
-        missing = [r.key for st in plan.stages for r in st if not (prog / f"{r.key}.done").exists()]
+        store = self._store(plan.store_path)
+        progress = storage.list_keys(store, PROGRESS_DIR + "/")
+        done = {k.rsplit("/", 1)[-1].removesuffix(".done") for k in progress}
+        missing = [r.key for st in plan.stages for r in st if r.key not in done]
         if missing:
-            raise RuntimeError(f"cannot finalise {path.name}: {len(missing)} regions not written (e.g. {missing[0]})")
-        group = zarr.open_group(str(path), mode="r+", zarr_format=3)
+            raise RuntimeError(
+                f"cannot finalise {storage.basename(plan.store_path)}: {len(missing)} regions not written "
+                f"(e.g. {missing[0]})"
+            )
+        group = zarr.open_group(store=store, mode="r+", zarr_format=3)
         info = plan.info
         passthrough = any(c.startswith("passthrough") for c in plan.level_codecs)
         meta = write_store_metadata(
@@ -416,14 +475,23 @@ class Tiler:
                 "tile_grid": [[math.ceil(w / plan.tile), math.ceil(h / plan.tile)] for w, h in plan.level_shapes],
                 "direct_decode": bool(info["direct"]),
                 "resampled_to_mpp": plan.options.get("mpp"),
+                "shard_sides": plan.shard_sides,
             },
+            shard_labels=bool(plan.shard_sides),
         )
-        shutil.rmtree(prog, ignore_errors=True)
+        storage.delete_prefix(store, PROGRESS_DIR)
         mark_complete(
-            path, plan.slide_id, len(plan.downsamples), fingerprint=info["fingerprint"], foveate_version=self.version
+            store,
+            plan.slide_id,
+            len(plan.downsamples),
+            durable=self.options.fsync,
+            fingerprint=info["fingerprint"],
+            foveate_version=self.version,
         )
         self._plans.pop(str(store_path), None)
         self._writers.pop(str(store_path), None)
+        if self._scratch is not None:  # the slide is done: its local copy goes
+            self._scratch.release(plan.source_path)
         return {
             "width": plan.level_shapes[0][0],
             "height": plan.level_shapes[0][1],
