@@ -15,6 +15,7 @@ process naming their temp dirs) are killed in a ``finally``.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -181,8 +182,9 @@ class Cluster:
         raise AssertionError(f"job {job_id} not finished after {timeout}s:\n{self.logs(job_id)[-6000:]}")
 
 
-@pytest.fixture(scope="module")
-def s3():
+@contextlib.contextmanager
+def moto_s3(bucket: str = BUCKET):
+    """A moto S3 server on a free port of 127.0.0.1 with one bucket: (boto3 client, AWS_* variables)."""
     import logging
 
     import boto3
@@ -199,11 +201,17 @@ def s3():
         "AWS_ENDPOINT_URL": f"http://{host}:{port}",
     }
     client = boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"], **_creds(env))
-    client.create_bucket(Bucket=BUCKET)
+    client.create_bucket(Bucket=bucket)
     try:
         yield client, env
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="module")
+def s3():
+    with moto_s3() as pair:
+        yield pair
 
 
 def _creds(env: dict[str, str]) -> dict[str, str]:
@@ -218,8 +226,14 @@ def _creds(env: dict[str, str]) -> dict[str, str]:
 def cluster(s3, tmp_path_factory):
     if shutil.which("ray", path=str(BIN)) is None:
         pytest.skip("the `ray` CLI is not next to this interpreter")
-    _client, aws = s3
-    run = tmp_path_factory.mktemp("multinode")
+    with ray_nodes(tmp_path_factory.mktemp("multinode"), s3[1]) as c:
+        yield c
+
+
+@contextlib.contextmanager
+def ray_nodes(run: Path, aws: dict[str, str], second_node: bool = True):
+    """A head (and, with ``second_node``, a second node) as described in the module doc; a :class:`Cluster`.
+    Every process of both nodes is gone when this exits (else AssertionError)."""
     token_file = run / "ray_auth_token"
     token = uuid.uuid4().hex + uuid.uuid4().hex
     token_file.write_text(token)
@@ -256,28 +270,29 @@ def cluster(s3, tmp_path_factory):
             run / "head.log",
         )
         head.wait_started(180)
-        node2 = Node(
-            "node2",
-            [f"--address=127.0.0.1:{gcs}", f"--dashboard-agent-listen-port={agent2}"]
-            + ["--num-cpus=2", '--resources={"node2": 1}'],
-            node2_env,
-            tmp_node2,
-            run / "node2.log",
-        )
-        node2.wait_started(180)
+        if second_node:
+            node2 = Node(
+                "node2",
+                [f"--address=127.0.0.1:{gcs}", f"--dashboard-agent-listen-port={agent2}"]
+                + ["--num-cpus=2", '--resources={"node2": 1}'],
+                node2_env,
+                tmp_node2,
+                run / "node2.log",
+            )
+            node2.wait_started(180)
         c = Cluster(f"http://127.0.0.1:{dash}", token, client_env, head, node2)
-        t0 = time.monotonic()
-        while True:  # the job API answers and both nodes are alive
+        t0, n_nodes = time.monotonic(), 2 if second_node else 1
+        while True:  # the job API answers and every node is alive
             try:
                 nodes = c.alive_nodes()
-                if len(nodes) == 2:
+                if len(nodes) == n_nodes:
                     break
             except OSError:
                 nodes = {}
-            assert time.monotonic() - t0 < 120, f"not 2 alive nodes after 120s: {nodes}\n{head.tail()}"
+            assert time.monotonic() - t0 < 120, f"not {n_nodes} alive node(s) after 120s: {nodes}\n{head.tail()}"
             time.sleep(1)
         c.node_ids = {("head" if "head" in n.get("resources_total", {}) else "node2"): nid for nid, n in nodes.items()}
-        assert set(c.node_ids) == {"head", "node2"}, nodes
+        assert set(c.node_ids) == ({"head", "node2"} if second_node else {"head"}), nodes
         c.run = run
         yield c
     finally:
