@@ -18,6 +18,15 @@ __all__ = ["run_stages"]
 log = logging.getLogger(__name__)
 
 
+def _unreachable(err: BaseException) -> bool:
+    """True for an actor error that says the actor's node was lost or the actor could not be reached."""
+    from ray.exceptions import ActorUnavailableError, RayActorError
+
+    if isinstance(err, ActorUnavailableError):
+        return True
+    return isinstance(err, RayActorError) and (err.preempted or "node has died" in str(err).lower())
+
+
 def run_stages(
     todo: list[tuple[str, str]],
     ckpt_ref: Any,
@@ -67,6 +76,7 @@ def run_stages(
         lambda: scorer_actor.remote(ckpt_ref, device=device, threads=threads, strict_mpp=strict_mpp),
         n_scorers,
         depth=max_in_flight,
+        max_task_retries=max_task_retries,
         max_replacements=3 * n_scorers,
         name="scorer",
     )
@@ -80,6 +90,7 @@ def run_stages(
         ),
         workers,
         depth=max_in_flight,
+        max_task_retries=max_task_retries,
         max_replacements=3 * workers,
         name="classifier",
     )
@@ -109,6 +120,7 @@ def run_stages(
         progress.update(1)
 
     solo: deque[dict[str, Any]] = deque()  # classifier items re-run one by one after a failed call
+    redo: deque[list[dict[str, Any]]] = deque()  # classifier calls whose actor died, resubmitted as they were
 
     def on_failure(stage: str, work: list, exc: BaseException) -> None:
         nonlocal retried
@@ -125,12 +137,17 @@ def run_stages(
         record(error_row(sid, store, f"{stage} worker failed: {type(exc).__name__}: {exc}"[:2000], model=model_name))
 
     try:
-        while pending or waiting or solo or len(scorers) or len(classifiers):
-            while waiting or solo:  # classifiers first: drain before scoring more
+        while pending or waiting or solo or redo or len(scorers) or len(classifiers):
+            while waiting or solo or redo:  # classifiers first: drain before scoring more
                 i = classifiers.free()
                 if i is None:
                     break
-                items = [solo.popleft()] if solo else [waiting.popleft() for _ in range(min(batch_size, len(waiting)))]
+                if redo:
+                    items = redo.popleft()
+                elif solo:
+                    items = [solo.popleft()]
+                else:
+                    items = [waiting.popleft() for _ in range(min(batch_size, len(waiting)))]
                 classifiers.submit(i, "classify_batch", items, task=items)
             queued = len(waiting) + len(solo) + sum(len(w) for w in scorers.in_flight())
             while pending and queued < backlog_limit:  # backpressure: bounded backlog ahead of the classifiers
@@ -145,6 +162,18 @@ def run_stages(
                 if done.error is not None:
                     if not isinstance(done.error, (RayError, GetTimeoutError)):
                         raise done.error
+                    if done.actor_died and done.retry and _unreachable(done.error):
+                        # the actor's node was lost (or could not be reached), not the slides' fault: the same call
+                        # again on the replacement actor (Ray's own task retries can run out before a lost node
+                        # is noticed). An actor that dies by itself goes the usual way (split, then error rows).
+                        log.warning(
+                            "%s call on %d slide(s) lost with its actor (attempt %d); resubmitting",
+                            stage,
+                            len(done.task),
+                            done.pool.attempts(done.task),
+                        )
+                        (pending if stage == "scorer" else redo).appendleft(done.task)
+                        continue
                     on_failure(stage, done.task, done.error)
                     continue
                 if stage == "scorer":

@@ -411,7 +411,10 @@ def _fit(
         train_loop_config=loop_config,
         torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
         scaling_config=ScalingConfig(
-            num_workers=cfg.workers, use_gpu=bool(use_gpu), resources_per_worker={"CPU": cfg.cpus_per_worker}
+            num_workers=cfg.workers,
+            use_gpu=bool(use_gpu),
+            resources_per_worker={"CPU": cfg.cpus_per_worker},
+            placement_strategy=cfg.placement_strategy,
         ),
         run_config=RunConfig(
             name="ray",
@@ -421,8 +424,9 @@ def _fit(
         ),
     )
     log.info(
-        "Ray Train: %d worker(s), %s, storage %s",
+        "Ray Train: %d worker(s) (%s), %s, storage %s",
         cfg.workers,
+        cfg.placement_strategy,
         "GPU/nccl" if use_gpu else "CPU/gloo",
         storage.join(run_dir, "ray"),
     )

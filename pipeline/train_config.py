@@ -14,7 +14,10 @@ from operators.model import ModelConfig
 from pipeline.data import DataConfig
 from workers.trainer import OptimConfig, ScheduleConfig
 
-__all__ = ["OptimConfig", "ScheduleConfig", "TrackingConfig", "TrainConfig"]
+__all__ = ["PLACEMENT_STRATEGIES", "OptimConfig", "ScheduleConfig", "TrackingConfig", "TrainConfig"]
+
+#: Ray placement-group strategies for the training workers (``TrainConfig.placement_strategy``).
+PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
 
 def _check(name: str, value: object, ok: bool, allowed: str) -> None:
@@ -84,6 +87,11 @@ class TrainConfig:
         use_gpu: None = use GPUs when the cluster has them.
         threads: torch threads per worker (0 = one per CPU Ray gives the worker).
         cpus_per_worker: CPUs each worker reserves.
+        placement_strategy: how Ray Train places the workers' bundles (``ScalingConfig.placement_strategy``):
+            ``PACK`` (Ray's default: as few nodes as possible), ``SPREAD`` (one per node where it can, else
+            packed), ``STRICT_SPREAD`` (each worker on a different node, or the run waits), ``STRICT_PACK``
+            (all on one node). Each worker logs its rank and Ray node id (``foveate-train-worker rank R/W
+            node ID``) to the job's output.
         seed: model initialisation and selection noise.
         workdir: run directories and (without ``MLFLOW_TRACKING_URI``) the sqlite tracking store.
         max_failures: worker-group restarts Ray Train makes from the latest checkpoint after a crash.
@@ -98,6 +106,7 @@ class TrainConfig:
     use_gpu: bool | None = None
     threads: int = 0
     cpus_per_worker: int = 1
+    placement_strategy: str = "PACK"
     seed: int = 0
     workdir: str = "runs"
     max_failures: int = 0
@@ -106,4 +115,10 @@ class TrainConfig:
         _check("workers", self.workers, self.workers >= 1, ">= 1")
         _check("threads", self.threads, self.threads >= 0, ">= 0")
         _check("cpus_per_worker", self.cpus_per_worker, self.cpus_per_worker >= 1, ">= 1")
+        _check(
+            "placement_strategy",
+            self.placement_strategy,
+            self.placement_strategy in PLACEMENT_STRATEGIES,
+            " or ".join(PLACEMENT_STRATEGIES),
+        )
         _check("max_failures", self.max_failures, self.max_failures >= -1, ">= -1 (-1 = unlimited)")

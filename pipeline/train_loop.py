@@ -38,6 +38,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     dict), ``train``/``val`` (slide records as rows), ``class_names``, ``tracking_uri``, ``run_id``, and
     optionally ``after_epoch`` (a callable ``f(epoch)`` run on every worker after each epoch's checkpoint:
     fault-injection tests pass one that raises)."""
+    import ray
     import ray.train
     import ray.train.torch
     import torch.distributed as dist
@@ -49,6 +50,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     cfg: TrainConfig = from_dict(TrainConfig, loop_config["config"])
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    # one line per worker in the job's output (placement checks: tests/test_multinode.py)
+    print(f"foveate-train-worker rank {rank}/{world} node {ray.get_runtime_context().get_node_id()}", flush=True)
     torch.set_num_threads(cfg.threads or cfg.cpus_per_worker)
     device = ray.train.torch.get_device() if cfg.use_gpu is not False else torch.device("cpu")
     distributed = world > 1 and dist.is_available() and dist.is_initialized()

@@ -1,0 +1,432 @@
+"""Two Ray nodes on one machine: a head (`ray start --head`, token authentication on, its own temp dir, 2 CPUs,
+custom resource ``head``) and a second node started as a separate process (`ray start --address ...`, its own
+temp dir and scratch folder, 2 CPUs, custom resource ``node2``), stores on a local S3 (moto) server, MLflow in
+a sqlite file. ``ray job submit``: ingest (slides read from the bucket) -> train with 2 workers and
+``placement_strategy=SPREAD`` (each worker prints its node id: one on each node) -> score, and the second node
+is killed (its whole session, SIGKILL) while scoring runs: every slide still gets exactly one ``ok`` row.
+
+Resources, so that the head alone can finish after the kill: scoring runs 1 scorer + 1 classifier actor of 1 CPU
+each (cluster total 4 CPUs). While scoring starts, a "blocker" job holds 1 of the head's 2 CPUs
+(``--entrypoint-num-cpus 1 --entrypoint-resources '{"head": 1}'``), so at least one scoring actor must be placed
+on the second node; the blocker is released right after the kill, so the head then has 2 free CPUs for the
+actors Ray restarts. Every wait has a timeout that fails with the job's logs; both nodes' sessions (and any
+process naming their temp dirs) are killed in a ``finally``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import uuid
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+
+pytest.importorskip("moto.server", reason="moto[server] is in the test extras (pip install -e '.[test]')")
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+BUCKET = "foveate-mn"
+N_SLIDES = 8
+SUBMIT = ["ray", "job", "submit", "--working-dir", ".", "--runtime-env", "configs/runtime_env.yaml"]
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def _pids_mentioning(text: str) -> list[int]:
+    out = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if text in cmd and state != "Z":
+            out.append(int(proc.name))
+    return out
+
+
+def _session_pids(sid: int) -> list[int]:
+    out = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == sid and fields[0] != "Z":  # fields: state ppid pgrp session ...
+            out.append(int(proc.name))
+    return out
+
+
+def _kill(pids: list[int], sig: int) -> None:
+    for p in pids:
+        try:
+            os.kill(p, sig)
+        except OSError:
+            pass
+
+
+class Node:
+    """One `ray start` in its own session (start_new_session): every daemon it leaves behind is in that session."""
+
+    def __init__(self, name: str, args: list[str], env: dict[str, str], temp_dir: str, log: Path):
+        self.name, self.temp_dir, self.log = name, temp_dir, log
+        with open(log, "w") as f:
+            self.proc = subprocess.Popen(
+                ["ray", "start", "--disable-usage-stats", "--node-ip-address", "127.0.0.1", "--temp-dir", temp_dir]
+                + args,
+                cwd=REPO,
+                env=env,
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        self.sid = self.proc.pid
+
+    def wait_started(self, timeout: float) -> None:
+        try:
+            rc = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"`ray start` of {self.name} still running after {timeout}s:\n{self.tail()}") from None
+        assert rc == 0, f"`ray start` of {self.name} failed (rc {rc}):\n{self.tail()}"
+
+    def tail(self) -> str:
+        return self.log.read_text()[-4000:] if self.log.exists() else ""
+
+    def pids(self) -> list[int]:
+        return sorted(set(_session_pids(self.sid)) | set(_pids_mentioning(self.temp_dir)))
+
+    def kill(self, grace: float = 0.0) -> None:
+        """SIGTERM (if ``grace``) then SIGKILL every process of the session and every one naming the temp dir."""
+        if grace:
+            _kill(self.pids(), signal.SIGTERM)
+            t0 = time.monotonic()
+            while self.pids() and time.monotonic() - t0 < grace:
+                time.sleep(0.3)
+        for _ in range(20):
+            left = self.pids()
+            if not left:
+                return
+            _kill(left, signal.SIGKILL)
+            time.sleep(0.3)
+
+
+class Cluster:
+    def __init__(self, dashboard: str, token: str, env: dict[str, str], head: Node, node2: Node):
+        self.dashboard, self.token, self.env, self.head, self.node2 = dashboard, token, env, head, node2
+
+    def get(self, path: str, timeout: float = 30) -> object:
+        req = urllib.request.Request(self.dashboard + path, headers={"Authorization": f"Bearer {self.token}"})
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return json.loads(r.read())
+
+    def state(self, kind: str) -> list[dict]:
+        """Ray's state API over HTTP (``/api/v0/<kind>``), detail on."""
+        return self.get(f"/api/v0/{kind}?limit=10000&detail=1")["data"]["result"]["result"]
+
+    def alive_nodes(self) -> dict[str, dict]:
+        return {n["node_id"]: n for n in self.state("nodes") if n["state"] == "ALIVE"}
+
+    def job(self, job_id: str) -> dict:
+        return self.get(f"/api/jobs/{job_id}")
+
+    def logs(self, job_id: str) -> str:
+        return self.get(f"/api/jobs/{job_id}/logs").get("logs", "")
+
+    def submit(self, args: list[str], timeout: float, what: str, opts: tuple[str, ...] | list[str] = ()) -> str:
+        cmd = [*SUBMIT, *opts, "--", *args]
+        t0 = time.monotonic()
+        for _attempt in range(2):
+            proc = subprocess.run(cmd, cwd=REPO, env=self.env, capture_output=True, text=True, timeout=timeout)
+            out = proc.stdout + proc.stderr
+            # the working-dir package can change between Ray's two hashes of it (see tests/test_ray_job.py)
+            if proc.returncode == 0 or "Failed to download runtime_env file package" not in out:
+                break
+        print(f"--- {what}: rc {proc.returncode} in {time.monotonic() - t0:.1f}s")
+        assert proc.returncode == 0, f"{what} failed (rc {proc.returncode}):\n{out[-6000:]}"
+        return out
+
+    def wait_job(self, job_id: str, timeout: float) -> dict:
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout:
+            info = self.job(job_id)
+            if info["status"] in ("SUCCEEDED", "FAILED", "STOPPED"):
+                return info
+            time.sleep(1)
+        raise AssertionError(f"job {job_id} not finished after {timeout}s:\n{self.logs(job_id)[-6000:]}")
+
+
+@contextlib.contextmanager
+def moto_s3(bucket: str = BUCKET):
+    """A moto S3 server on a free port of 127.0.0.1 with one bucket: (boto3 client, AWS_* variables)."""
+    import logging
+
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    env = {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_ENDPOINT_URL": f"http://{host}:{port}",
+    }
+    client = boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"], **_creds(env))
+    client.create_bucket(Bucket=bucket)
+    try:
+        yield client, env
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def s3():
+    with moto_s3() as pair:
+        yield pair
+
+
+def _creds(env: dict[str, str]) -> dict[str, str]:
+    return {
+        "aws_access_key_id": env["AWS_ACCESS_KEY_ID"],
+        "aws_secret_access_key": env["AWS_SECRET_ACCESS_KEY"],
+        "region_name": env["AWS_DEFAULT_REGION"],
+    }
+
+
+@pytest.fixture(scope="module")
+def cluster(s3, tmp_path_factory):
+    if shutil.which("ray", path=str(BIN)) is None:
+        pytest.skip("the `ray` CLI is not next to this interpreter")
+    with ray_nodes(tmp_path_factory.mktemp("multinode"), s3[1]) as c:
+        yield c
+
+
+@contextlib.contextmanager
+def ray_nodes(run: Path, aws: dict[str, str], second_node: bool = True):
+    """A head (and, with ``second_node``, a second node) as described in the module doc; a :class:`Cluster`.
+    Every process of both nodes is gone when this exits (else AssertionError)."""
+    token_file = run / "ray_auth_token"
+    token = uuid.uuid4().hex + uuid.uuid4().hex
+    token_file.write_text(token)
+    token_file.chmod(0o600)
+    tag = uuid.uuid4().hex[:8]
+    tmp_head, tmp_node2 = f"/tmp/fov-mn-{tag}-h", f"/tmp/fov-mn-{tag}-n2"  # short: unix socket paths
+    gcs, dash, client_port, agent1, agent2 = _free_ports(5)
+    base = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("RAY_", "MLFLOW_", "AWS_")) and k != "FOVEATE_STORAGE_OPTIONS"
+    }
+    base.update(
+        aws,
+        PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+        RAY_AUTH_MODE="token",
+        RAY_AUTH_TOKEN_PATH=str(token_file),
+        RAY_USAGE_STATS_ENABLED="0",
+        MLFLOW_TRACKING_URI=f"sqlite:///{run}/mlflow.db",
+        PYTHONUNBUFFERED="1",
+    )
+    head_env = dict(base, FOVEATE_SCRATCH_DIR=str(run / "scratch-head"))
+    node2_env = dict(base, FOVEATE_SCRATCH_DIR=str(run / "scratch-node2"))
+    client_env = dict(base, RAY_ADDRESS=f"http://127.0.0.1:{dash}")
+    head = node2 = None
+    try:
+        head = Node(
+            "head",
+            ["--head", f"--port={gcs}", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}"]
+            + [f"--ray-client-server-port={client_port}", f"--dashboard-agent-listen-port={agent1}"]
+            + ["--num-cpus=2", '--resources={"head": 1}'],
+            head_env,
+            tmp_head,
+            run / "head.log",
+        )
+        head.wait_started(180)
+        if second_node:
+            node2 = Node(
+                "node2",
+                [f"--address=127.0.0.1:{gcs}", f"--dashboard-agent-listen-port={agent2}"]
+                + ["--num-cpus=2", '--resources={"node2": 1}'],
+                node2_env,
+                tmp_node2,
+                run / "node2.log",
+            )
+            node2.wait_started(180)
+        c = Cluster(f"http://127.0.0.1:{dash}", token, client_env, head, node2)
+        t0, n_nodes = time.monotonic(), 2 if second_node else 1
+        while True:  # the job API answers and every node is alive
+            try:
+                nodes = c.alive_nodes()
+                if len(nodes) == n_nodes:
+                    break
+            except OSError:
+                nodes = {}
+            assert time.monotonic() - t0 < 120, f"not {n_nodes} alive node(s) after 120s: {nodes}\n{head.tail()}"
+            time.sleep(1)
+        c.node_ids = {("head" if "head" in n.get("resources_total", {}) else "node2"): nid for nid, n in nodes.items()}
+        assert set(c.node_ids) == ({"head", "node2"} if second_node else {"head"}), nodes
+        c.run = run
+        yield c
+    finally:
+        for node in (node2, head):
+            if node is not None:
+                node.kill(grace=5)
+        for d in (tmp_head, tmp_node2):
+            assert not _pids_mentioning(d), f"processes naming {d} still running"
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def _read_parquet(client, key: str):
+    import pandas as pd
+
+    body = client.get_object(Bucket=BUCKET, Key=key)["Body"].read()
+    return pd.read_parquet(io.BytesIO(body))
+
+
+def test_two_nodes_ingest_train_spread_score_survives_losing_a_node(cluster, s3, tmp_path):
+    import mlflow
+
+    client, _aws = s3
+    c = cluster
+    assert c.get("/api/jobs/") is not None  # token accepted
+    with pytest.raises(urllib.error.HTTPError) as err:  # and required
+        urllib.request.urlopen(c.dashboard + "/api/jobs/", timeout=30)
+    assert err.value.code == 401
+
+    # slides into the bucket, listed by a CSV with relative paths
+    synth = tmp_path / "synth"
+    subprocess.run(
+        [sys.executable, "-m", "pipeline", "synth", str(synth), "--count", str(N_SLIDES), "--size", "2000"]
+        + ["--seed", "0"],
+        cwd=REPO,
+        env=c.env,
+        check=True,
+        timeout=300,
+        capture_output=True,
+    )
+    rows = ["path,label"]
+    for line in (synth / "labels.csv").read_text().splitlines()[1:]:
+        path, label = line.rsplit(",", 1)
+        name = Path(path).name
+        client.put_object(Bucket=BUCKET, Key=f"slides/{name}", Body=Path(path).read_bytes())
+        rows.append(f"{name},{label}")
+    client.put_object(Bucket=BUCKET, Key="slides/labels.csv", Body=("\n".join(rows) + "\n").encode())
+    root = f"s3://{BUCKET}"
+
+    c.submit(
+        ["python", "-m", "pipeline", "ingest", f"{root}/slides/labels.csv", "--out", f"{root}/stores"]
+        + ["--address", "auto"],
+        300,
+        "ingest job",
+    )
+    manifest = _read_parquet(client, "stores/manifest.parquet")
+    assert len(manifest) == N_SLIDES, manifest
+
+    out = c.submit(
+        ["python", "-m", "pipeline", "train", "--config", "configs/demo.yaml", "--workers", "2"]
+        + ["--set", f"data.stores={root}/stores", "--set", f"workdir={root}/work", "--set", "optim.epochs=1"]
+        + ["--set", "placement_strategy=SPREAD", "--set", "tracking.experiment=multinode"],
+        420,
+        "train job",
+    )
+    placed = dict(re.findall(r"foveate-train-worker rank (\d+)/2 node ([0-9a-f]+)", out))
+    assert sorted(placed) == ["0", "1"], out[-4000:]
+    assert set(placed.values()) == set(c.node_ids.values()), (placed, c.node_ids)  # one worker on each node
+
+    ml = mlflow.MlflowClient(c.env["MLFLOW_TRACKING_URI"])
+    (run,) = ml.search_runs([ml.get_experiment_by_name("multinode").experiment_id])
+    assert run.info.status == "FINISHED" and run.data.params["placement_strategy"] == "SPREAD"
+
+    # a job holding 1 of the head's 2 CPUs: at least one scoring actor has to go to node2
+    ready, release = c.run / "blocker.ready", c.run / "blocker.release"
+    blocker = (
+        "import os, time\n"
+        f"open({str(ready)!r}, 'w').close()\n"
+        "t = time.time()\n"
+        f"while not os.path.exists({str(release)!r}) and time.time() - t < 600: time.sleep(0.5)\n"
+    )
+    subprocess.run(
+        ["ray", "job", "submit", "--no-wait", "--submission-id", "mn-blocker", "--entrypoint-num-cpus", "1"]
+        + ["--entrypoint-resources", '{"head": 1}', "--", "python", "-c", blocker],
+        cwd=REPO,
+        env=c.env,
+        check=True,
+        timeout=120,
+        capture_output=True,
+    )
+    try:
+        t0 = time.monotonic()
+        while not ready.exists():
+            assert time.monotonic() - t0 < 120, c.logs("mn-blocker")
+            time.sleep(0.5)
+        score_id = f"mn-score-{uuid.uuid4().hex[:6]}"
+        c.submit(
+            ["python", "-m", "pipeline", "score", "--model", f"runs:/{run.info.run_id}", "--stores", f"{root}/stores"]
+            + ["--out", f"{root}/preds/p.parquet", "--workers", "1", "--scorer-workers", "1", "--batch-size", "1"],
+            120,
+            "score job (submitted)",
+            opts=["--no-wait", "--submission-id", score_id],
+        )
+        t0 = time.monotonic()
+        while True:  # until a scoring actor is alive on node2 (the job still running)
+            info = c.job(score_id)
+            assert info["status"] in ("PENDING", "RUNNING"), (
+                f"score job {info['status']} before node2 was killed:\n{c.logs(score_id)[-6000:]}"
+            )
+            actors = [
+                a
+                for a in c.state("actors")
+                if a.get("class_name") in ("ScorerWorker", "ClassifierWorker") and a.get("state") == "ALIVE"
+            ]
+            on_node2 = [a["class_name"] for a in actors if a.get("node_id") == c.node_ids["node2"]]
+            if on_node2:
+                break
+            assert time.monotonic() - t0 < 240, f"no scoring actor on node2 after 240s: {actors}"
+            time.sleep(1)
+        print(f"--- killing node2 ({on_node2} on it) {time.monotonic() - t0:.1f}s after submitting the score job")
+        c.node2.kill()  # SIGKILL, no grace: the node is lost
+        assert not c.node2.pids()
+    finally:
+        release.touch()  # the blocker job ends: the head has both CPUs again
+    info = c.wait_job(score_id, 300)
+    logs = c.logs(score_id)
+    assert info["status"] == "SUCCEEDED", f"score job {info['status']}:\n{logs[-6000:]}"
+    print(logs[-3000:])
+
+    table = _read_parquet(client, "preds/p.parquet")
+    slide_ids = sorted(manifest["slide_id"])
+    assert sorted(table["slide_id"]) == slide_ids and table["slide_id"].is_unique, table[["slide_id", "status"]]
+    assert (table["status"] == "ok").all(), table[["slide_id", "error"]]
+    t0 = time.monotonic()
+    while set(c.alive_nodes()) != {c.node_ids["head"]}:  # Ray has noticed the loss
+        assert time.monotonic() - t0 < 120, c.alive_nodes()
+        time.sleep(1)
+    c.wait_job("mn-blocker", 60)
