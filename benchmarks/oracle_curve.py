@@ -12,7 +12,6 @@ Usage: python benchmarks/oracle_curve.py --stores STORES [--config perturbed_mea
 """
 
 import argparse
-import math
 import sys
 import time
 from pathlib import Path
@@ -29,7 +28,7 @@ import robustness as R
 
 from pipeline.config import load_config
 from pipeline.model_io import build_model, with_num_classes
-from pipeline.train import TrainConfig, classification_metrics, lr_factor
+from pipeline.train import TrainConfig, classification_metrics
 from workers.patches import prepare_slide
 
 
@@ -68,49 +67,24 @@ def main() -> None:
 
     train_oracle = [bag(r, "oracle") for r in split.train]
     test = [bag(r, "oracle") for r in split.test]
-    params = [q for q in model.parameters() if q.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
-    acc = cfg.optim.accumulate
-    total = (a.epochs + a.noise_epochs) * math.ceil(len(split.train) / acc)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: lr_factor(s, total, cfg.optim.warmup, cfg.optim.min_lr_ratio)
-    )
+
+    def phase(epoch: int) -> str:
+        return "noise" if epoch < a.noise_epochs else ("diluted" if a.objects else "oracle")
+
+    def epoch_bags(epoch: int) -> list:
+        return train_oracle if phase(epoch) == "oracle" else [bag(r, phase(epoch)) for r in split.train]
+
     t0 = time.perf_counter()
-    for ep in range(a.noise_epochs + a.epochs):
-        if ep < a.noise_epochs:
-            items = [bag(r, "noise") for r in split.train]
-        elif a.objects:
-            items = [bag(r, "diluted") for r in split.train]
-        else:
-            items = train_oracle
-        model.train()
-        order = rng.permutation(len(items))
-        losses = []
-        for s in range(0, len(order), acc):
-            opt.zero_grad(set_to_none=True)
-            for i in order[s : s + acc]:
-                x, pos, y = items[i]
-                logits = model.classify(x[None].float().div(255.0), pos[None])
-                loss = torch.nn.functional.cross_entropy(logits.reshape(1, -1), torch.tensor([y]))
-                (loss / acc).backward()
-                losses.append(float(loss))
-            torch.nn.utils.clip_grad_norm_(params, cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else 1e9)
-            opt.step()
-            sched.step()
-        model.eval()
-        probs, ys = [], []
-        with torch.no_grad():
-            for x, pos, y in test:
-                logits = model.classify(x[None].float().div(255.0), pos[None]).reshape(1, -1)
-                probs.append(torch.softmax(logits, -1)[0].numpy())
-                ys.append(y)
-        m = classification_metrics(ys, np.array(probs))
-        phase = "noise" if ep < a.noise_epochs else ("diluted" if a.objects else "oracle")
+
+    def report(epoch: int, loss: float) -> None:
+        m = classification_metrics(*R.predict_bags(model, test))
         print(
-            f"ep {ep + 1} {phase} loss {np.mean(losses):.3f} test acc {m['accuracy']:.2f} auc {m['auc']:.2f} "
+            f"ep {epoch + 1} {phase(epoch)} loss {loss:.3f} test acc {m['accuracy']:.2f} auc {m['auc']:.2f} "
             f"t {time.perf_counter() - t0:.0f}s",
             flush=True,
         )
+
+    R.fit_bags(model, cfg.optim, epoch_bags, a.noise_epochs + a.epochs, rng, on_epoch=report)
 
 
 if __name__ == "__main__":

@@ -406,7 +406,7 @@ def run_oracle(config: str, split: Split, seed: int, epochs: int, overrides: lis
 
     from pipeline.config import load_config
     from pipeline.model_io import build_model, with_num_classes
-    from pipeline.train import TrainConfig, classification_metrics, lr_factor
+    from pipeline.train import TrainConfig, classification_metrics
     from workers.patches import prepare_slide
 
     cfg = load_config(TrainConfig, ROOT / "configs" / f"{config}.yaml", overrides)
@@ -423,37 +423,68 @@ def run_oracle(config: str, split: Split, seed: int, epochs: int, overrides: lis
     t0 = time.perf_counter()
     train_items = [item(r) for r in split.train]
     test_items = [item(r) for r in split.test]
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay)
-    acc = cfg.optim.accumulate
-    total = epochs * math.ceil(len(train_items) / acc)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: lr_factor(s, total, cfg.optim.warmup, cfg.optim.min_lr_ratio)
-    )
-    for _ in range(epochs):
+    fit_bags(model, cfg.optim, lambda _epoch: train_items, epochs, rng)
+    ys, probs = predict_bags(model, test_items)
+    m = classification_metrics(ys, probs)
+    return {"test_accuracy": m["accuracy"], "test_auc": m["auc"], "train_seconds": time.perf_counter() - t0}
+
+
+def fit_bags(model, optim, epoch_bags, epochs: int, rng: np.random.Generator, on_epoch=None) -> None:
+    """Train ``model.classify`` (features + aggregator) on fixed bags of patches with the slide label: AdamW, the
+    trainer's warm-up + cosine schedule (``optim``: ``foveate train``'s ``OptimConfig``), ``optim.accumulate``
+    bags per step in a random order per epoch, gradient clipping.
+
+    Args:
+        epoch_bags: ``epoch -> [(patches uint8 [K, 3, p, p], positions [K, 2], target), ...]``, called at the start
+            of every epoch (the same number of bags each time; the schedule is laid out from the first epoch's).
+        on_epoch: called as ``on_epoch(epoch, mean training loss)`` after every epoch.
+    """
+    import torch
+
+    from pipeline.train import lr_factor
+
+    params = [q for q in model.parameters() if q.requires_grad]
+    opt = torch.optim.AdamW(params, lr=optim.lr, weight_decay=optim.weight_decay)
+    acc = optim.accumulate
+    sched = None
+    for epoch in range(epochs):
+        bags = epoch_bags(epoch)
+        if sched is None:
+            total = epochs * math.ceil(len(bags) / acc)
+            sched = torch.optim.lr_scheduler.LambdaLR(
+                opt, lambda s: lr_factor(s, total, optim.warmup, optim.min_lr_ratio)
+            )
         model.train()
-        order = rng.permutation(len(train_items))
+        order = rng.permutation(len(bags))
+        losses = []
         for s in range(0, len(order), acc):
             opt.zero_grad(set_to_none=True)
             batch = order[s : s + acc]
             for i in batch:
-                x, pos, y = train_items[i]
+                x, pos, y = bags[i]
                 logits = model.classify(x[None].float().div(255.0), pos[None])
                 loss = torch.nn.functional.cross_entropy(logits.reshape(1, -1), torch.tensor([y]))
                 (loss / len(batch)).backward()
-            torch.nn.utils.clip_grad_norm_(params, cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else 1e9)
+                losses.append(float(loss.detach()))
+            torch.nn.utils.clip_grad_norm_(params, optim.grad_clip if optim.grad_clip > 0 else 1e9)
             opt.step()
             sched.step()
+        if on_epoch is not None:
+            on_epoch(epoch, float(np.mean(losses)))
+
+
+def predict_bags(model, bags) -> tuple[list[int], np.ndarray]:
+    """``(targets, class probabilities [n, C])`` of ``model.classify`` on bags (eval mode, no gradients)."""
+    import torch
+
     model.eval()
     probs, ys = [], []
     with torch.no_grad():
-        for x, pos, y in test_items:
-            probs.append(
-                torch.softmax(model.classify(x[None].float().div(255.0), pos[None]).reshape(1, -1), -1)[0].numpy()
-            )
+        for x, pos, y in bags:
+            logits = model.classify(x[None].float().div(255.0), pos[None]).reshape(1, -1)
+            probs.append(torch.softmax(logits, -1)[0].numpy())
             ys.append(y)
-    m = classification_metrics(ys, np.array(probs))
-    return {"test_accuracy": m["accuracy"], "test_auc": m["auc"], "train_seconds": time.perf_counter() - t0}
+    return ys, np.array(probs)
 
 
 # ---------------------------------------------------------------------------------------------- table
