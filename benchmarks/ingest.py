@@ -36,6 +36,7 @@ table reports the median MP/s of each, its ratio to the baseline's, objects (fil
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -48,6 +49,7 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tests"))  # local_services: the moto S3 server of the tests
 
 
 def du(path: Path) -> int:
@@ -207,24 +209,12 @@ def compare_storage(slide: Path, work: Path, ref: str, repeat: int, s3: bool) ->
     archive = subprocess.run(["git", "-C", str(REPO), "archive", sha], check=True, capture_output=True).stdout
     subprocess.run(["tar", "-x", "-C", str(base)], input=archive, check=True)
     variants = [("baseline", base, "default"), ("sharded", REPO, "default"), ("unsharded", REPO, "unsharded")]
-    server = None
+    services = contextlib.ExitStack()  # the local S3 server, when asked for
     if s3:
-        import logging
+        from local_services import moto_s3
 
-        import boto3
-        from moto.server import ThreadedMotoServer
-
-        logging.getLogger("werkzeug").setLevel(logging.ERROR)
-        server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-        server.start()
-        host, port = server.get_host_and_port()
-        os.environ.update(
-            AWS_ACCESS_KEY_ID="bench",
-            AWS_SECRET_ACCESS_KEY="bench",
-            AWS_DEFAULT_REGION="us-east-1",
-            AWS_ENDPOINT_URL=f"http://{host}:{port}",
-        )
-        boto3.client("s3").create_bucket(Bucket="bench")
+        _, aws = services.enter_context(moto_s3("bench"))
+        os.environ.update(aws)  # the ingest subprocesses inherit the endpoint and credentials
         variants.append(("sharded_s3", REPO, "default"))
     runs: dict[str, list[dict]] = {name: [] for name, _, _ in variants}
     try:
@@ -252,8 +242,7 @@ def compare_storage(slide: Path, work: Path, ref: str, repeat: int, s3: bool) ->
                     f"  {r['mp_per_s']:.1f} MP/s, {r['objects']} objects, {r['store_bytes'] / 1e6:.1f} MB", flush=True
                 )
     finally:
-        if server is not None:
-            server.stop()
+        services.close()
     summary = {}
     for name, rs in runs.items():
         summary[name] = {

@@ -32,13 +32,14 @@ def main(argv: list[str] | None = None) -> int:
     import test_multinode as mn
     import torch
     import yaml
+    from local_services import moto_s3
 
     from operators.model import FoveateModel, ModelConfig
     from pipeline.config import from_dict
     from pipeline.model_io import save_checkpoint
 
     rows = []
-    with tempfile.TemporaryDirectory(prefix="fov-mn-bench-") as tmp, mn.moto_s3() as (client, aws):
+    with tempfile.TemporaryDirectory(prefix="fov-mn-bench-") as tmp, moto_s3(mn.BUCKET) as (client, aws):
         work = Path(tmp)
         synth = work / "synth"
         subprocess.run(

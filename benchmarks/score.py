@@ -19,6 +19,7 @@ other (rows ``where: local`` / ``s3``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -31,6 +32,7 @@ from pathlib import Path
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tests"))  # local_services: the moto S3 server of the tests
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -88,25 +90,13 @@ def main(argv: list[str] | None = None) -> int:
     ckpt = save_checkpoint(work / "model.pt", FoveateModel(cfg).eval(), cfg, ["0", "1"])
 
     places = [("local", str(stores), lambda bs: work / f"pred_bs{bs}.parquet")]
-    server = None
+    services = contextlib.ExitStack()  # the local S3 server, when asked for
     if args.s3:  # before ray.init: the workers inherit the endpoint and credentials
-        import logging
-
-        import boto3
         import s3fs
-        from moto.server import ThreadedMotoServer
+        from local_services import moto_s3
 
-        logging.getLogger("werkzeug").setLevel(logging.ERROR)
-        server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-        server.start()
-        host, port = server.get_host_and_port()
-        os.environ.update(
-            AWS_ACCESS_KEY_ID="bench",
-            AWS_SECRET_ACCESS_KEY="bench",
-            AWS_DEFAULT_REGION="us-east-1",
-            AWS_ENDPOINT_URL=f"http://{host}:{port}",
-        )
-        boto3.client("s3").create_bucket(Bucket="bench")
+        _, aws = services.enter_context(moto_s3("bench"))
+        os.environ.update(aws)
         s3fs.S3FileSystem(endpoint_url=os.environ["AWS_ENDPOINT_URL"]).put(str(stores), "bench/stores", recursive=True)
         places.append(("s3", "s3://bench/stores", lambda bs: f"s3://bench/pred_bs{bs}.parquet"))
     ray.init(include_dashboard=False, log_to_driver=False)
@@ -140,8 +130,7 @@ def main(argv: list[str] | None = None) -> int:
             )
     finally:
         ray.shutdown()
-        if server is not None:
-            server.stop()
+        services.close()
     print(
         f"{args.count} slides of {args.size}x{args.size}, model from {Path(args.config).name} (K={cfg.k}, "
         f"patch {cfg.patch_size}), Ray with {cpus} CPUs"

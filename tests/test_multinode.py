@@ -32,6 +32,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from local_services import live_pids_mentioning, moto_s3
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -52,21 +53,6 @@ def _free_ports(n: int) -> list[int]:
     for s in socks:
         s.close()
     return ports
-
-
-def _pids_mentioning(text: str) -> list[int]:
-    out = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit() or int(proc.name) == os.getpid():
-            continue
-        try:
-            cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if text in cmd and state != "Z":
-            out.append(int(proc.name))
-    return out
 
 
 def _session_pids(sid: int) -> list[int]:
@@ -120,7 +106,7 @@ class Node:
         return self.log.read_text()[-4000:] if self.log.exists() else ""
 
     def pids(self) -> list[int]:
-        return sorted(set(_session_pids(self.sid)) | set(_pids_mentioning(self.temp_dir)))
+        return sorted(set(_session_pids(self.sid)) | set(live_pids_mentioning(self.temp_dir)))
 
     def kill(self, grace: float = 0.0) -> None:
         """SIGTERM (if ``grace``) then SIGKILL every process of the session and every one naming the temp dir."""
@@ -182,44 +168,10 @@ class Cluster:
         raise AssertionError(f"job {job_id} not finished after {timeout}s:\n{self.logs(job_id)[-6000:]}")
 
 
-@contextlib.contextmanager
-def moto_s3(bucket: str = BUCKET):
-    """A moto S3 server on a free port of 127.0.0.1 with one bucket: (boto3 client, AWS_* variables)."""
-    import logging
-
-    import boto3
-    from moto.server import ThreadedMotoServer
-
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    env = {
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_DEFAULT_REGION": "us-east-1",
-        "AWS_ENDPOINT_URL": f"http://{host}:{port}",
-    }
-    client = boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"], **_creds(env))
-    client.create_bucket(Bucket=bucket)
-    try:
-        yield client, env
-    finally:
-        server.stop()
-
-
 @pytest.fixture(scope="module")
 def s3():
-    with moto_s3() as pair:
+    with moto_s3(BUCKET) as pair:
         yield pair
-
-
-def _creds(env: dict[str, str]) -> dict[str, str]:
-    return {
-        "aws_access_key_id": env["AWS_ACCESS_KEY_ID"],
-        "aws_secret_access_key": env["AWS_SECRET_ACCESS_KEY"],
-        "region_name": env["AWS_DEFAULT_REGION"],
-    }
 
 
 @pytest.fixture(scope="module")
@@ -300,7 +252,7 @@ def ray_nodes(run: Path, aws: dict[str, str], second_node: bool = True):
             if node is not None:
                 node.kill(grace=5)
         for d in (tmp_head, tmp_node2):
-            assert not _pids_mentioning(d), f"processes naming {d} still running"
+            assert not live_pids_mentioning(d), f"processes naming {d} still running"
             shutil.rmtree(d, ignore_errors=True)
 
 

@@ -17,6 +17,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from local_services import live_pids_mentioning
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -49,22 +50,6 @@ def _run(cmd: list[str], env: dict[str, str], timeout: float, what: str) -> str:
         print(f"--- {what}: the working-dir package changed during submission; submitting again")
     print(f"--- {what}: rc {proc.returncode} in {time.monotonic() - t0:.1f}s")
     assert proc.returncode == 0, f"{what} failed (rc {proc.returncode}):\n{out[-6000:]}"
-    return out
-
-
-def _live_pids_mentioning(text: str) -> list[int]:
-    """PIDs of non-zombie processes whose command line contains ``text``."""
-    out = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if text in cmd and state != "Z":
-            out.append(int(proc.name))
     return out
 
 
@@ -131,7 +116,7 @@ def cluster(tmp_path_factory):
         print(down.stderr)
         tmp = (run_dir / "ray_temp_dir").read_text().strip() if (run_dir / "ray_temp_dir").exists() else None
         if tmp:  # nothing of this head may be left running
-            assert not _live_pids_mentioning(tmp), "processes of the head still running after down.sh"
+            assert not live_pids_mentioning(tmp), "processes of the head still running after down.sh"
 
 
 def test_token_auth_is_on(cluster):

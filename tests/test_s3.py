@@ -12,7 +12,6 @@ s3fs with credentials and endpoint from the environment (``AWS_*``), exactly as 
 from __future__ import annotations
 
 import json
-import logging
 import os
 from pathlib import Path
 
@@ -22,6 +21,8 @@ import pytest
 
 pytest.importorskip("moto.server", reason="moto[server] is in the test extras (pip install -e '.[test]')")
 pytest.importorskip("s3fs", reason="s3fs is in the test extras (pip install -e '.[test]')")
+
+from local_services import moto_s3
 
 from pipeline.ingest_inputs import discover_inputs
 from workers import storage
@@ -35,33 +36,18 @@ BUCKET = "foveate-test"
 def s3():
     """A moto S3 server on a free port of 127.0.0.1 with one bucket; the AWS_* variables point at it for this
     module (and for the Ray workers started after it)."""
-    import boto3
-    from moto.server import ThreadedMotoServer
-
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    env = {
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_DEFAULT_REGION": "us-east-1",
-        "AWS_ENDPOINT_URL": f"http://{host}:{port}",
-    }
-    saved = {k: os.environ.get(k) for k in [*env, storage.STORAGE_OPTIONS_ENV]}
-    os.environ.update(env)
-    os.environ.pop(storage.STORAGE_OPTIONS_ENV, None)
-    client = boto3.client("s3")
-    client.create_bucket(Bucket=BUCKET)
-    try:
-        yield client
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        server.stop()
+    with moto_s3(BUCKET) as (client, env):
+        saved = {k: os.environ.get(k) for k in [*env, storage.STORAGE_OPTIONS_ENV]}
+        os.environ.update(env)
+        os.environ.pop(storage.STORAGE_OPTIONS_ENV, None)
+        try:
+            yield client
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
 
 
 def _keys(client, prefix: str) -> list[str]:
