@@ -32,6 +32,22 @@ from pipeline.train import TrainConfig, classification_metrics
 from workers.patches import prepare_slide
 
 
+def rare_cells(si, n: int, strata: int) -> np.ndarray:
+    """The ``n`` tissue cells of the slide's smallest low-resolution appearance strata (smallest stratum first)."""
+    from workers.patches import cell_strata
+
+    st = cell_strata(si.lowres_u8, tuple(si.cell_mask.shape), strata).numpy()
+    cand = np.flatnonzero(si.cell_mask.flatten().numpy())
+    s = st[cand]
+    u, cnt = np.unique(s, return_counts=True)
+    chosen: list[int] = []
+    for j in u[np.argsort(cnt, kind="stable")]:
+        chosen += [int(c) for c in cand[s == j]]
+        if len(chosen) >= n:
+            break
+    return np.array(chosen[:n], np.int64)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--stores", required=True)
@@ -40,6 +56,14 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--objects", type=int, default=0, help="object cells per bag, rest random (0: the oracle bag)")
     p.add_argument("--noise-epochs", type=int, default=0, help="epochs on random tissue cells first")
+    p.add_argument(
+        "--rare",
+        type=int,
+        default=0,
+        help="bags of this many cells from the slide's rarest low-resolution appearance strata (label-free; "
+        "``--strata``), fixed per slide, in training and for a second held-out accuracy",
+    )
+    p.add_argument("--strata", type=int, default=64)
     p.add_argument("--set", action="append", default=[])
     a = p.parse_args()
 
@@ -56,6 +80,8 @@ def main() -> None:
         tissue = np.flatnonzero(si.cell_mask.flatten().numpy())
         if kind == "oracle":
             cells = R.oracle_cells(si, boxes, mcfg.k, rng)
+        elif kind == "rare":
+            cells = rare_cells(si, a.rare, a.strata)
         elif kind == "noise":
             cells = rng.choice(tissue, size=mcfg.k, replace=False)
         else:
@@ -65,8 +91,22 @@ def main() -> None:
         cells = torch.from_numpy(np.asarray(cells, np.int64))
         return si.reader.read(cells), si.grid.cell_centres(cells), rec.target
 
-    train_oracle = [bag(r, "oracle") for r in split.train]
+    train_oracle = [bag(r, "rare" if a.rare else "oracle") for r in split.train]
     test = [bag(r, "oracle") for r in split.test]
+    test_rare = [bag(r, "rare") for r in split.test] if a.rare else []
+    if a.rare:
+        hit = [
+            R.hits_of(
+                R._cell_boxes(
+                    prepare_slide(r.store, mcfg).grid,
+                    torch.from_numpy(np.asarray(rare_cells(prepare_slide(r.store, mcfg), a.rare, a.strata))),
+                ),
+                mcfg.patch_size,
+                split.boxes[r.store],
+            )[0].mean()
+            for r in split.test
+        ]
+        print(f"rare bags: {np.mean(hit):.3f} of their cells on an object (held-out slides)")
 
     def phase(epoch: int) -> str:
         return "noise" if epoch < a.noise_epochs else ("diluted" if a.objects else "oracle")
@@ -78,8 +118,12 @@ def main() -> None:
 
     def report(epoch: int, loss: float) -> None:
         m = classification_metrics(*R.predict_bags(model, test))
+        rare = ""
+        if test_rare:
+            mr = classification_metrics(*R.predict_bags(model, test_rare))
+            rare = f"rare-bag acc {mr['accuracy']:.2f} auc {mr['auc']:.2f} "
         print(
-            f"ep {epoch + 1} {phase(epoch)} loss {loss:.3f} test acc {m['accuracy']:.2f} auc {m['auc']:.2f} "
+            f"ep {epoch + 1} {phase(epoch)} loss {loss:.3f} test acc {m['accuracy']:.2f} auc {m['auc']:.2f} {rare}"
             f"t {time.perf_counter() - t0:.0f}s",
             flush=True,
         )

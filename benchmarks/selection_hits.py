@@ -57,6 +57,45 @@ def hit_rate(coords, boxes, patch: int) -> tuple[float, float]:
     return (float(hits.mean()) if len(hits) else 0.0), (touched / len(boxes) if boxes else 0.0)
 
 
+def install_gt_scorer(trainer: Trainer, boxes: dict[str, list[dict]], weight: float) -> None:
+    """Make ``trainer.model.score`` return ``(1 - weight) * scores + weight * gt`` for the slide being read, ``gt``
+    = each cell's overlap area with the informative objects over the slide's largest (diagnostic only)."""
+    from operators.scorer import minmax_normalise
+    from workers.patches import prepare_slide
+
+    current: dict[str, object] = {}
+    gt_cache: dict[str, torch.Tensor] = {}
+    orig_store, orig_score = trainer._store, trainer.model.score
+
+    def store(path):
+        current["key"] = str(Path(path).resolve())
+        current["path"] = path
+        return orig_store(path)
+
+    def gt_of(key) -> torch.Tensor:
+        if key not in gt_cache:
+            si = prepare_slide(trainer._store(current["path"]), trainer.model.cfg)
+            g = si.grid
+            xy = g.cell_xy_l0(torch.arange(g.num_cells)).numpy().reshape(-1, 2).astype(np.float64)
+            p = g.patch_size
+            area = np.zeros(len(xy))
+            for o in boxes.get(key, []):
+                w = np.clip(np.minimum(xy[:, 0] + p, o["x"] + o["width"]) - np.maximum(xy[:, 0], o["x"]), 0, None)
+                h = np.clip(np.minimum(xy[:, 1] + p, o["y"] + o["height"]) - np.maximum(xy[:, 1], o["y"]), 0, None)
+                area += w * h
+            gt_cache[key] = torch.from_numpy(area / max(area.max(), 1.0)).float()
+        return gt_cache[key]
+
+    def score(lowres, cell_mask, geometry=None):
+        s = orig_score(lowres, cell_mask, geometry)
+        gt = gt_of(current["key"]).to(s.device, s.dtype)[None]
+        cand = torch.isfinite(s)
+        return minmax_normalise((1 - weight) * torch.where(cand, s, 0.0) + weight * gt, cand)
+
+    trainer._store = store
+    trainer.model.score = score
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", default="attention_sampling", help="a name in configs/ or a YAML path")
@@ -65,6 +104,20 @@ def main() -> None:
     p.add_argument("--stores", required=True)
     p.add_argument("--seed", type=int, default=0, help="split seed (data.seed)")
     p.add_argument("--val-fraction", type=float, default=0.3)
+    p.add_argument(
+        "--gt-scorer",
+        type=float,
+        default=0.0,
+        metavar="W",
+        help="diagnostic: mix the scorer's scores with the ground truth, (1 - W) * scores + W * (overlap of each "
+        "cell with an informative object, relative to the slide's largest) — in training and evaluation — to "
+        "see whether the classifier learns when the right cells are read (W = 1: a perfect scorer)",
+    )
+    p.add_argument(
+        "--grad-norms",
+        action="store_true",
+        help="also print, per epoch, the median gradient norm of each part of the model before clipping",
+    )
     p.add_argument(
         "--soft-eval",
         action="store_true",
@@ -91,6 +144,20 @@ def main() -> None:
     model_cfg = dataclasses.replace(cfg.model, num_classes=table.num_classes)
     trainer = Trainer(model_cfg, cfg.optim, cfg.schedule, slides_per_epoch=len(tr), seed=cfg.seed)
     patch = model_cfg.patch_size
+    if a.gt_scorer > 0:
+        install_gt_scorer(trainer, boxes, a.gt_scorer)
+    part_norms: dict[str, list[float]] = {}
+    if a.grad_norms:
+        clip = torch.nn.utils.clip_grad_norm_
+
+        def recording_clip(params, max_norm, *args, **kw):
+            for name, child in trainer.model.named_children():
+                gs = [q.grad.detach().norm() for q in child.parameters() if q.grad is not None]
+                if gs:
+                    part_norms.setdefault(name, []).append(float(torch.stack(gs).norm()))
+            return clip(params, max_norm, *args, **kw)
+
+        torch.nn.utils.clip_grad_norm_ = recording_clip
     t0 = time.time()
     for _ in range(cfg.optim.epochs):
         aux: dict[str, list[float]] = {}
@@ -141,6 +208,9 @@ def main() -> None:
         ce = np.mean(aux.get("loss_ce", [ep.loss / max(ep.n, 1)]))
         extra = " ".join(f"{k[5:]} {np.mean(v):.3f}" for k, v in aux.items() if k != "loss_ce")
         m, th, trec, tdh = res["test"]
+        if part_norms:
+            extra += " |g| by part: " + " ".join(f"{k} {np.median(v):.3g}" for k, v in part_norms.items())
+            part_norms.clear()
         print(
             f"ep {trainer.epoch:2d} ce {ce:.3f} trainhit {res['train'][1]:.2f} testhit {th:.2f} recall {trec:.2f} "
             f"dhit {tdh:.2f} |g| {np.median(grad):.3g} train acc {res['train'][0]['accuracy']:.2f} "

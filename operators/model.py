@@ -111,6 +111,14 @@ class ModelConfig:
             grouped into at most this many strata (k-means on per-cell colour mean/std of the scorer's input,
             ``workers.patches.cell_strata``), and each draw takes a stratum uniformly, then a cell in it, so
             visually rare cells are read as often as the common background. 0 (default): uniform draws.
+        rare_cells: in training, this many cells of the slide's *rarest* low-resolution appearance strata
+            (``rare_strata`` k-means strata of :func:`workers.patches.cell_strata`, smallest stratum first; fixed
+            per slide, label-free) are read at full resolution and classified as a second bag through the
+            aggregator with the slide label (weight ``rare_weight``); they also join the evidence losses. Small,
+            rare structures land in the smallest strata, so this bag shows them to the classifier long before
+            the scorer has learnt where they are. 0 (default): off. Needs ``instance_weight > 0``.
+        rare_strata: number of strata for ``rare_cells``.
+        rare_weight: weight of the rare bag's cross-entropy.
         instance_weight: weight of the instance loss (``operators.evidence.instance_loss``): a linear instance
             head classifies every read patch (selected and exploration cells) on its own with the slide label.
             0 (default): no instance head.
@@ -162,6 +170,9 @@ class ModelConfig:
     candidate_dropout: float = 0.0
     explore_cells: int = 0
     explore_strata: int = 0
+    rare_cells: int = 0
+    rare_strata: int = 64
+    rare_weight: float = 1.0
     instance_weight: float = 0.0
     rank_weight: float = 0.0
     rank_temperature: float = 0.1
@@ -237,6 +248,8 @@ class ModelConfig:
         pos_int("mask_extra", 0)
         pos_int("explore_cells", 0)
         pos_int("explore_strata", 0)
+        pos_int("rare_cells", 0)
+        pos_int("rare_strata", 1)
         if self.stride is not None:
             pos_int("stride")
         if self.scorer_downsample is not None and not (
@@ -266,7 +279,7 @@ class ModelConfig:
             v = getattr(self, name)
             if not (math.isfinite(v) and v > 0):
                 raise ConfigError(f"model.{name} must be a finite number > 0, got {v!r}")
-        for name in ("instance_weight", "rank_weight"):
+        for name in ("instance_weight", "rank_weight", "rare_weight"):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
                 raise ConfigError(f"model.{name} must be a finite number >= 0, got {v!r}")
@@ -276,6 +289,11 @@ class ModelConfig:
             and self.rank_temperature > 0
         ):
             raise ConfigError(f"model.rank_temperature must be a finite number > 0, got {self.rank_temperature!r}")
+        if self.rare_cells > 0 and self.instance_weight <= 0:
+            raise ConfigError(
+                "model.rare_cells > 0 needs model.instance_weight > 0 (the rare bag is read with the evidence "
+                f"losses); got rare_cells={self.rare_cells}, instance_weight={self.instance_weight}"
+            )
         if self.rank_weight > 0 and self.instance_weight <= 0:
             raise ConfigError(
                 "model.rank_weight > 0 needs model.instance_weight > 0 (the rank targets are the "

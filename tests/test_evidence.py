@@ -145,3 +145,105 @@ def test_forward_slide_adds_evidence_losses_only_in_training_with_a_target(tmp_p
     assert forward_slide(model, store, training=True, sigma=0.1, generator=g).aux_losses == {}
     with torch.no_grad():
         assert forward_slide(model, store, training=False, target=1).aux_losses == {}
+
+
+def test_rare_cells_are_the_smallest_strata_and_the_rare_bag_trains_the_classifier(tmp_path):
+    from workers.patches import rare_cells
+
+    img = torch.from_numpy(_image()).permute(2, 0, 1).float().div(255)
+    lowres = torch.nn.functional.interpolate(img[None], size=(64, 64), mode="area")[0]
+    mask = torch.zeros(8, 8, dtype=torch.bool)
+    mask[1:7, 1:7] = True  # the border cells (half slide background) are not tissue: never a rare cell
+    inner = set(torch.nonzero(mask.flatten()).flatten().tolist())
+    dark = {1 * 8 + 1, 5 * 8 + 6}
+    cells = rare_cells(lowres, mask, 2, 4)
+    assert set(cells.tolist()) == dark  # the two structures form the smallest stratum
+    assert torch.equal(rare_cells(lowres, mask, 2, 4), cells)  # deterministic, label-free
+    more = rare_cells(lowres, mask, 10, 4)
+    assert len(set(more.tolist())) == 10 and dark <= set(more.tolist()) <= inner
+    assert rare_cells(lowres, mask, 100, 4).numel() == 36 and rare_cells(lowres, mask, 0, 4).numel() == 0
+    with pytest.raises(ConfigError, match="rare_cells"):
+        ModelConfig(rare_cells=4)  # needs the evidence losses
+    with pytest.raises(ConfigError, match="rare_weight"):
+        ModelConfig(instance_weight=1.0, rare_cells=4, rare_weight=float("nan"))
+
+    store = write_store_from_array(tmp_path / "s.zarr", _image(), tile_size=128, min_size=64)
+    cfg = ModelConfig(
+        patch_size=64,
+        scorer_downsample=8.0,
+        k=4,
+        num_samples=16,
+        rare_cells=2,
+        rare_strata=4,
+        instance_weight=1.0,
+        rank_weight=0.5,
+        scorer=ScorerConfig(channels=8),
+        features=ResNetConfig(widths=(8, 16), blocks=(1, 1), feature_dim=16),
+    )
+    torch.manual_seed(0)
+    model = FoveateModel(cfg)
+    g = torch.Generator().manual_seed(0)
+    out = forward_slide(model, store, training=True, sigma=0.1, generator=g, target=1)
+    assert set(out.aux_losses) == {"instance", "rank", "rare"}
+    assert out.info["cells_read"] >= 2
+    # the rare bag's loss is the aggregator's cross-entropy on the two rare cells, with the slide label
+    from workers.patches import prepare_slide
+
+    si = prepare_slide(store, cfg)
+    rare = rare_cells(si.lowres_u8, si.cell_mask, 2, 4)
+    with torch.no_grad():
+        feats = model.embed(si.reader.read(rare).float().div(255))
+        ref = torch.nn.functional.cross_entropy(
+            model.aggregate(feats[None], si.grid.cell_centres(rare)[None].float()), torch.tensor([1])
+        )
+    assert float(out.aux_losses["rare"].detach()) == pytest.approx(float(ref), rel=1e-5)
+    out.aux_losses["rare"].backward()
+    assert sum(float(p.grad.abs().sum()) for p in model.aggregator.parameters() if p.grad is not None) > 0
+    with torch.no_grad():
+        assert "rare" not in forward_slide(model, store, training=False, target=1).aux_losses
+
+
+def test_per_module_clipping_keeps_the_classifier_update_when_the_scorer_gradient_is_huge():
+    from types import SimpleNamespace
+
+    from workers.trainer import EpochResult, OptimConfig, ScheduleConfig, Trainer
+
+    with pytest.raises(ValueError, match="optim.clip"):
+        OptimConfig(clip="layerwise")
+    cfg = ModelConfig(
+        patch_size=64,
+        scorer_downsample=8.0,
+        k=2,
+        scorer=ScorerConfig(channels=8),
+        features=ResNetConfig(widths=(8,), blocks=(1,), feature_dim=8),
+    )
+    grads = {}
+    for mode in ("global", "per_module"):
+        tr = Trainer(cfg, OptimConfig(grad_clip=1.0, clip=mode, lr=0.1), ScheduleConfig(), slides_per_epoch=1)
+        # a fixed loss: the aggregator's gradient of norm ~1, the scorer's 1000x larger
+        agg = [p for p in tr.model.aggregator.parameters()]
+        sc = [p for p in tr.model.scorer.parameters()]
+
+        def fake_forward(store, *, training, sigma, target=None, agg=agg, sc=sc):
+            loss = sum(p.sum() for p in agg) / math.sqrt(sum(p.numel() for p in agg))
+            loss = loss + 1000.0 * sum(p.sum() for p in sc) / math.sqrt(sum(p.numel() for p in sc))
+            return SimpleNamespace(
+                logits=torch.zeros(1, 2) + 0 * loss, aux_losses={"x": loss}, info={}, coords_l0=torch.zeros(2, 2)
+            )
+
+        tr._forward = fake_forward
+        tr._store = lambda path: None
+        before = [p.detach().clone() for p in agg]
+        captured = {}
+        orig_step = tr.optimizer.step
+
+        def step(orig_step=orig_step, captured=captured, agg=agg):
+            captured["agg"] = float(torch.stack([p.grad.norm() for p in agg]).norm())
+            return orig_step()
+
+        tr.optimizer.step = step
+        tr.step([SimpleNamespace(store="s", target=0)], EpochResult(started=0.0))
+        grads[mode] = captured["agg"]
+        assert any(not torch.equal(a, b) for a, b in zip(before, agg))
+    assert grads["global"] < 2e-3  # one norm over everything: the classifier's share is scaled by ~1/1000
+    assert grads["per_module"] == pytest.approx(1.0, rel=1e-4)  # its own norm, untouched by the scorer's

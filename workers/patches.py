@@ -398,6 +398,7 @@ class SlideInput:
     cell_mask: torch.Tensor
     reader: PatchReader
     strata: tuple[int, torch.Tensor] | None = None
+    rare: tuple[int, int, torch.Tensor] | None = None
     geometry: SlideGeometry | None = None
 
     @property
@@ -608,6 +609,32 @@ def _nearest(desc: torch.Tensor, cen: torch.Tensor) -> torch.Tensor:
     return torch.cat([torch.cdist(d, cen).argmin(1) for d in desc.split(_NEAREST_ROWS)])
 
 
+def rare_cells(lowres: torch.Tensor, cell_mask: torch.Tensor, count: int, num_strata: int) -> torch.Tensor:
+    """The ``count`` tissue cells of the smallest low-resolution appearance strata (:func:`cell_strata`),
+    smallest stratum first (ties: stratum order), cells in row-major order within a stratum; all tissue cells
+    when fewer. Label-free and deterministic.
+
+    Args:
+        lowres: ``[3, h, w]`` the scorer's view (uint8 or float in [0, 1]).
+        cell_mask: ``[Gh, Gw]`` bool tissue cells (all cells when none is tissue).
+        count: cells wanted (>= 0).
+        num_strata: strata for :func:`cell_strata`.
+
+    Returns:
+        ``[min(count, tissue cells)]`` long cell indices (row-major).
+    """
+    mask = cell_mask.flatten()
+    cand = torch.nonzero(mask).flatten() if bool(mask.any()) else torch.arange(mask.numel())
+    if count <= 0:
+        return cand[:0]
+    if cand.numel() <= count:
+        return cand
+    st = cell_strata(lowres, tuple(cell_mask.shape), num_strata)[cand]
+    sizes = torch.bincount(st)
+    order = torch.argsort(sizes[st] * (int(st.max()) + 1) + st, stable=True)
+    return cand[order[:count]]
+
+
 def _explore_cells(
     scores: torch.Tensor, count: int, generator: torch.Generator | None, strata: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -697,6 +724,22 @@ def forward_slide(
             feats = torch.cat([feats, model.embed(pix)])
             cells_read += int(explore.numel())
         read_cells = torch.cat([cells, explore])
+        if model.cfg.rare_cells > 0:
+            key = (model.cfg.rare_cells, model.cfg.rare_strata)
+            if slide.rare is None or slide.rare[:2] != key:
+                slide.rare = (*key, rare_cells(slide.lowres_u8, cell_mask, *key))
+            rare = slide.rare[2]
+            pix = slide.reader.read(rare).to(device=device, dtype=dtype).div_(255.0)
+            f_rare = model.embed(pix)
+            pos = slide.grid.cell_centres(rare).to(device=device, dtype=dtype)
+            logits_rare = model.aggregate(f_rare[None], pos[None], None)
+            tgt = torch.tensor([int(target)], device=logits_rare.device)
+            aux_losses["rare"] = model.cfg.rare_weight * torch.nn.functional.cross_entropy(
+                logits_rare.reshape(1, -1), tgt
+            )
+            feats = torch.cat([feats, f_rare])
+            read_cells = torch.cat([read_cells, rare.to(read_cells.device)])
+            cells_read += int(rare.numel())
         ev_losses, extra_info = model.evidence_losses(feats, scores[0, read_cells], int(target))
         aux_losses.update(ev_losses)
         extra_info["explore_cells"] = float(explore.numel())

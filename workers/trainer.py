@@ -74,7 +74,11 @@ class OptimConfig:
         lr: peak learning rate of AdamW.
         weight_decay: AdamW weight decay.
         epochs: passes over the training slides.
-        grad_clip: max global gradient norm (0 = no clipping).
+        grad_clip: max gradient norm (0 = no clipping).
+        clip: ``"global"`` (default): one norm over all parameters; ``"per_module"``: the scorer, feature
+            network, aggregator and instance head are clipped each to ``grad_clip`` on their own, so a large
+            scorer gradient (the perturbed top-k estimator grows as ``1 / sigma``) cannot shrink the
+            classifier's update.
         accumulate: slides per optimizer step on each worker (one slide per forward, B=1).
         warmup: linear warm-up optimizer steps before the cosine decay.
         min_lr_ratio: the cosine schedule ends at ``lr * min_lr_ratio``.
@@ -87,6 +91,7 @@ class OptimConfig:
     weight_decay: float = 1e-4
     epochs: int = 10
     grad_clip: float = 1.0
+    clip: str = "global"
     accumulate: int = 1
     warmup: int = 0
     min_lr_ratio: float = 0.0
@@ -97,6 +102,7 @@ class OptimConfig:
         _check_finite("optim.lr", self.lr, positive=True)
         _check_finite("optim.weight_decay", self.weight_decay)
         _check_finite("optim.grad_clip", self.grad_clip, note=" (0 = off)")
+        _check("optim.clip", self.clip, self.clip in ("global", "per_module"), "'global' or 'per_module'")
         _check("optim.warmup", self.warmup, self.warmup >= 0, ">= 0")
         _check("optim.min_lr_ratio", self.min_lr_ratio, 0 <= self.min_lr_ratio <= 1, "in [0, 1]")
 
@@ -309,6 +315,8 @@ class Trainer:
         torch.manual_seed(seed)
         self.model = FoveateModel(model_config).to(self.device)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
+        groups = [[q for q in child.parameters() if q.requires_grad] for child in self.model.children()]
+        self._clip_groups = [g for g in groups if g]
         self.collective.broadcast_module(self.model)  # identical start on every worker
         self.optimizer = torch.optim.AdamW(self.params, lr=optim.lr, weight_decay=optim.weight_decay)
         self.steps_per_epoch = math.ceil(slides_per_epoch / optim.accumulate)
@@ -365,7 +373,13 @@ class Trainer:
         self.collective.allreduce_grads(self.params)
         grad_norm = float("nan")
         if self.optim_cfg.grad_clip > 0:
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.optim_cfg.grad_clip))
+            if self.optim_cfg.clip == "per_module":
+                squares = 0.0
+                for group in self._clip_groups:
+                    squares += float(torch.nn.utils.clip_grad_norm_(group, self.optim_cfg.grad_clip)) ** 2
+                grad_norm = squares**0.5  # the norm before clipping, as for "global"
+            else:
+                grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.optim_cfg.grad_clip))
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
         self.scheduler.step()
