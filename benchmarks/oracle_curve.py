@@ -29,23 +29,7 @@ import robustness as R
 from pipeline.config import load_config
 from pipeline.model_io import build_model, with_num_classes
 from pipeline.train import TrainConfig, classification_metrics
-from workers.patches import prepare_slide
-
-
-def rare_cells(si, n: int, strata: int) -> np.ndarray:
-    """The ``n`` tissue cells of the slide's smallest low-resolution appearance strata (smallest stratum first)."""
-    from workers.patches import cell_strata
-
-    st = cell_strata(si.lowres_u8, tuple(si.cell_mask.shape), strata).numpy()
-    cand = np.flatnonzero(si.cell_mask.flatten().numpy())
-    s = st[cand]
-    u, cnt = np.unique(s, return_counts=True)
-    chosen: list[int] = []
-    for j in u[np.argsort(cnt, kind="stable")]:
-        chosen += [int(c) for c in cand[s == j]]
-        if len(chosen) >= n:
-            break
-    return np.array(chosen[:n], np.int64)
+from workers.patches import prepare_slide, rare_cells
 
 
 def main() -> None:
@@ -81,7 +65,8 @@ def main() -> None:
         if kind == "oracle":
             cells = R.oracle_cells(si, boxes, mcfg.k, rng)
         elif kind == "rare":
-            cells = rare_cells(si, a.rare, a.strata)
+            cells = rare_cells(si.lowres_u8, si.cell_mask, a.rare, a.strata)
+            rare_hits[rec.store] = R.hits_of(R._cell_boxes(si.grid, cells), mcfg.patch_size, boxes)[0].mean()
         elif kind == "noise":
             cells = rng.choice(tissue, size=mcfg.k, replace=False)
         else:
@@ -91,22 +76,13 @@ def main() -> None:
         cells = torch.from_numpy(np.asarray(cells, np.int64))
         return si.reader.read(cells), si.grid.cell_centres(cells), rec.target
 
+    rare_hits: dict[str, float] = {}  # store -> fraction of its rare bag on an informative object
     train_oracle = [bag(r, "rare" if a.rare else "oracle") for r in split.train]
     test = [bag(r, "oracle") for r in split.test]
     test_rare = [bag(r, "rare") for r in split.test] if a.rare else []
     if a.rare:
-        hit = [
-            R.hits_of(
-                R._cell_boxes(
-                    prepare_slide(r.store, mcfg).grid,
-                    torch.from_numpy(np.asarray(rare_cells(prepare_slide(r.store, mcfg), a.rare, a.strata))),
-                ),
-                mcfg.patch_size,
-                split.boxes[r.store],
-            )[0].mean()
-            for r in split.test
-        ]
-        print(f"rare bags: {np.mean(hit):.3f} of their cells on an object (held-out slides)")
+        hit = np.mean([rare_hits[r.store] for r in split.test])
+        print(f"rare bags: {hit:.3f} of their cells on an object (held-out slides)")
 
     def phase(epoch: int) -> str:
         return "noise" if epoch < a.noise_epochs else ("diluted" if a.objects else "oracle")

@@ -398,7 +398,7 @@ class SlideInput:
     cell_mask: torch.Tensor
     reader: PatchReader
     strata: tuple[int, torch.Tensor] | None = None
-    rare: tuple[int, int, torch.Tensor] | None = None
+    rare: tuple[int, int, torch.Tensor, torch.Tensor] | None = None  # (count, strata, cells, uint8 pixels)
     geometry: SlideGeometry | None = None
 
     @property
@@ -726,10 +726,11 @@ def forward_slide(
         read_cells = torch.cat([cells, explore])
         if model.cfg.rare_cells > 0:
             key = (model.cfg.rare_cells, model.cfg.rare_strata)
-            if slide.rare is None or slide.rare[:2] != key:
-                slide.rare = (*key, rare_cells(slide.lowres_u8, cell_mask, *key))
+            if slide.rare is None or slide.rare[:2] != key:  # fixed per slide: found and read once
+                rare = rare_cells(slide.lowres_u8, cell_mask, *key)
+                slide.rare = (*key, rare, slide.reader.read(rare))
             rare = slide.rare[2]
-            pix = slide.reader.read(rare).to(device=device, dtype=dtype).div_(255.0)
+            pix = slide.rare[3].to(device=device, dtype=dtype).div_(255.0)
             f_rare = model.embed(pix)
             pos = slide.grid.cell_centres(rare).to(device=device, dtype=dtype)
             logits_rare = model.aggregate(f_rare[None], pos[None], None)
