@@ -99,6 +99,10 @@ class ModelConfig:
             below the top-k threshold, which carry part of the mask, are seen and get a gradient (like the
             capped support of the perturbed top-k's soft patches; the mask beyond those cells is dropped). 0
             (default): the k chosen cells only. Inference always reads the hard top-k.
+        selection_grad: in training, the gradient of the classification loss that reaches the scorer through
+            the selection is multiplied by this (the scores' values are unchanged): 1 (default) trains the scorer
+            end to end; 0 trains it by the evidence rank loss alone (the perturbed top-k gradient is an
+            estimator whose variance grows as ``1/sigma``).
         candidate_dropout: in training, each candidate cell is left out of the selection with this
             probability (a row keeps all its candidates when fewer than k would remain), for every selector: the
             top-k of a random subset reaches cells ranked up to about ``k / (1 - p)``, so the scorer sees cells
@@ -126,6 +130,12 @@ class ModelConfig:
             scores of the read cells are trained to rank them by the instance head's confidence, so the scorer
             learns where the evidence is from every patch it reads. Needs ``instance_weight > 0``.
         rank_temperature: ``T`` of the rank loss in normalised score units.
+        evidence: what the rank loss ranks the read cells by. ``"confidence"`` (default): the instance head's
+            label-free confidence (:func:`operators.evidence.instance_confidence`), high on any decisive patch.
+            ``"label"``: the classifier's probability of the slide's *own* label for each read cell alone (the
+            cell as a bag of one through the aggregator; for the mean aggregator exactly that cell's share of
+            the bag's logits), so cells whose content is common to every class (background, distractors of
+            random kinds) rank below cells that support the slide's label.
         position_frequencies: Fourier frequencies per coordinate of the transformer's position encoding
             (``sin, cos(2^i pi p)``, i < F; high frequencies let the transformer memorise where patches are).
         max_support: cells kept per slot for soft patches (see ``operators.soft_patches``).
@@ -168,6 +178,7 @@ class ModelConfig:
     explore_temperature: float = 0.0
     mask_extra: int = 0
     candidate_dropout: float = 0.0
+    selection_grad: float = 1.0
     explore_cells: int = 0
     explore_strata: int = 0
     rare_cells: int = 0
@@ -176,6 +187,7 @@ class ModelConfig:
     instance_weight: float = 0.0
     rank_weight: float = 0.0
     rank_temperature: float = 0.1
+    evidence: str = "confidence"
     max_support: int = 4
     scorer: ScorerConfig = field(default_factory=ScorerConfig)
     features: ResNetConfig = field(default_factory=ResNetConfig)
@@ -300,8 +312,16 @@ class ModelConfig:
                 f"instance head's confidence, which only the instance loss trains); got "
                 f"rank_weight={self.rank_weight}, instance_weight={self.instance_weight}"
             )
+        if self.evidence not in ("confidence", "label"):
+            raise ConfigError(f"model.evidence must be 'confidence' or 'label', got {self.evidence!r}")
         if self.transformer_readout not in ("mean", "cls"):
             raise ConfigError(f"model.transformer_readout must be 'mean' or 'cls', got {self.transformer_readout!r}")
+        if not (
+            isinstance(self.selection_grad, (int, float))
+            and math.isfinite(self.selection_grad)
+            and 0.0 <= self.selection_grad <= 1.0
+        ):
+            raise ConfigError(f"model.selection_grad must be a number in [0, 1], got {self.selection_grad!r}")
         if not (isinstance(self.candidate_dropout, (int, float)) and 0.0 <= self.candidate_dropout < 1.0):
             raise ConfigError(f"model.candidate_dropout must be in [0, 1), got {self.candidate_dropout!r}")
         if not (0.0 <= self.dropout < 1.0):
@@ -611,6 +631,9 @@ class FoveateModel(nn.Module):
         if not (math.isfinite(sigma) and sigma >= 0):
             raise ValueError(f"sigma must be a finite number >= 0, got {sigma!r}")
         cand = torch.isfinite(scores)
+        if training and cfg.selection_grad != 1.0 and scores.requires_grad:
+            w = float(cfg.selection_grad)  # same values, the selection's gradient to the scorer scaled by w
+            scores = torch.where(cand, scores * w + scores.detach() * (1.0 - w), scores.detach())
         counts = cand.sum(1)
         if bool((counts < k).any()):
             raise ValueError(
@@ -735,7 +758,11 @@ class FoveateModel(nn.Module):
         return self.classify(patches, positions, slot_weights)
 
     def evidence_losses(
-        self, features: torch.Tensor, cell_scores: torch.Tensor, target: int
+        self,
+        features: torch.Tensor,
+        cell_scores: torch.Tensor,
+        target: int,
+        positions: torch.Tensor | None = None,
     ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
         """The evidence losses of one slide (see :mod:`operators.evidence`).
 
@@ -743,6 +770,7 @@ class FoveateModel(nn.Module):
             features: ``[M, D]`` features of the read patches (selected slots and exploration cells).
             cell_scores: ``[M]`` the scorer's normalised scores of those cells (differentiable).
             target: the slide's class index.
+            positions: ``[M, 2]`` the cells' centres in [0, 1] (used by ``evidence="label"``; zeros when None).
 
         Returns:
             ``(losses, info)``: ``{"instance": w_i * L_inst, "rank": w_r * L_rank}`` (weighted, to be added to
@@ -758,11 +786,23 @@ class FoveateModel(nn.Module):
         logits = self.instance_head(features)
         losses = {"instance": self.cfg.instance_weight * instance_loss(logits, target)}
         conf = instance_confidence(logits.detach())
+        info = {"instance_confidence": float(conf.mean())}
         if self.cfg.rank_weight > 0:
+            if self.cfg.evidence == "label":
+                kept = getattr(self.aggregator, "last_attention", None)  # the bag's, for heatmaps
+                with torch.no_grad():
+                    pos = positions if positions is not None else features.new_zeros(features.shape[0], 2)
+                    single = self.aggregate(features.detach()[:, None], pos.detach()[:, None], None)  # [M, C]
+                    ev = torch.softmax(single, dim=1)[:, int(target)]
+                if kept is not None:
+                    self.aggregator.last_attention = kept
+                info["label_evidence"] = float(ev.mean())
+            else:
+                ev = conf
             losses["rank"] = self.cfg.rank_weight * evidence_rank_loss(
-                cell_scores, conf, temperature=self.cfg.rank_temperature
+                cell_scores, ev, temperature=self.cfg.rank_temperature
             )
-        return losses, {"instance_confidence": float(conf.mean())}
+        return losses, info
 
     def aux_losses(self, selection: Selection) -> dict[str, torch.Tensor]:
         """Terms to add to the loss: ``{"entropy": -entropy_weight * mean H}`` for attention sampling."""

@@ -233,3 +233,57 @@ def test_per_module_clipping_keeps_the_classifier_update_when_the_scorer_gradien
         assert any(not torch.equal(a, b) for a, b in zip(before, agg))
     assert grads["global"] < 2e-3  # one norm over everything: the classifier's share is scaled by ~1/1000
     assert grads["per_module"] == pytest.approx(1.0, rel=1e-4)  # its own norm, untouched by the scorer's
+
+
+def test_label_evidence_ranks_read_cells_by_the_classifiers_probability_of_the_slide_label():
+    """evidence="label": the rank targets are softmax(aggregator(cell as a bag of one))[label], which for the mean
+    aggregator is the linear head on that cell's features; the bag's attention (heatmaps) is left alone."""
+    with pytest.raises(ConfigError, match="evidence"):
+        ModelConfig(instance_weight=1.0, rank_weight=0.1, evidence="labels")
+    torch.manual_seed(0)
+    for aggregator in ("mean", "attention_mil"):
+        cfg = _evidence_config(aggregator=aggregator, evidence="label")
+        model = FoveateModel(cfg).double()
+        feats = torch.randn(6, cfg.features.feature_dim, dtype=torch.float64)
+        pos = torch.rand(6, 2, dtype=torch.float64)
+        scores = torch.rand(6, dtype=torch.float64, requires_grad=True)
+        if aggregator == "attention_mil":
+            model.aggregate(feats[None, :3], pos[None, :3])
+            bag_att = model.aggregator.last_attention.clone()
+        losses, info = model.evidence_losses(feats, scores, 1, pos)
+        if aggregator == "attention_mil":
+            assert torch.equal(model.aggregator.last_attention, bag_att)
+        with torch.no_grad():
+            single = torch.stack([model.aggregate(feats[i : i + 1][None], pos[i : i + 1][None])[0] for i in range(6)])
+        ev = torch.softmax(single, 1)[:, 1]
+        if aggregator == "mean":  # a bag of one through the mean aggregator is the head on that cell
+            assert torch.allclose(single, model.aggregator.head(feats), atol=1e-12)
+        ref = evidence_rank_loss(scores, ev, temperature=cfg.rank_temperature)
+        assert float(losses["rank"]) == pytest.approx(cfg.rank_weight * float(ref), rel=1e-12)
+        assert info["label_evidence"] == pytest.approx(float(ev.mean()), rel=1e-12)
+        # the other label reverses the targets: cells ranked by p(label 0) = 1 - p(label 1)
+        losses0, _ = model.evidence_losses(feats, scores, 0, pos)
+        ref0 = evidence_rank_loss(scores, 1 - ev, temperature=cfg.rank_temperature)
+        assert float(losses0["rank"]) == pytest.approx(cfg.rank_weight * float(ref0), rel=1e-12)
+        losses["rank"].backward()
+        assert scores.grad.abs().sum() > 0
+
+
+def test_selection_grad_scales_the_selection_gradient_to_the_scorer_and_not_the_values():
+    with pytest.raises(ConfigError, match="selection_grad"):
+        ModelConfig(selection_grad=1.5)
+    scores = torch.rand(2, 30, dtype=torch.float64)
+    scores[0, :3] = float("-inf")
+    grads, outs = {}, {}
+    for w in (1.0, 0.25, 0.0):
+        model = FoveateModel(ModelConfig(k=4, num_samples=32, selection_grad=w)).double()
+        s = scores.clone().requires_grad_(True)
+        sel = model.select(s, training=True, sigma=0.1, generator=torch.Generator().manual_seed(3))
+        loss = (sel.weights * torch.arange(sel.weights.numel(), dtype=torch.float64).view_as(sel.weights)).sum()
+        outs[w] = sel.weights.detach()
+        loss.backward() if loss.requires_grad else None
+        grads[w] = s.grad if s.grad is not None else torch.zeros_like(s)
+    assert torch.equal(outs[1.0], outs[0.25]) and torch.equal(outs[1.0], outs[0.0])  # values unchanged
+    assert grads[1.0].abs().sum() > 0 and torch.isfinite(grads[1.0]).all()
+    assert torch.allclose(grads[0.25], 0.25 * grads[1.0], atol=1e-12)
+    assert grads[0.0].abs().sum() == 0

@@ -741,7 +741,8 @@ def forward_slide(
             feats = torch.cat([feats, f_rare])
             read_cells = torch.cat([read_cells, rare.to(read_cells.device)])
             cells_read += int(rare.numel())
-        ev_losses, extra_info = model.evidence_losses(feats, scores[0, read_cells], int(target))
+        read_pos = slide.grid.cell_centres(read_cells.cpu()).to(device=device, dtype=dtype)
+        ev_losses, extra_info = model.evidence_losses(feats, scores[0, read_cells], int(target), read_pos)
         aux_losses.update(ev_losses)
         extra_info["explore_cells"] = float(explore.numel())
     else:
