@@ -99,6 +99,10 @@ class ModelConfig:
             below the top-k threshold, which carry part of the mask, are seen and get a gradient (like the
             capped support of the perturbed top-k's soft patches; the mask beyond those cells is dropped). 0
             (default): the k chosen cells only. Inference always reads the hard top-k.
+        patch_jitter: in training, every full-resolution read window (selected, exploration and rare cells)
+            is shifted by a random offset of up to this fraction of ``patch_size`` in x and y (random-crop
+            augmentation: the same structures, never the same pixels twice, so the classifier cannot memorise
+            a slide's patches). 0 (default): off. Inference reads the grid cells as they are.
         selection_grad: in training, the gradient of the classification loss that reaches the scorer through
             the selection is multiplied by this (the scores' values are unchanged): 1 (default) trains the scorer
             end to end; 0 trains it by the evidence rank loss alone (the perturbed top-k gradient is an
@@ -179,6 +183,7 @@ class ModelConfig:
     mask_extra: int = 0
     candidate_dropout: float = 0.0
     selection_grad: float = 1.0
+    patch_jitter: float = 0.0
     explore_cells: int = 0
     explore_strata: int = 0
     rare_cells: int = 0
@@ -316,6 +321,12 @@ class ModelConfig:
             raise ConfigError(f"model.evidence must be 'confidence' or 'label', got {self.evidence!r}")
         if self.transformer_readout not in ("mean", "cls"):
             raise ConfigError(f"model.transformer_readout must be 'mean' or 'cls', got {self.transformer_readout!r}")
+        if not (
+            isinstance(self.patch_jitter, (int, float))
+            and math.isfinite(self.patch_jitter)
+            and 0.0 <= self.patch_jitter <= 0.5
+        ):
+            raise ConfigError(f"model.patch_jitter must be a number in [0, 0.5], got {self.patch_jitter!r}")
         if not (
             isinstance(self.selection_grad, (int, float))
             and math.isfinite(self.selection_grad)

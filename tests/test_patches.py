@@ -86,6 +86,38 @@ def test_patch_reader_exact_pixels_and_white_padding(store_and_image):
     assert not (last[: 1000 - y, : 1024 - x] == 255).all()
 
 
+def test_patch_reader_offsets_shift_the_window_with_white_outside_the_slide(store_and_image):
+    """Training-time jitter (model.patch_jitter): the window of each cell moves by its (dx, dy) in level-0
+    pixels; the parts outside the slide (also left of / above the origin) are white."""
+    from workers.patches import random_offsets
+
+    st, img = store_and_image
+    grid = PatchGrid.from_store(st, 96, 80)
+    gh, gw = grid.shape
+    cells = torch.tensor([0, 5 * gw + 7, gh * gw - 1, 5 * gw + 7])
+    offsets = torch.tensor([[-20, -7], [13, -5], [9, 30], [-13, 5]])
+    out = PatchReader(st, grid).read(cells, offsets)
+    pad = 64
+    padded = np.full((grid.extent_l0[1] + 2 * pad, grid.extent_l0[0] + 2 * pad, 3), 255, np.uint8)
+    padded[pad : pad + 1000, pad : pad + 1024] = img
+    for i, c in enumerate(cells.tolist()):
+        x, y = (grid.cell_xy_l0(torch.tensor(c)) + offsets[i]).tolist()
+        want = padded[pad + y : pad + y + 96, pad + x : pad + x + 96]
+        np.testing.assert_array_equal(out[i].permute(1, 2, 0).numpy(), want)
+    assert torch.equal(
+        PatchReader(st, grid).read(cells, torch.zeros(4, 2, dtype=torch.long)), PatchReader(st, grid).read(cells)
+    )
+    with pytest.raises(ValueError, match="offsets_l0"):
+        PatchReader(st, grid).read(cells, torch.zeros(3, 2, dtype=torch.long))
+    with pytest.raises(ValueError, match="offsets_l0"):
+        PatchReader(st, grid).read(cells, torch.zeros(4, 2))
+    g = torch.Generator().manual_seed(0)
+    o = random_offsets(1000, 5, g)
+    assert o.dtype == torch.long and o.min() == -5 and o.max() == 5 and random_offsets(3, 0, g) is None
+    with pytest.raises(ValueError, match="patch_jitter"):
+        ModelConfig(patch_jitter=0.6)
+
+
 def test_patch_reader_reads_each_touched_chunk_once(store_and_image):
     st, _ = store_and_image
     grid = PatchGrid.from_store(st, 96, 80)

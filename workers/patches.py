@@ -310,19 +310,29 @@ class PatchReader:
         self.grid = grid
         self.out_size = grid.patch_size if out_size is None else int(out_size)
 
-    def read(self, cell_indices: Any) -> torch.Tensor:
+    def read(self, cell_indices: Any, offsets_l0: torch.Tensor | None = None) -> torch.Tensor:
         """Patches of ``cell_indices`` (LongTensor ``[M]``, repeats allowed) -> uint8 ``[M, 3, s, s]``
-        (``s = out_size``)."""
-        out = self._read_l0(cell_indices)
+        (``s = out_size``). ``offsets_l0``: optional ``[M, 2]`` integer ``(dx, dy)`` shifts of each read window in
+        level-0 pixels (training-time jitter); pixels outside the slide read as white (255)."""
+        out = self._read_l0(cell_indices, offsets_l0)
         if self.out_size == self.grid.patch_size:
             return out
         return _resample_patches(out, self.out_size)
 
-    def _read_l0(self, cell_indices: Any) -> torch.Tensor:
+    def _read_l0(self, cell_indices: Any, offsets_l0: torch.Tensor | None = None) -> torch.Tensor:
         """The patches at level 0: uint8 ``[M, 3, p, p]`` (``p = grid.patch_size``)."""
         idx = self.grid._check_indices(cell_indices)
         if idx.dim() != 1:
             raise ValueError(f"cell_indices must be a 1-D tensor [M], got shape {tuple(idx.shape)}")
+        if offsets_l0 is not None and (
+            not isinstance(offsets_l0, torch.Tensor)
+            or offsets_l0.shape != (idx.shape[0], 2)
+            or offsets_l0.is_floating_point()
+        ):
+            raise ValueError(
+                f"offsets_l0 must be an integer tensor [M, 2] = [{idx.shape[0]}, 2], got "
+                f"{getattr(offsets_l0, 'shape', type(offsets_l0))} {getattr(offsets_l0, 'dtype', '')}"
+            )
         p = self.grid.patch_size
         m = idx.shape[0]
         out = np.full((m, 3, p, p), 255, dtype=np.uint8)
@@ -332,6 +342,8 @@ class PatchReader:
         H, W = int(arr.shape[1]), int(arr.shape[2])
         th, tw = int(arr.chunks[1]), int(arr.chunks[2])
         xy = self.grid.cell_xy_l0(idx).cpu().numpy()
+        if offsets_l0 is not None:
+            xy = xy + offsets_l0.cpu().numpy().astype(xy.dtype)
         x0 = np.clip(xy[:, 0], 0, W)
         x1 = np.clip(xy[:, 0] + p, 0, W)
         y0 = np.clip(xy[:, 1], 0, H)
@@ -398,7 +410,7 @@ class SlideInput:
     cell_mask: torch.Tensor
     reader: PatchReader
     strata: tuple[int, torch.Tensor] | None = None
-    rare: tuple[int, int, torch.Tensor, torch.Tensor] | None = None  # (count, strata, cells, uint8 pixels)
+    rare: tuple[int, int, torch.Tensor, torch.Tensor | None] | None = None  # (count, strata, cells, uint8 pixels)
     geometry: SlideGeometry | None = None
 
     @property
@@ -490,12 +502,23 @@ def prepare_slide(store_or_sample: Any, cfg: ModelConfig, *, cache: bool = True)
     return si
 
 
+def random_offsets(count: int, jitter_l0: int, generator: torch.Generator | None = None) -> torch.Tensor | None:
+    """``[count, 2]`` long ``(dx, dy)`` uniform in ``[-jitter_l0, jitter_l0]`` (on the CPU), or None when
+    ``jitter_l0 == 0``."""
+    if jitter_l0 <= 0:
+        return None
+    dev = generator.device if generator is not None else torch.device("cpu")
+    return torch.randint(-jitter_l0, jitter_l0 + 1, (count, 2), generator=generator, device=dev).cpu()
+
+
 def gather_patches(
     slide: SlideInput,
     selection: Selection,
     *,
     device: torch.device | str | None = None,
     dtype: torch.dtype = torch.float32,
+    jitter_l0: int = 0,
+    generator: torch.Generator | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Read the selected patches of one slide and form each slot's (soft) patch.
 
@@ -507,6 +530,9 @@ def gather_patches(
         slide: from :func:`prepare_slide`.
         selection: for this slide (``B = 1``).
         device, dtype: of the returned patches (default: the selection weights' device).
+        jitter_l0: each distinct cell's read window is shifted by a random ``(dx, dy)`` in
+            ``[-jitter_l0, jitter_l0]`` level-0 pixels (training-time augmentation; 0: none).
+        generator: RNG for the jitter.
 
     Returns:
         ``(patches[1, K, 3, s, s] in [0, 1], positions[1, K, 2], cells_read)`` (``s = geometry.patch_input``,
@@ -520,7 +546,7 @@ def gather_patches(
         )
     device = selection.weights.device if device is None else torch.device(device)
     cells, inverse = unique_cells(selection.indices)
-    pix = slide.reader.read(cells.cpu())
+    pix = slide.reader.read(cells.cpu(), random_offsets(cells.numel(), jitter_l0, generator))
     x = pix.to(device=device, dtype=dtype).div_(255.0)
     patches = combine_patches(x, inverse.to(device), selection.weights.to(device=device, dtype=dtype))
     positions = slide.grid.cell_centres(selection.primary.cpu()).to(device=device, dtype=dtype)
@@ -702,7 +728,10 @@ def forward_slide(
     geo = slide.geometry if slide.geometry is not None else slide_geometry(slide.store, model.cfg)
     scores = model.score(slide.lowres_u8[None].to(device), cell_mask[None].to(device), geo)  # converted per tile
     sel = model.select(scores, training=training, sigma=sigma, generator=generator)
-    patches, positions, cells_read = gather_patches(slide, sel, device=device, dtype=dtype)
+    jitter = round(model.cfg.patch_jitter * slide.grid.patch_size) if training else 0
+    patches, positions, cells_read = gather_patches(
+        slide, sel, device=device, dtype=dtype, jitter_l0=jitter, generator=generator
+    )
     cells = sel.primary[0]
     aux_losses = model.aux_losses(sel)
     extra_info: dict[str, float] = {}
@@ -720,17 +749,21 @@ def forward_slide(
             strata = slide.strata[1]
         explore = _explore_cells(scores[0], model.cfg.explore_cells, generator, strata)
         if explore.numel():
-            pix = slide.reader.read(explore.cpu()).to(device=device, dtype=dtype).div_(255.0)
+            pix = slide.reader.read(explore.cpu(), random_offsets(explore.numel(), jitter, generator))
+            pix = pix.to(device=device, dtype=dtype).div_(255.0)
             feats = torch.cat([feats, model.embed(pix)])
             cells_read += int(explore.numel())
         read_cells = torch.cat([cells, explore])
         if model.cfg.rare_cells > 0:
             key = (model.cfg.rare_cells, model.cfg.rare_strata)
-            if slide.rare is None or slide.rare[:2] != key:  # fixed per slide: found and read once
+            if slide.rare is None or slide.rare[:2] != key:  # fixed per slide: found (and read) once
                 rare = rare_cells(slide.lowres_u8, cell_mask, *key)
-                slide.rare = (*key, rare, slide.reader.read(rare))
+                slide.rare = (*key, rare, None if jitter else slide.reader.read(rare))
             rare = slide.rare[2]
-            pix = slide.rare[3].to(device=device, dtype=dtype).div_(255.0)
+            pix = None if jitter else slide.rare[3]
+            if pix is None:  # jittered: read again at new offsets each step
+                pix = slide.reader.read(rare, random_offsets(rare.numel(), jitter, generator))
+            pix = pix.to(device=device, dtype=dtype).div_(255.0)
             f_rare = model.embed(pix)
             pos = slide.grid.cell_centres(rare).to(device=device, dtype=dtype)
             logits_rare = model.aggregate(f_rare[None], pos[None], None)
