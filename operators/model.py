@@ -774,6 +774,9 @@ class FoveateModel(nn.Module):
         cell_scores: torch.Tensor,
         target: int,
         positions: torch.Tensor | None = None,
+        *,
+        prior: torch.Tensor | None = None,
+        prior_weight: float = 0.0,
     ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
         """The evidence losses of one slide (see :mod:`operators.evidence`).
 
@@ -782,6 +785,9 @@ class FoveateModel(nn.Module):
             cell_scores: ``[M]`` the scorer's normalised scores of those cells (differentiable).
             target: the slide's class index.
             positions: ``[M, 2]`` the cells' centres in [0, 1] (used by ``evidence="label"``; zeros when None).
+            prior: ``[M]`` a label-free prior in [0, 1] per read cell (e.g. ``workers.patches.cell_rarity``),
+                mixed into the rank targets as ``(1 - prior_weight) * evidence + prior_weight * prior``.
+            prior_weight: in [0, 1].
 
         Returns:
             ``(losses, info)``: ``{"instance": w_i * L_inst, "rank": w_r * L_rank}`` (weighted, to be added to
@@ -810,6 +816,10 @@ class FoveateModel(nn.Module):
                 info["label_evidence"] = float(ev.mean())
             else:
                 ev = conf
+            if prior is not None and prior_weight > 0:
+                if prior.shape != ev.shape:
+                    raise ValueError(f"prior must be [M] = {tuple(ev.shape)}, got {tuple(prior.shape)}")
+                ev = (1.0 - prior_weight) * ev + prior_weight * prior.to(ev.dtype)
             losses["rank"] = self.cfg.rank_weight * evidence_rank_loss(
                 cell_scores, ev, temperature=self.cfg.rank_temperature
             )

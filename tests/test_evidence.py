@@ -217,7 +217,7 @@ def test_per_module_clipping_keeps_the_classifier_update_when_the_scorer_gradien
         agg = [p for p in tr.model.aggregator.parameters()]
         sc = [p for p in tr.model.scorer.parameters()]
 
-        def fake_forward(store, *, training, sigma, target=None, agg=agg, sc=sc):
+        def fake_forward(store, *, training, sigma, target=None, rarity=0.0, agg=agg, sc=sc):
             loss = sum(p.sum() for p in agg) / math.sqrt(sum(p.numel() for p in agg))
             loss = loss + 1000.0 * sum(p.sum() for p in sc) / math.sqrt(sum(p.numel() for p in sc))
             return SimpleNamespace(
@@ -287,3 +287,44 @@ def test_selection_grad_scales_the_selection_gradient_to_the_scorer_and_not_the_
     assert grads[1.0].abs().sum() > 0 and torch.isfinite(grads[1.0]).all()
     assert torch.allclose(grads[0.25], 0.25 * grads[1.0], atol=1e-12)
     assert grads[0.0].abs().sum() == 0
+
+
+def test_rarity_prior_marks_the_smallest_strata_and_decays_on_schedule():
+    from workers.patches import cell_rarity, cell_strata
+    from workers.trainer import ScheduleConfig, rarity_at
+
+    img = torch.from_numpy(_image()).permute(2, 0, 1).float().div(255)
+    lowres = torch.nn.functional.interpolate(img[None], size=(64, 64), mode="area")[0]
+    mask = torch.zeros(8, 8, dtype=torch.bool)
+    mask[1:7, 1:7] = True
+    r = cell_rarity(lowres, mask, 4)
+    st = cell_strata(lowres, (8, 8), 4)
+    m = mask.flatten()
+    sizes = torch.bincount(st[m], minlength=int(st.max()) + 1).double()
+    ref = -torch.log(sizes[st].clamp_min(1) / m.sum())
+    ref = torch.where(m, ref, torch.zeros_like(ref))
+    assert torch.allclose(r.double(), ref / ref.max(), atol=1e-6)
+    dark = [1 * 8 + 1, 5 * 8 + 6]
+    assert r[dark].tolist() == [1.0, 1.0] and float(r[~m].abs().max()) == 0.0
+    assert float(r[m].min()) < 0.2  # the common background stratum is far below the rare structures
+
+    assert rarity_at(0, 100, 0.8, 0.5) == pytest.approx(0.8)
+    assert rarity_at(25, 100, 0.8, 0.5) == pytest.approx(0.4)
+    assert rarity_at(50, 100, 0.8, 0.5) == 0.0 and rarity_at(90, 100, 0.8, 0.5) == 0.0
+    assert rarity_at(0, 100, 0.0, 0.5) == 0.0
+    with pytest.raises(ConfigError, match="rarity_start"):
+        ScheduleConfig(rarity_start=1.5)
+
+    # the prior enters the rank targets as (1 - w) * evidence + w * prior
+    torch.manual_seed(0)
+    model = FoveateModel(_evidence_config(evidence="label")).double()
+    feats = torch.randn(5, 16, dtype=torch.float64)
+    scores = torch.rand(5, dtype=torch.float64)
+    prior = torch.tensor([1.0, 0.0, 0.5, 0.0, 1.0], dtype=torch.float64)
+    with torch.no_grad():
+        ev = torch.softmax(model.aggregate(feats[:, None], torch.zeros(5, 1, 2, dtype=torch.float64)), 1)[:, 1]
+    got, _ = model.evidence_losses(feats, scores, 1, prior=prior, prior_weight=0.3)
+    want = evidence_rank_loss(scores, 0.7 * ev + 0.3 * prior, temperature=0.1) * 0.5
+    assert float(got["rank"]) == pytest.approx(float(want), rel=1e-12)
+    with pytest.raises(ValueError, match="prior"):
+        model.evidence_losses(feats, scores, 1, prior=prior[:3], prior_weight=0.3)

@@ -410,6 +410,7 @@ class SlideInput:
     cell_mask: torch.Tensor
     reader: PatchReader
     strata: tuple[int, torch.Tensor] | None = None
+    rarity: tuple[int, torch.Tensor] | None = None  # (strata, cell_rarity)
     rare: tuple[int, int, torch.Tensor, torch.Tensor | None] | None = None  # (count, strata, cells, uint8 pixels)
     geometry: SlideGeometry | None = None
 
@@ -661,6 +662,31 @@ def rare_cells(lowres: torch.Tensor, cell_mask: torch.Tensor, count: int, num_st
     return cand[order[:count]]
 
 
+def cell_rarity(lowres: torch.Tensor, cell_mask: torch.Tensor, num_strata: int) -> torch.Tensor:
+    """Label-free rarity of every cell: ``-log(n_s / n)`` for a tissue cell of appearance stratum ``s``
+    (:func:`cell_strata`, ``n_s`` tissue cells in it, ``n`` tissue cells), divided by the slide's maximum, so
+    the cells of the smallest stratum are 1 and a stratum holding every tissue cell is 0; non-tissue cells 0.
+
+    Args:
+        lowres: ``[3, h, w]`` the scorer's view (uint8 or float in [0, 1]).
+        cell_mask: ``[Gh, Gw]`` bool tissue cells (all cells when none is tissue).
+        num_strata: strata for :func:`cell_strata`.
+
+    Returns:
+        float32 ``[Gh * Gw]`` in [0, 1].
+    """
+    mask = cell_mask.flatten()
+    if not bool(mask.any()):
+        mask = torch.ones_like(mask)
+    st = cell_strata(lowres, tuple(cell_mask.shape), num_strata)
+    sizes = torch.bincount(st[mask], minlength=int(st.max()) + 1).to(torch.float64)
+    n = float(mask.sum())
+    r = -torch.log(sizes[st].clamp_min(1.0) / n)
+    r = torch.where(mask, r, torch.zeros_like(r))
+    top = float(r.max())
+    return (r / top if top > 0 else r).to(torch.float32)
+
+
 def _explore_cells(
     scores: torch.Tensor, count: int, generator: torch.Generator | None, strata: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -698,6 +724,7 @@ def forward_slide(
     sigma: float | None = None,
     generator: torch.Generator | None = None,
     target: int | None = None,
+    rarity: float = 0.0,
 ) -> ModelOutput:
     """The whole chain for ONE slide: low-res input -> scores -> selection -> patch reading -> features ->
     logits.
@@ -775,7 +802,17 @@ def forward_slide(
             read_cells = torch.cat([read_cells, rare.to(read_cells.device)])
             cells_read += int(rare.numel())
         read_pos = slide.grid.cell_centres(read_cells.cpu()).to(device=device, dtype=dtype)
-        ev_losses, extra_info = model.evidence_losses(feats, scores[0, read_cells], int(target), read_pos)
+        prior = None
+        if rarity > 0:
+            if slide.rarity is None or slide.rarity[0] != model.cfg.rare_strata:
+                slide.rarity = (
+                    model.cfg.rare_strata,
+                    cell_rarity(slide.lowres_u8, cell_mask, model.cfg.rare_strata),
+                )
+            prior = slide.rarity[1].to(device=device, dtype=dtype)[read_cells]
+        ev_losses, extra_info = model.evidence_losses(
+            feats, scores[0, read_cells], int(target), read_pos, prior=prior, prior_weight=rarity
+        )
         aux_losses.update(ev_losses)
         extra_info["explore_cells"] = float(explore.numel())
     else:

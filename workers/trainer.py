@@ -39,6 +39,7 @@ from workers.metrics import classification_metrics
 __all__ = [
     "OptimConfig",
     "ScheduleConfig",
+    "rarity_at",
     "Collective",
     "LocalCollective",
     "TorchDistCollective",
@@ -109,14 +110,34 @@ class OptimConfig:
 
 @dataclass(frozen=True)
 class ScheduleConfig:
-    """Perturbation scale of the selection operator: linear from ``sigma_start`` to ``sigma_end`` over training."""
+    """Perturbation scale of the selection operator: linear from ``sigma_start`` to ``sigma_end`` over training.
+
+    ``rarity_start``: the share of the label-free rarity prior in the evidence rank targets at the first step
+    (``model.evidence`` targets mixed with each read cell's low-resolution rarity, see
+    ``workers.patches.cell_rarity``), decaying linearly to 0 at the fraction ``rarity_until`` of training:
+    exploration towards rare-looking cells that is scheduled and then removed. 0 (default): off.
+    """
 
     sigma_start: float = 0.05
     sigma_end: float = 0.0
+    rarity_start: float = 0.0
+    rarity_until: float = 0.5
 
     def __post_init__(self) -> None:
         _check_finite("schedule.sigma_start", self.sigma_start)
         _check_finite("schedule.sigma_end", self.sigma_end)
+        for name in ("rarity_start", "rarity_until"):
+            v = getattr(self, name)
+            ok = not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v) and 0 <= v <= 1
+            _check(f"schedule.{name}", v, ok, "a number in [0, 1]")
+
+
+def rarity_at(step: int, total_steps: int, start: float, until: float) -> float:
+    """Share of the rarity prior: ``start`` at step 0, linear to 0 at ``until * total_steps``, 0 after."""
+    if start <= 0 or until <= 0:
+        return 0.0
+    t = max(step, 0) / max(total_steps, 1)
+    return float(start * max(0.0, 1.0 - t / until))
 
 
 # ---------------------------------------------------------------------------------------------- schedules
@@ -337,7 +358,7 @@ class Trainer:
             self._stores[path] = SlideStore(path)
         return self._stores[path]
 
-    def _forward(self, store, *, training: bool, sigma: float, target: int | None = None):
+    def _forward(self, store, *, training: bool, sigma: float, target: int | None = None, rarity: float = 0.0):
         from workers.patches import forward_slide
 
         return forward_slide(
@@ -347,6 +368,7 @@ class Trainer:
             sigma=sigma,
             generator=self.generator if training else None,
             target=target,
+            rarity=rarity,
         )
 
     # ------------------------------------------------------------------ step
@@ -355,11 +377,12 @@ class Trainer:
         metrics (loss and accuracy over all workers, sigma, lr, grad norm, timings, aux losses)."""
         t0 = time.perf_counter()
         sigma = sigma_at(self.global_step, self.total_steps, self.schedule.sigma_start, self.schedule.sigma_end)
+        rarity = rarity_at(self.global_step, self.total_steps, self.schedule.rarity_start, self.schedule.rarity_until)
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum, correct, patches = 0.0, 0, 0
         aux_sums: dict[str, float] = {}
         for rec in batch:
-            out = self._forward(self._store(rec.store), training=True, sigma=sigma, target=rec.target)
+            out = self._forward(self._store(rec.store), training=True, sigma=sigma, target=rec.target, rarity=rarity)
             loss, parts = slide_loss(out, rec.target)
             (loss / len(batch)).backward()
             loss_sum += float(loss.detach())
