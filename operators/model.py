@@ -103,6 +103,9 @@ class ModelConfig:
             is shifted by a random offset of up to this fraction of ``patch_size`` in x and y (random-crop
             augmentation: the same structures, never the same pixels twice, so the classifier cannot memorise
             a slide's patches). 0 (default): off. Inference reads the grid cells as they are.
+        color_jitter: in training, every full-resolution patch gets a random per-channel gain ``1 + U(-c, c)``
+            and offset ``U(-c/2, c/2)`` (``workers.patches.colour_jitter``): the classifier cannot tell the
+            training slides apart by their stain colours. 0 (default): off.
         selection_grad: in training, the gradient of the classification loss that reaches the scorer through
             the selection is multiplied by this (the scores' values are unchanged): 1 (default) trains the scorer
             end to end; 0 trains it by the evidence rank loss alone (the perturbed top-k gradient is an
@@ -184,6 +187,7 @@ class ModelConfig:
     candidate_dropout: float = 0.0
     selection_grad: float = 1.0
     patch_jitter: float = 0.0
+    color_jitter: float = 0.0
     explore_cells: int = 0
     explore_strata: int = 0
     rare_cells: int = 0
@@ -321,6 +325,12 @@ class ModelConfig:
             raise ConfigError(f"model.evidence must be 'confidence' or 'label', got {self.evidence!r}")
         if self.transformer_readout not in ("mean", "cls"):
             raise ConfigError(f"model.transformer_readout must be 'mean' or 'cls', got {self.transformer_readout!r}")
+        if not (
+            isinstance(self.color_jitter, (int, float))
+            and math.isfinite(self.color_jitter)
+            and 0.0 <= self.color_jitter <= 1.0
+        ):
+            raise ConfigError(f"model.color_jitter must be a number in [0, 1], got {self.color_jitter!r}")
         if not (
             isinstance(self.patch_jitter, (int, float))
             and math.isfinite(self.patch_jitter)
