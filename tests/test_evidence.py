@@ -346,3 +346,41 @@ def test_colour_jitter_is_a_per_patch_per_channel_affine_map_clamped_to_unit_ran
             assert 0.8 - 1e-12 <= float(a) <= 1.2 + 1e-12 and abs(float(b)) <= 0.1 + 1e-12
     with pytest.raises(ConfigError, match="color_jitter"):
         ModelConfig(color_jitter=-0.1)
+
+
+def test_trainer_passes_the_scheduled_rarity_share_and_forward_slide_mixes_it_in(tmp_path):
+    from types import SimpleNamespace
+
+    from workers.trainer import EpochResult, OptimConfig, ScheduleConfig, Trainer, rarity_at
+
+    cfg = _evidence_config(evidence="label")
+    tr = Trainer(
+        cfg, OptimConfig(epochs=4, accumulate=1), ScheduleConfig(rarity_start=0.6, rarity_until=0.5), slides_per_epoch=2
+    )
+    seen = []
+
+    def fake_forward(store, *, training, sigma, target=None, rarity=0.0):
+        seen.append(rarity)
+        w = next(tr.model.aggregator.parameters())
+        return SimpleNamespace(
+            logits=torch.zeros(1, 2) + 0 * w.sum(), aux_losses={}, info={}, coords_l0=torch.zeros(2, 2)
+        )
+
+    tr._forward, tr._store = fake_forward, (lambda path: None)
+    for _ in range(tr.total_steps):
+        tr.step([SimpleNamespace(store="s", target=0)], EpochResult(started=0.0))
+    assert seen == pytest.approx([rarity_at(i, 8, 0.6, 0.5) for i in range(8)])
+    assert seen[0] == pytest.approx(0.6) and seen[4:] == [0.0] * 4
+
+    # forward_slide: the same step with and without the prior differs only in the rank targets
+    store = write_store_from_array(tmp_path / "s.zarr", _image(), tile_size=128, min_size=64)
+    torch.manual_seed(0)
+    model = FoveateModel(_evidence_config(evidence="label", explore_cells=4, explore_strata=4))
+    outs = {}
+    for r in (0.0, 1.0):
+        outs[r] = forward_slide(
+            model, store, training=True, sigma=0.1, generator=torch.Generator().manual_seed(0), target=1, rarity=r
+        )
+    assert torch.equal(outs[0.0].logits, outs[1.0].logits)
+    assert float(outs[0.0].aux_losses["instance"]) == float(outs[1.0].aux_losses["instance"])
+    assert float(outs[0.0].aux_losses["rank"]) != float(outs[1.0].aux_losses["rank"])
