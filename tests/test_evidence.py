@@ -217,7 +217,7 @@ def test_per_module_clipping_keeps_the_classifier_update_when_the_scorer_gradien
         agg = [p for p in tr.model.aggregator.parameters()]
         sc = [p for p in tr.model.scorer.parameters()]
 
-        def fake_forward(store, *, training, sigma, target=None, rarity=0.0, agg=agg, sc=sc):
+        def fake_forward(store, *, training, sigma, target=None, rarity=0.0, rare=1.0, agg=agg, sc=sc):
             loss = sum(p.sum() for p in agg) / math.sqrt(sum(p.numel() for p in agg))
             loss = loss + 1000.0 * sum(p.sum() for p in sc) / math.sqrt(sum(p.numel() for p in sc))
             return SimpleNamespace(
@@ -355,12 +355,16 @@ def test_trainer_passes_the_scheduled_rarity_share_and_forward_slide_mixes_it_in
 
     cfg = _evidence_config(evidence="label")
     tr = Trainer(
-        cfg, OptimConfig(epochs=4, accumulate=1), ScheduleConfig(rarity_start=0.6, rarity_until=0.5), slides_per_epoch=2
+        cfg,
+        OptimConfig(epochs=4, accumulate=1),
+        ScheduleConfig(rarity_start=0.6, rarity_until=0.5, rare_until=0.25),
+        slides_per_epoch=2,
     )
-    seen = []
+    seen, seen_rare = [], []
 
-    def fake_forward(store, *, training, sigma, target=None, rarity=0.0):
+    def fake_forward(store, *, training, sigma, target=None, rarity=0.0, rare=1.0):
         seen.append(rarity)
+        seen_rare.append(rare)
         w = next(tr.model.aggregator.parameters())
         return SimpleNamespace(
             logits=torch.zeros(1, 2) + 0 * w.sum(), aux_losses={}, info={}, coords_l0=torch.zeros(2, 2)
@@ -371,6 +375,9 @@ def test_trainer_passes_the_scheduled_rarity_share_and_forward_slide_mixes_it_in
         tr.step([SimpleNamespace(store="s", target=0)], EpochResult(started=0.0))
     assert seen == pytest.approx([rarity_at(i, 8, 0.6, 0.5) for i in range(8)])
     assert seen[0] == pytest.approx(0.6) and seen[4:] == [0.0] * 4
+    assert seen_rare == pytest.approx([1.0, 0.5, 0, 0, 0, 0, 0, 0])  # the rare bag's weight, to 0 at 1/4
+    with pytest.raises(ConfigError, match="rare_until"):
+        ScheduleConfig(rare_until=0.0)
 
     # forward_slide: the same step with and without the prior differs only in the rank targets
     store = write_store_from_array(tmp_path / "s.zarr", _image(), tile_size=128, min_size=64)
@@ -384,3 +391,18 @@ def test_trainer_passes_the_scheduled_rarity_share_and_forward_slide_mixes_it_in
     assert torch.equal(outs[0.0].logits, outs[1.0].logits)
     assert float(outs[0.0].aux_losses["instance"]) == float(outs[1.0].aux_losses["instance"])
     assert float(outs[0.0].aux_losses["rank"]) != float(outs[1.0].aux_losses["rank"])
+
+
+def test_rare_scale_weights_the_rare_bag_and_zero_skips_it(tmp_path):
+    store = write_store_from_array(tmp_path / "s.zarr", _image(), tile_size=128, min_size=64)
+    torch.manual_seed(0)
+    model = FoveateModel(_evidence_config(rare_cells=2, rare_strata=4))
+    outs = {
+        r: forward_slide(
+            model, store, training=True, sigma=0.1, generator=torch.Generator().manual_seed(0), target=1, rare_scale=r
+        )
+        for r in (1.0, 0.5, 0.0)
+    }
+    assert float(outs[0.5].aux_losses["rare"]) == pytest.approx(0.5 * float(outs[1.0].aux_losses["rare"]), rel=1e-6)
+    assert "rare" not in outs[0.0].aux_losses
+    assert outs[0.0].info["cells_read"] == outs[1.0].info["cells_read"] - 2  # not read at all

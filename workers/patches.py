@@ -738,6 +738,7 @@ def forward_slide(
     generator: torch.Generator | None = None,
     target: int | None = None,
     rarity: float = 0.0,
+    rare_scale: float = 1.0,
 ) -> ModelOutput:
     """The whole chain for ONE slide: low-res input -> scores -> selection -> patch reading -> features ->
     logits.
@@ -796,7 +797,7 @@ def forward_slide(
             feats = torch.cat([feats, model.embed(pix)])
             cells_read += int(explore.numel())
         read_cells = torch.cat([cells, explore])
-        if model.cfg.rare_cells > 0:
+        if model.cfg.rare_cells > 0 and rare_scale > 0:
             key = (model.cfg.rare_cells, model.cfg.rare_strata)
             if slide.rare is None or slide.rare[:2] != key:  # fixed per slide: found (and read) once
                 rare = rare_cells(slide.lowres_u8, cell_mask, *key)
@@ -810,8 +811,8 @@ def forward_slide(
             pos = slide.grid.cell_centres(rare).to(device=device, dtype=dtype)
             logits_rare = model.aggregate(f_rare[None], pos[None], None)
             tgt = torch.tensor([int(target)], device=logits_rare.device)
-            aux_losses["rare"] = model.cfg.rare_weight * torch.nn.functional.cross_entropy(
-                logits_rare.reshape(1, -1), tgt
+            aux_losses["rare"] = (
+                rare_scale * model.cfg.rare_weight * torch.nn.functional.cross_entropy(logits_rare.reshape(1, -1), tgt)
             )
             feats = torch.cat([feats, f_rare])
             read_cells = torch.cat([read_cells, rare.to(read_cells.device)])

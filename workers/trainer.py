@@ -116,12 +116,17 @@ class ScheduleConfig:
     (``model.evidence`` targets mixed with each read cell's low-resolution rarity, see
     ``workers.patches.cell_rarity``), decaying linearly to 0 at the fraction ``rarity_until`` of training:
     exploration towards rare-looking cells that is scheduled and then removed. 0 (default): off.
+
+    ``rare_until``: with ``model.rare_cells``, the rare bag's weight decays linearly from ``model.rare_weight``
+    to 0 at this fraction of training (its fixed cells are needed until the scorer finds the structures, and
+    are memorised after); None (default): constant.
     """
 
     sigma_start: float = 0.05
     sigma_end: float = 0.0
     rarity_start: float = 0.0
     rarity_until: float = 0.5
+    rare_until: float | None = None
 
     def __post_init__(self) -> None:
         _check_finite("schedule.sigma_start", self.sigma_start)
@@ -130,6 +135,9 @@ class ScheduleConfig:
             v = getattr(self, name)
             ok = not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v) and 0 <= v <= 1
             _check(f"schedule.{name}", v, ok, "a number in [0, 1]")
+        v = self.rare_until
+        ok = v is None or (not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v) and 0 < v <= 1)
+        _check("schedule.rare_until", v, ok, "None or a number in (0, 1]")
 
 
 def rarity_at(step: int, total_steps: int, start: float, until: float) -> float:
@@ -358,7 +366,9 @@ class Trainer:
             self._stores[path] = SlideStore(path)
         return self._stores[path]
 
-    def _forward(self, store, *, training: bool, sigma: float, target: int | None = None, rarity: float = 0.0):
+    def _forward(
+        self, store, *, training: bool, sigma: float, target: int | None = None, rarity: float = 0.0, rare: float = 1.0
+    ):
         from workers.patches import forward_slide
 
         return forward_slide(
@@ -369,6 +379,7 @@ class Trainer:
             generator=self.generator if training else None,
             target=target,
             rarity=rarity,
+            rare_scale=rare,
         )
 
     # ------------------------------------------------------------------ step
@@ -378,11 +389,16 @@ class Trainer:
         t0 = time.perf_counter()
         sigma = sigma_at(self.global_step, self.total_steps, self.schedule.sigma_start, self.schedule.sigma_end)
         rarity = rarity_at(self.global_step, self.total_steps, self.schedule.rarity_start, self.schedule.rarity_until)
+        rare = 1.0
+        if self.schedule.rare_until is not None:
+            rare = rarity_at(self.global_step, self.total_steps, 1.0, self.schedule.rare_until)
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum, correct, patches = 0.0, 0, 0
         aux_sums: dict[str, float] = {}
         for rec in batch:
-            out = self._forward(self._store(rec.store), training=True, sigma=sigma, target=rec.target, rarity=rarity)
+            out = self._forward(
+                self._store(rec.store), training=True, sigma=sigma, target=rec.target, rarity=rarity, rare=rare
+            )
             loss, parts = slide_loss(out, rec.target)
             (loss / len(batch)).backward()
             loss_sum += float(loss.detach())
