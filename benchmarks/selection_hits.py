@@ -4,7 +4,10 @@ one worker: the same loss, optimiser, schedules, slide order and seeds, without 
 ground-truth informative structure (``trainhit`` for hard top-k on the training slides, ``testhit`` on the
 held-out split; from the synth sidecars, diagnostic only, never used for training); the fraction of informative
 structures that some chosen test patch touches (``recall``); the fraction of chosen test patches on a distractor
-(``dhit``, objects task); the median gradient norm; train and held-out accuracy, held-out AUC; and the mean of
+(``dhit``, objects task); ``vote a/b`` (objects task): the held-out accuracy a texture counter would reach on the
+chosen patches, voting by the pixel overlap with the informative objects only (a) or with objects and
+distractors (b) — the ceiling of a classifier that reads kinds but cannot tell objects from distractors is b;
+the median gradient norm; train and held-out accuracy, held-out AUC; and the mean of
 every auxiliary loss term (``loss_instance``, ``loss_rank`` for evidence distillation).
 
 Usage: python benchmarks/selection_hits.py --config attention_sampling --stores WORKDIR/stores [--seed SPLIT]
@@ -48,6 +51,32 @@ def structure_boxes(stores: str, which: str = "structures") -> dict[str, list[di
         if side.is_file():
             out[str(Path(r.store).resolve())] = json.loads(side.read_text()).get(which, [])
     return out
+
+
+def class_names(stores: str) -> dict[str, list[str]]:
+    """The synth sidecar's class names (objects task: texture kinds in label order) per store path."""
+    man = pd.read_csv(f"{stores}/manifest.csv")
+    out = {}
+    for r in man.itertuples():
+        side = Path(str(r.source) + ".json")
+        if side.is_file():
+            out[str(Path(r.store).resolve())] = json.loads(side.read_text()).get("class_names", [])
+    return out
+
+
+def kind_vote(coords, patch: int, boxes: list[dict], names: list[str]) -> int | None:
+    """Diagnostic ceiling of a texture counter: the class whose kind covers the most bag pixels, counting each
+    chosen patch's overlap with the bounding boxes of ``boxes`` (with a ``kind``); None when nothing overlaps."""
+    votes = np.zeros(len(names))
+    for x, y in coords.cpu().numpy().reshape(-1, 2).tolist():
+        for b in boxes:
+            if b.get("kind") not in names:
+                continue
+            w = min(x + patch, b["x"] + b["width"]) - max(x, b["x"])
+            h = min(y + patch, b["y"] + b["height"]) - max(y, b["y"])
+            if w > 0 and h > 0:
+                votes[names.index(b["kind"])] += w * h
+    return int(votes.argmax()) if votes.sum() > 0 else None
 
 
 def hit_rate(coords, boxes, patch: int) -> tuple[float, float]:
@@ -141,6 +170,7 @@ def main() -> None:
     tr, te = split_train_val(table.records, cfg.data.val_fraction, cfg.data.seed)
     boxes = structure_boxes(a.stores)
     distractors = structure_boxes(a.stores, "distractors")
+    names = class_names(a.stores)
     model_cfg = dataclasses.replace(cfg.model, num_classes=table.num_classes)
     trainer = Trainer(model_cfg, cfg.optim, cfg.schedule, slides_per_epoch=len(tr), seed=cfg.seed)
     patch = model_cfg.patch_size
@@ -176,7 +206,7 @@ def main() -> None:
         res = {}
         with torch.no_grad():
             for name, recs in (("train", tr), ("test", te)):
-                probs, ys, hits, recall, dhits = [], [], [], [], []
+                probs, ys, hits, recall, dhits, votes = [], [], [], [], [], []
                 for rec in recs:
                     out = forward_slide(model, trainer._store(rec.store), training=False)
                     probs.append(torch.softmax(out.logits.reshape(1, -1).float(), -1)[0].numpy())
@@ -186,11 +216,18 @@ def main() -> None:
                     hits.append(h)
                     recall.append(r)
                     dhits.append(hit_rate(out.coords_l0, distractors.get(key, []), patch)[0])
+                    if names.get(key):
+                        obj = kind_vote(out.coords_l0, patch, boxes.get(key, []), names[key])
+                        allv = kind_vote(
+                            out.coords_l0, patch, boxes.get(key, []) + distractors.get(key, []), names[key]
+                        )
+                        votes.append((obj == rec.target, allv == rec.target))
                 res[name] = (
                     classification_metrics(ys, np.array(probs)),
                     float(np.mean(hits)),
                     float(np.mean(recall)),
                     float(np.mean(dhits)),
+                    np.mean(votes, axis=0) if votes else None,
                 )
         soft = ""
         if a.soft_eval:  # the training-time (soft / sampled) selection at the start sigma, without gradients
@@ -207,7 +244,9 @@ def main() -> None:
             soft = f"soft acc {soft_acc:.2f} "
         ce = np.mean(aux.get("loss_ce", [ep.loss / max(ep.n, 1)]))
         extra = " ".join(f"{k[5:]} {np.mean(v):.3f}" for k, v in aux.items() if k != "loss_ce")
-        m, th, trec, tdh = res["test"]
+        m, th, trec, tdh, tvote = res["test"]
+        if tvote is not None:  # texture-vote ceilings of the held-out bags: objects only / objects + distractors
+            extra += f" vote {tvote[0]:.2f}/{tvote[1]:.2f}"
         if part_norms:
             extra += " |g| by part: " + " ".join(f"{k} {np.median(v):.3g}" for k, v in part_norms.items())
             part_norms.clear()
@@ -227,6 +266,11 @@ def main() -> None:
                 "test_hits": th,
                 "test_recall": trec,
                 "test_distractor_hits": tdh,
+                **(
+                    {"test_vote_objects": float(tvote[0]), "test_vote_all": float(tvote[1])}
+                    if tvote is not None
+                    else {}
+                ),
             }
         )
     )

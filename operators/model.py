@@ -99,6 +99,10 @@ class ModelConfig:
             below the top-k threshold, which carry part of the mask, are seen and get a gradient (like the
             capped support of the perturbed top-k's soft patches; the mask beyond those cells is dropped). 0
             (default): the k chosen cells only. Inference always reads the hard top-k.
+        nms_radius: selection takes only cells whose score is the maximum of their ``(2r+1) x (2r+1)`` window of
+            grid cells (:meth:`FoveateModel.local_maxima`), in training and at inference, so the K patches land on
+            K different structures instead of several cells of the same one (a slide with fewer than ``k``
+            local maxima selects among all its cells). 0 (default): off.
         patch_jitter: in training, every full-resolution read window (selected, exploration and rare cells)
             is shifted by a random offset of up to this fraction of ``patch_size`` in x and y (random-crop
             augmentation: the same structures, never the same pixels twice, so the classifier cannot memorise
@@ -187,6 +191,7 @@ class ModelConfig:
     candidate_dropout: float = 0.0
     selection_grad: float = 1.0
     patch_jitter: float = 0.0
+    nms_radius: int = 0
     color_jitter: float = 0.0
     explore_cells: int = 0
     explore_strata: int = 0
@@ -271,6 +276,7 @@ class ModelConfig:
         pos_int("explore_strata", 0)
         pos_int("rare_cells", 0)
         pos_int("rare_strata", 1)
+        pos_int("nms_radius", 0)
         if self.stride is not None:
             pos_int("stride")
         if self.scorer_downsample is not None and not (
@@ -612,6 +618,32 @@ class FoveateModel(nn.Module):
         return minmax_normalise(raw, cand)
 
     # ------------------------------------------------------------------ stage 2: selection
+    def local_maxima(self, scores: torch.Tensor, grid_shape: tuple[int, int]) -> torch.Tensor:
+        """Keep the cells that are the maximum of their ``(2r+1) x (2r+1)`` window (``r = cfg.nms_radius``).
+
+        Args:
+            scores: ``[B, N]`` from :meth:`score` (``-inf`` = not a candidate), ``N = Gh * Gw`` row-major.
+            grid_shape: ``(Gh, Gw)``.
+
+        Returns:
+            ``[B, N]``: ``scores`` where a cell is a local maximum (ties keep every tied cell), ``-inf``
+            elsewhere; a row with fewer than ``k`` local maxima is returned unchanged. ``scores`` itself when
+            ``nms_radius == 0``. Differentiable wrt the kept scores.
+        """
+        r = self.cfg.nms_radius
+        if r <= 0:
+            return scores
+        gh, gw = (int(v) for v in grid_shape)
+        if scores.dim() != 2 or scores.shape[1] != gh * gw:
+            raise ValueError(f"scores must be [B, {gh * gw}] for grid {gh}x{gw}, got {tuple(scores.shape)}")
+        with torch.no_grad():
+            grid = scores.detach().view(-1, 1, gh, gw)
+            mx = torch.nn.functional.max_pool2d(grid, 2 * r + 1, stride=1, padding=r).view_as(scores)
+            keep = torch.isfinite(scores) & (scores.detach() >= mx)
+            enough = keep.sum(1, keepdim=True) >= self.cfg.k
+            keep = torch.where(enough, keep, torch.isfinite(scores))
+        return torch.where(keep, scores, torch.full_like(scores, float("-inf")))
+
     def select(
         self,
         scores: torch.Tensor,

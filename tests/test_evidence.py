@@ -406,3 +406,37 @@ def test_rare_scale_weights_the_rare_bag_and_zero_skips_it(tmp_path):
     assert float(outs[0.5].aux_losses["rare"]) == pytest.approx(0.5 * float(outs[1.0].aux_losses["rare"]), rel=1e-6)
     assert "rare" not in outs[0.0].aux_losses
     assert outs[0.0].info["cells_read"] == outs[1.0].info["cells_read"] - 2  # not read at all
+
+
+def test_local_maxima_keeps_window_maxima_falls_back_when_too_few_and_passes_gradients():
+    with pytest.raises(ConfigError, match="nms_radius"):
+        ModelConfig(nms_radius=-1)
+    model = FoveateModel(ModelConfig(k=2, nms_radius=1)).double()
+    g = torch.tensor(
+        [
+            [0.1, 0.9, 0.8, 0.0, 0.2],
+            [0.2, 0.3, 0.1, 0.0, 0.7],
+            [float("-inf"), 0.0, 0.0, 0.1, 0.6],
+            [0.5, 0.1, 0.0, 0.0, 0.0],
+        ],
+        dtype=torch.float64,
+    )
+    s = g.flatten()[None].clone().requires_grad_(True)
+    out = model.local_maxima(s, (4, 5))
+    # brute force: a finite cell is kept iff no cell of its 3x3 window scores higher
+    want = torch.full_like(g, float("-inf"))
+    for y in range(4):
+        for x in range(5):
+            win = g[max(y - 1, 0) : y + 2, max(x - 1, 0) : x + 2]
+            if torch.isfinite(g[y, x]) and g[y, x] >= win.max():
+                want[y, x] = g[y, x]
+    assert torch.equal(out.detach().view(4, 5), want)
+    assert int(torch.isfinite(out).sum()) == 3  # 0.9, 0.7 and 0.5
+    out[torch.isfinite(out)].sum().backward()
+    assert torch.equal(s.grad.view(4, 5) != 0, torch.isfinite(want))
+    # fewer than k maxima: the row is left as it is
+    few = FoveateModel(ModelConfig(k=4, nms_radius=1)).double()
+    assert torch.equal(few.local_maxima(g.flatten()[None], (4, 5)), g.flatten()[None])
+    assert FoveateModel(ModelConfig(k=2)).local_maxima(s, (4, 5)) is s  # off by default
+    with pytest.raises(ValueError, match="grid"):
+        model.local_maxima(s, (5, 5))

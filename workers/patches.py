@@ -768,7 +768,9 @@ def forward_slide(
     cell_mask = slide.cell_mask
     geo = slide.geometry if slide.geometry is not None else slide_geometry(slide.store, model.cfg)
     scores = model.score(slide.lowres_u8[None].to(device), cell_mask[None].to(device), geo)  # converted per tile
-    sel = model.select(scores, training=training, sigma=sigma, generator=generator)
+    sel = model.select(
+        model.local_maxima(scores, tuple(cell_mask.shape)), training=training, sigma=sigma, generator=generator
+    )
     jitter = round(model.cfg.patch_jitter * slide.grid.patch_size) if training else 0
     patches, positions, cells_read = gather_patches(
         slide, sel, device=device, dtype=dtype, jitter_l0=jitter, generator=generator

@@ -147,7 +147,7 @@ class ScorerWorker:
             lowres, cell_mask = lowres_view(store, self.cfg, geo)  # uint8, converted per scorer tile
             with torch.inference_mode():
                 scores = self.model.score(lowres[None].to(self.device), cell_mask[None].to(self.device), geo)
-                sel = self.model.select(scores, training=False)
+                sel = self.model.select(self.model.local_maxima(scores, tuple(cell_mask.shape)), training=False)
             cells = sel.primary[0].cpu().numpy().astype(np.int64)
             slot_w = None if sel.slot_weights is None else sel.slot_weights[0].float().cpu().numpy()
             return {
