@@ -64,9 +64,10 @@ def class_names(stores: str) -> dict[str, list[str]]:
     return out
 
 
-def kind_vote(coords, patch: int, boxes: list[dict], names: list[str]) -> int | None:
-    """Diagnostic ceiling of a texture counter: the class whose kind covers the most bag pixels, counting each
-    chosen patch's overlap with the bounding boxes of ``boxes`` (with a ``kind``); None when nothing overlaps."""
+def kind_vote(coords, patch: int, boxes: list[dict], names: list[str] | tuple[str, ...]) -> str | None:
+    """Diagnostic ceiling of a texture counter: the kind (a name in ``names``) that covers the most bag pixels,
+    counting each chosen patch's overlap with the bounding boxes of ``boxes`` (with a ``kind``); None when
+    nothing overlaps."""
     votes = np.zeros(len(names))
     for x, y in coords.cpu().numpy().reshape(-1, 2).tolist():
         for b in boxes:
@@ -76,7 +77,7 @@ def kind_vote(coords, patch: int, boxes: list[dict], names: list[str]) -> int | 
             h = min(y + patch, b["y"] + b["height"]) - max(y, b["y"])
             if w > 0 and h > 0:
                 votes[names.index(b["kind"])] += w * h
-    return int(votes.argmax()) if votes.sum() > 0 else None
+    return names[int(votes.argmax())] if votes.sum() > 0 else None
 
 
 def hit_rate(coords, boxes, patch: int) -> tuple[float, float]:
@@ -221,7 +222,8 @@ def main() -> None:
                         allv = kind_vote(
                             out.coords_l0, patch, boxes.get(key, []) + distractors.get(key, []), names[key]
                         )
-                        votes.append((obj == rec.target, allv == rec.target))
+                        label = table.class_names[rec.target]  # the trainer's class order, not the sidecar's
+                        votes.append((obj == label, allv == label))
                 res[name] = (
                     classification_metrics(ys, np.array(probs)),
                     float(np.mean(hits)),
