@@ -108,7 +108,7 @@ class ModelConfig:
             augmentation: the same structures, never the same pixels twice, so the classifier cannot memorise
             a slide's patches). 0 (default): off. Inference reads the grid cells as they are.
         color_jitter: in training, every full-resolution patch gets a random per-channel gain ``1 + U(-c, c)``
-            and offset ``U(-c/2, c/2)`` (``workers.patches.colour_jitter``): the classifier cannot tell the
+            and offset ``U(-c/2, c/2)`` (``workers.patches.color_jitter_patches``): the classifier cannot tell the
             training slides apart by their stain colours. 0 (default): off.
         selection_grad: in training, the gradient of the classification loss that reaches the scorer through
             the selection is multiplied by this (the scores' values are unchanged): 1 (default) trains the scorer

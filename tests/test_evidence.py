@@ -330,13 +330,13 @@ def test_rarity_prior_marks_the_smallest_strata_and_decays_on_schedule():
         model.evidence_losses(feats, scores, 1, prior=prior[:3], prior_weight=0.3)
 
 
-def test_colour_jitter_is_a_per_patch_per_channel_affine_map_clamped_to_unit_range():
-    from workers.patches import colour_jitter
+def test_color_jitter_patches_is_a_per_patch_per_channel_affine_map_clamped_to_unit_range():
+    from workers.patches import color_jitter_patches
 
     x = torch.rand(5, 3, 8, 8, dtype=torch.float64) * 0.6 + 0.2
-    assert colour_jitter(x, 0.0) is x
-    y = colour_jitter(x.clone(), 0.2, torch.Generator().manual_seed(1))
-    assert torch.equal(y, colour_jitter(x.clone(), 0.2, torch.Generator().manual_seed(1)))  # reproducible
+    assert color_jitter_patches(x, 0.0) is x
+    y = color_jitter_patches(x.clone(), 0.2, torch.Generator().manual_seed(1))
+    assert torch.equal(y, color_jitter_patches(x.clone(), 0.2, torch.Generator().manual_seed(1)))  # reproducible
     assert not torch.equal(y, x) and float(y.min()) >= 0.0 and float(y.max()) <= 1.0
     for i in range(5):
         for c in range(3):  # one gain and one offset per patch and channel: y = a x + b exactly

@@ -512,7 +512,7 @@ def random_offsets(count: int, jitter_l0: int, generator: torch.Generator | None
     return torch.randint(-jitter_l0, jitter_l0 + 1, (count, 2), generator=generator, device=dev).cpu()
 
 
-def colour_jitter(x: torch.Tensor, strength: float, generator: torch.Generator | None = None) -> torch.Tensor:
+def color_jitter_patches(x: torch.Tensor, strength: float, generator: torch.Generator | None = None) -> torch.Tensor:
     """Random per-patch, per-channel gain ``1 + U(-s, s)`` and offset ``U(-s/2, s/2)`` of float patches
     ``x[..., 3, p, p]`` in [0, 1], clamped to [0, 1] (training-time augmentation against memorising a slide's
     colours; ``s = strength``, 0 returns ``x``)."""
@@ -776,7 +776,7 @@ def forward_slide(
         slide, sel, device=device, dtype=dtype, jitter_l0=jitter, generator=generator
     )
     cj = model.cfg.color_jitter if training else 0.0
-    patches = colour_jitter(patches, cj, generator)
+    patches = color_jitter_patches(patches, cj, generator)
     cells = sel.primary[0]
     aux_losses = model.aux_losses(sel)
     extra_info: dict[str, float] = {}
@@ -795,7 +795,7 @@ def forward_slide(
         explore = _explore_cells(scores[0], model.cfg.explore_cells, generator, strata)
         if explore.numel():
             pix = slide.reader.read(explore.cpu(), random_offsets(explore.numel(), jitter, generator))
-            pix = colour_jitter(pix.to(device=device, dtype=dtype).div_(255.0), cj, generator)
+            pix = color_jitter_patches(pix.to(device=device, dtype=dtype).div_(255.0), cj, generator)
             feats = torch.cat([feats, model.embed(pix)])
             cells_read += int(explore.numel())
         read_cells = torch.cat([cells, explore])
@@ -808,7 +808,7 @@ def forward_slide(
             pix = None if jitter else slide.rare[3]
             if pix is None:  # jittered: read again at new offsets each step
                 pix = slide.reader.read(rare, random_offsets(rare.numel(), jitter, generator))
-            pix = colour_jitter(pix.to(device=device, dtype=dtype).div_(255.0), cj, generator)
+            pix = color_jitter_patches(pix.to(device=device, dtype=dtype).div_(255.0), cj, generator)
             f_rare = model.embed(pix)
             pos = slide.grid.cell_centres(rare).to(device=device, dtype=dtype)
             logits_rare = model.aggregate(f_rare[None], pos[None], None)
