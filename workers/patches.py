@@ -54,6 +54,11 @@ __all__ = [
     "gather_patches",
     "forward_slide",
     "clear_cache",
+    "cell_strata",
+    "rare_cells",
+    "cell_rarity",
+    "random_offsets",
+    "color_jitter_patches",
 ]
 
 log = logging.getLogger(__name__)
