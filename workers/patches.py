@@ -29,7 +29,7 @@ import logging
 import math
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -414,7 +414,7 @@ class SlideInput:
     lowres_u8: torch.Tensor
     cell_mask: torch.Tensor
     reader: PatchReader
-    strata: tuple[int, torch.Tensor] | None = None
+    strata: dict[int, torch.Tensor] = field(default_factory=dict)  # number of strata -> cell_strata (cached)
     rarity: tuple[int, torch.Tensor] | None = None  # (strata, cell_rarity)
     rare: tuple[int, int, torch.Tensor, torch.Tensor | None] | None = None  # (count, strata, cells, uint8 pixels)
     geometry: SlideGeometry | None = None
@@ -654,7 +654,9 @@ def _nearest(desc: torch.Tensor, cen: torch.Tensor) -> torch.Tensor:
     return torch.cat([torch.cdist(d, cen).argmin(1) for d in desc.split(_NEAREST_ROWS)])
 
 
-def rare_cells(lowres: torch.Tensor, cell_mask: torch.Tensor, count: int, num_strata: int) -> torch.Tensor:
+def rare_cells(
+    lowres: torch.Tensor, cell_mask: torch.Tensor, count: int, num_strata: int, strata: torch.Tensor | None = None
+) -> torch.Tensor:
     """The ``count`` tissue cells of the smallest low-resolution appearance strata (:func:`cell_strata`),
     smallest stratum first (ties: stratum order), cells in row-major order within a stratum; all tissue cells
     when fewer. Label-free and deterministic.
@@ -664,6 +666,8 @@ def rare_cells(lowres: torch.Tensor, cell_mask: torch.Tensor, count: int, num_st
         cell_mask: ``[Gh, Gw]`` bool tissue cells (all cells when none is tissue).
         count: cells wanted (>= 0).
         num_strata: strata for :func:`cell_strata`.
+        strata: ``[Gh * Gw]`` the result of ``cell_strata(lowres, cell_mask.shape, num_strata)`` when already
+            computed (None: computed here).
 
     Returns:
         ``[min(count, tissue cells)]`` long cell indices (row-major).
@@ -674,13 +678,17 @@ def rare_cells(lowres: torch.Tensor, cell_mask: torch.Tensor, count: int, num_st
         return cand[:0]
     if cand.numel() <= count:
         return cand
-    st = cell_strata(lowres, tuple(cell_mask.shape), num_strata)[cand]
+    if strata is None:
+        strata = cell_strata(lowres, tuple(cell_mask.shape), num_strata)
+    st = strata[cand]
     sizes = torch.bincount(st)
     order = torch.argsort(sizes[st] * (int(st.max()) + 1) + st, stable=True)
     return cand[order[:count]]
 
 
-def cell_rarity(lowres: torch.Tensor, cell_mask: torch.Tensor, num_strata: int) -> torch.Tensor:
+def cell_rarity(
+    lowres: torch.Tensor, cell_mask: torch.Tensor, num_strata: int, strata: torch.Tensor | None = None
+) -> torch.Tensor:
     """Label-free rarity of every cell: ``-log(n_s / n)`` for a tissue cell of appearance stratum ``s``
     (:func:`cell_strata`, ``n_s`` tissue cells in it, ``n`` tissue cells), divided by the slide's maximum, so
     the cells of the smallest stratum are 1 and a stratum holding every tissue cell is 0; non-tissue cells 0.
@@ -689,6 +697,7 @@ def cell_rarity(lowres: torch.Tensor, cell_mask: torch.Tensor, num_strata: int) 
         lowres: ``[3, h, w]`` the scorer's view (uint8 or float in [0, 1]).
         cell_mask: ``[Gh, Gw]`` bool tissue cells (all cells when none is tissue).
         num_strata: strata for :func:`cell_strata`.
+        strata: as for :func:`rare_cells`.
 
     Returns:
         float32 ``[Gh * Gw]`` in [0, 1].
@@ -696,13 +705,21 @@ def cell_rarity(lowres: torch.Tensor, cell_mask: torch.Tensor, num_strata: int) 
     mask = cell_mask.flatten()
     if not bool(mask.any()):
         mask = torch.ones_like(mask)
-    st = cell_strata(lowres, tuple(cell_mask.shape), num_strata)
+    st = cell_strata(lowres, tuple(cell_mask.shape), num_strata) if strata is None else strata
     sizes = torch.bincount(st[mask], minlength=int(st.max()) + 1).to(torch.float64)
     n = float(mask.sum())
     r = -torch.log(sizes[st].clamp_min(1.0) / n)
     r = torch.where(mask, r, torch.zeros_like(r))
     top = float(r.max())
     return (r / top if top > 0 else r).to(torch.float32)
+
+
+def _slide_strata(slide: SlideInput, num_strata: int) -> torch.Tensor:
+    """:func:`cell_strata` of a slide's low-resolution view, computed once per slide and number of strata
+    (exploration, the rare bag and the rarity prior share it)."""
+    if num_strata not in slide.strata:
+        slide.strata[num_strata] = cell_strata(slide.lowres_u8, tuple(slide.cell_mask.shape), num_strata)
+    return slide.strata[num_strata]
 
 
 def _explore_cells(
@@ -789,14 +806,7 @@ def forward_slide(
         k = patches.shape[1]
         feats = model.embed(patches.flatten(0, 1))  # [K, D]
         logits = model.aggregate(feats.view(1, k, -1), positions, sel.slot_weights)
-        strata = None
-        if model.cfg.explore_strata > 0:
-            if slide.strata is None or slide.strata[0] != model.cfg.explore_strata:
-                slide.strata = (
-                    model.cfg.explore_strata,
-                    cell_strata(slide.lowres_u8, tuple(cell_mask.shape), model.cfg.explore_strata),
-                )
-            strata = slide.strata[1]
+        strata = _slide_strata(slide, model.cfg.explore_strata) if model.cfg.explore_strata > 0 else None
         explore = _explore_cells(scores[0], model.cfg.explore_cells, generator, strata)
         if explore.numel():
             pix = slide.reader.read(explore.cpu(), random_offsets(explore.numel(), jitter, generator))
@@ -807,7 +817,7 @@ def forward_slide(
         if model.cfg.rare_cells > 0 and rare_scale > 0:
             key = (model.cfg.rare_cells, model.cfg.rare_strata)
             if slide.rare is None or slide.rare[:2] != key:  # fixed per slide: found (and read) once
-                rare = rare_cells(slide.lowres_u8, cell_mask, *key)
+                rare = rare_cells(slide.lowres_u8, cell_mask, *key, _slide_strata(slide, key[1]))
                 slide.rare = (*key, rare, None if jitter else slide.reader.read(rare))
             rare = slide.rare[2]
             pix = None if jitter else slide.rare[3]
@@ -828,10 +838,8 @@ def forward_slide(
         prior = None
         if rarity > 0:
             if slide.rarity is None or slide.rarity[0] != model.cfg.rare_strata:
-                slide.rarity = (
-                    model.cfg.rare_strata,
-                    cell_rarity(slide.lowres_u8, cell_mask, model.cfg.rare_strata),
-                )
+                n = model.cfg.rare_strata
+                slide.rarity = (n, cell_rarity(slide.lowres_u8, cell_mask, n, _slide_strata(slide, n)))
             prior = slide.rarity[1].to(device=device, dtype=dtype)[read_cells]
         ev_losses, extra_info = model.evidence_losses(
             feats, scores[0, read_cells], int(target), read_pos, prior=prior, prior_weight=rarity
