@@ -227,6 +227,11 @@ class ModelConfig:
             if not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0):
                 raise ConfigError(f"model.{name} must be None or a finite number > 0 (µm), got {v!r}")
 
+        def num_in(name: str, lo: float, hi: float) -> None:
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and lo <= v <= hi):
+                raise ConfigError(f"model.{name} must be a number in [{lo:g}, {hi:g}], got {v!r}")
+
         for px, um in (("patch_size", "patch_size_um"), ("scorer_downsample", "scorer_mpp")):
             if getattr(self, px) is not None and getattr(self, um) is not None:
                 raise ConfigError(
@@ -331,24 +336,8 @@ class ModelConfig:
             raise ConfigError(f"model.evidence must be 'confidence' or 'label', got {self.evidence!r}")
         if self.transformer_readout not in ("mean", "cls"):
             raise ConfigError(f"model.transformer_readout must be 'mean' or 'cls', got {self.transformer_readout!r}")
-        if not (
-            isinstance(self.color_jitter, (int, float))
-            and math.isfinite(self.color_jitter)
-            and 0.0 <= self.color_jitter <= 1.0
-        ):
-            raise ConfigError(f"model.color_jitter must be a number in [0, 1], got {self.color_jitter!r}")
-        if not (
-            isinstance(self.patch_jitter, (int, float))
-            and math.isfinite(self.patch_jitter)
-            and 0.0 <= self.patch_jitter <= 0.5
-        ):
-            raise ConfigError(f"model.patch_jitter must be a number in [0, 0.5], got {self.patch_jitter!r}")
-        if not (
-            isinstance(self.selection_grad, (int, float))
-            and math.isfinite(self.selection_grad)
-            and 0.0 <= self.selection_grad <= 1.0
-        ):
-            raise ConfigError(f"model.selection_grad must be a number in [0, 1], got {self.selection_grad!r}")
+        for name, hi in (("color_jitter", 1.0), ("patch_jitter", 0.5), ("selection_grad", 1.0)):
+            num_in(name, 0.0, hi)
         if not (isinstance(self.candidate_dropout, (int, float)) and 0.0 <= self.candidate_dropout < 1.0):
             raise ConfigError(f"model.candidate_dropout must be in [0, 1), got {self.candidate_dropout!r}")
         if not (0.0 <= self.dropout < 1.0):
