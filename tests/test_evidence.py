@@ -120,6 +120,11 @@ def test_strata_isolate_rare_cells_and_stratified_exploration_reads_them_more_of
     assert _explore_cells(scores, 100, g, strata).numel() == 56  # all candidates when fewer
 
 
+def _image_store(tmp_path):
+    """:func:`_image` as a real Zarr store (128 px tiles)."""
+    return write_store_from_array(tmp_path / "s.zarr", _image(), tile_size=128, min_size=64)
+
+
 def _evidence_config(**extra) -> ModelConfig:
     """A small model on :func:`_image`'s 8 x 8 grid of 64 px cells with the evidence losses on."""
     return ModelConfig(
@@ -136,7 +141,7 @@ def _evidence_config(**extra) -> ModelConfig:
 
 
 def test_forward_slide_adds_evidence_losses_only_in_training_with_a_target(tmp_path):
-    store = write_store_from_array(tmp_path / "s.zarr", _image(), tile_size=128, min_size=64)
+    store = _image_store(tmp_path)
     cfg = _evidence_config(explore_cells=3, explore_strata=4)
     torch.manual_seed(0)
     model = FoveateModel(cfg)
@@ -171,7 +176,7 @@ def test_rare_cells_are_the_smallest_strata_and_the_rare_bag_trains_the_classifi
     with pytest.raises(ConfigError, match="rare_weight"):
         ModelConfig(instance_weight=1.0, rare_cells=4, rare_weight=float("nan"))
 
-    store = write_store_from_array(tmp_path / "s.zarr", _image(), tile_size=128, min_size=64)
+    store = _image_store(tmp_path)
     cfg = _evidence_config(rare_cells=2, rare_strata=4)
     torch.manual_seed(0)
     model = FoveateModel(cfg)
@@ -380,7 +385,7 @@ def test_trainer_passes_the_scheduled_rarity_share_and_forward_slide_mixes_it_in
         ScheduleConfig(rare_until=0.0)
 
     # forward_slide: the same step with and without the prior differs only in the rank targets
-    store = write_store_from_array(tmp_path / "s.zarr", _image(), tile_size=128, min_size=64)
+    store = _image_store(tmp_path)
     torch.manual_seed(0)
     model = FoveateModel(_evidence_config(evidence="label", explore_cells=4, explore_strata=4))
     outs = {}
@@ -394,7 +399,7 @@ def test_trainer_passes_the_scheduled_rarity_share_and_forward_slide_mixes_it_in
 
 
 def test_rare_scale_weights_the_rare_bag_and_zero_skips_it(tmp_path):
-    store = write_store_from_array(tmp_path / "s.zarr", _image(), tile_size=128, min_size=64)
+    store = _image_store(tmp_path)
     torch.manual_seed(0)
     model = FoveateModel(_evidence_config(rare_cells=2, rare_strata=4))
     outs = {
