@@ -41,27 +41,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from robustness import hits_of  # the same patch/box overlap as the robustness benchmark
 
 
+def sidecars(stores: str) -> dict[str, dict]:
+    """The synth sidecar (``SLIDE.json``: ground-truth boxes, class names) of every store in the manifest that has
+    one, by resolved store path, each read once."""
+    man = pd.read_csv(f"{stores}/manifest.csv")
+    out = {}
+    for r in man.itertuples():
+        side = Path(str(r.source) + ".json")
+        if side.is_file():
+            out[str(Path(r.store).resolve())] = json.loads(side.read_text())
+    return out
+
+
 def structure_boxes(stores: str, which: str = "structures") -> dict[str, list[dict]]:
     """Ground-truth boxes per store path from the synth sidecar: ``structures`` (the informative ones) or
     ``distractors`` (objects task)."""
-    man = pd.read_csv(f"{stores}/manifest.csv")
-    out = {}
-    for r in man.itertuples():
-        side = Path(str(r.source) + ".json")
-        if side.is_file():
-            out[str(Path(r.store).resolve())] = json.loads(side.read_text()).get(which, [])
-    return out
-
-
-def class_names(stores: str) -> dict[str, list[str]]:
-    """The synth sidecar's class names (objects task: texture kinds in label order) per store path."""
-    man = pd.read_csv(f"{stores}/manifest.csv")
-    out = {}
-    for r in man.itertuples():
-        side = Path(str(r.source) + ".json")
-        if side.is_file():
-            out[str(Path(r.store).resolve())] = json.loads(side.read_text()).get("class_names", [])
-    return out
+    return {k: v.get(which, []) for k, v in sidecars(stores).items()}
 
 
 def kind_vote(coords, patch: int, boxes: list[dict], names: list[str] | tuple[str, ...]) -> str | None:
@@ -169,9 +164,10 @@ def main() -> None:
     )
     table = build_slide_table(cfg.data)
     tr, te = split_train_val(table.records, cfg.data.val_fraction, cfg.data.seed)
-    boxes = structure_boxes(a.stores)
-    distractors = structure_boxes(a.stores, "distractors")
-    names = class_names(a.stores)
+    side = sidecars(a.stores)
+    boxes = {k: v.get("structures", []) for k, v in side.items()}
+    distractors = {k: v.get("distractors", []) for k, v in side.items()}
+    names = {k: v.get("class_names", []) for k, v in side.items()}  # objects task: texture kinds
     model_cfg = dataclasses.replace(cfg.model, num_classes=table.num_classes)
     trainer = Trainer(model_cfg, cfg.optim, cfg.schedule, slides_per_epoch=len(tr), seed=cfg.seed)
     patch = model_cfg.patch_size
