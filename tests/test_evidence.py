@@ -296,7 +296,7 @@ def test_selection_grad_scales_the_selection_gradient_to_the_scorer_and_not_the_
 
 def test_rarity_prior_marks_the_smallest_strata_and_decays_on_schedule():
     from workers.patches import cell_rarity, cell_strata
-    from workers.trainer import ScheduleConfig, rarity_at
+    from workers.trainer import ScheduleConfig, decay_to_zero_at
 
     img = torch.from_numpy(_image()).permute(2, 0, 1).float().div(255)
     lowres = torch.nn.functional.interpolate(img[None], size=(64, 64), mode="area")[0]
@@ -313,10 +313,10 @@ def test_rarity_prior_marks_the_smallest_strata_and_decays_on_schedule():
     assert r[dark].tolist() == [1.0, 1.0] and float(r[~m].abs().max()) == 0.0
     assert float(r[m].min()) < 0.2  # the common background stratum is far below the rare structures
 
-    assert rarity_at(0, 100, 0.8, 0.5) == pytest.approx(0.8)
-    assert rarity_at(25, 100, 0.8, 0.5) == pytest.approx(0.4)
-    assert rarity_at(50, 100, 0.8, 0.5) == 0.0 and rarity_at(90, 100, 0.8, 0.5) == 0.0
-    assert rarity_at(0, 100, 0.0, 0.5) == 0.0
+    assert decay_to_zero_at(0, 100, 0.8, 0.5) == pytest.approx(0.8)
+    assert decay_to_zero_at(25, 100, 0.8, 0.5) == pytest.approx(0.4)
+    assert decay_to_zero_at(50, 100, 0.8, 0.5) == 0.0 and decay_to_zero_at(90, 100, 0.8, 0.5) == 0.0
+    assert decay_to_zero_at(0, 100, 0.0, 0.5) == 0.0
     with pytest.raises(ConfigError, match="rarity_start"):
         ScheduleConfig(rarity_start=1.5)
 
@@ -356,7 +356,7 @@ def test_color_jitter_patches_is_a_per_patch_per_channel_affine_map_clamped_to_u
 def test_trainer_passes_the_scheduled_rarity_share_and_forward_slide_mixes_it_in(tmp_path):
     from types import SimpleNamespace
 
-    from workers.trainer import EpochResult, OptimConfig, ScheduleConfig, Trainer, rarity_at
+    from workers.trainer import EpochResult, OptimConfig, ScheduleConfig, Trainer, decay_to_zero_at
 
     cfg = _evidence_config(evidence="label")
     tr = Trainer(
@@ -378,7 +378,7 @@ def test_trainer_passes_the_scheduled_rarity_share_and_forward_slide_mixes_it_in
     tr._forward, tr._store = fake_forward, (lambda path: None)
     for _ in range(tr.total_steps):
         tr.step([SimpleNamespace(store="s", target=0)], EpochResult(started=0.0))
-    assert seen == pytest.approx([rarity_at(i, 8, 0.6, 0.5) for i in range(8)])
+    assert seen == pytest.approx([decay_to_zero_at(i, 8, 0.6, 0.5) for i in range(8)])
     assert seen[0] == pytest.approx(0.6) and seen[4:] == [0.0] * 4
     assert seen_rare == pytest.approx([1.0, 0.5, 0, 0, 0, 0, 0, 0])  # the rare bag's weight, to 0 at 1/4
     with pytest.raises(ConfigError, match="rare_until"):

@@ -39,7 +39,7 @@ from workers.metrics import classification_metrics
 __all__ = [
     "OptimConfig",
     "ScheduleConfig",
-    "rarity_at",
+    "decay_to_zero_at",
     "Collective",
     "LocalCollective",
     "TorchDistCollective",
@@ -140,8 +140,9 @@ class ScheduleConfig:
         _check("schedule.rare_until", v, ok, "None or a number in (0, 1]")
 
 
-def rarity_at(step: int, total_steps: int, start: float, until: float) -> float:
-    """Share of the rarity prior: ``start`` at step 0, linear to 0 at ``until * total_steps``, 0 after."""
+def decay_to_zero_at(step: int, total_steps: int, start: float, until: float) -> float:
+    """Linear decay: ``start`` at step 0, 0 at ``until * total_steps`` and after (the rarity prior's share,
+    ``schedule.rarity_*``, and the rare bag's weight, ``schedule.rare_until``)."""
     if start <= 0 or until <= 0:
         return 0.0
     t = max(step, 0) / max(total_steps, 1)
@@ -388,10 +389,12 @@ class Trainer:
         metrics (loss and accuracy over all workers, sigma, lr, grad norm, timings, aux losses)."""
         t0 = time.perf_counter()
         sigma = sigma_at(self.global_step, self.total_steps, self.schedule.sigma_start, self.schedule.sigma_end)
-        rarity = rarity_at(self.global_step, self.total_steps, self.schedule.rarity_start, self.schedule.rarity_until)
+        rarity = decay_to_zero_at(
+            self.global_step, self.total_steps, self.schedule.rarity_start, self.schedule.rarity_until
+        )
         rare = 1.0
         if self.schedule.rare_until is not None:
-            rare = rarity_at(self.global_step, self.total_steps, 1.0, self.schedule.rare_until)
+            rare = decay_to_zero_at(self.global_step, self.total_steps, 1.0, self.schedule.rare_until)
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum, correct, patches = 0.0, 0, 0
         aux_sums: dict[str, float] = {}
