@@ -148,6 +148,12 @@ def main() -> None:
         action="store_true",
         help="also the held-out accuracy with the training-time (soft/sampled) selection at sigma_start",
     )
+    p.add_argument(
+        "--save-model",
+        metavar="FILE",
+        help="also save the trained model (torch.save of {'cfg': model config, 'state': state_dict, 'train': "
+        "training stores, 'test': held-out stores}) for offline analysis",
+    )
     a = p.parse_args()
     path = a.config if a.config.endswith(".yaml") else f"{ROOT}/configs/{a.config}.yaml"
     cfg = load_config(
@@ -254,6 +260,18 @@ def main() -> None:
             f"test acc {m['accuracy']:.2f} auc {m['auc']:.2f} "
             f"{soft}t {time.time() - t0:.0f}s {extra}",
             flush=True,
+        )
+    if a.save_model:
+        torch.save(
+            {
+                "cfg": model_cfg,
+                "state": trainer.model.state_dict(),
+                "train": [r.store for r in tr],
+                "test": [r.store for r in te],
+                "targets": {r.store: r.target for r in (*tr, *te)},
+                "class_names": list(table.class_names),
+            },
+            a.save_model,
         )
     print(
         json.dumps(

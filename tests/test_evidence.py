@@ -445,3 +445,53 @@ def test_local_maxima_keeps_window_maxima_falls_back_when_too_few_and_passes_gra
     assert FoveateModel(ModelConfig(k=2)).local_maxima(s, (4, 5)) is s  # off by default
     with pytest.raises(ValueError, match="grid"):
         model.local_maxima(s, (5, 5))
+
+
+def test_score_gate_weights_reference_keeps_slot_weight_totals_and_their_gradient():
+    from operators.model import score_gate_weights
+
+    s = torch.tensor([[1.0, 0.9, 0.5, 0.2], [0.3, 0.3, 0.3, 0.3]], dtype=torch.float64, requires_grad=True)
+    w = score_gate_weights(s, 0.1)
+    ref = [[math.exp(v / 0.1) for v in row] for row in s.tolist()]
+    ref = torch.tensor([[v / sum(row) for v in row] for row in ref], dtype=torch.float64)
+    assert torch.allclose(w, ref, rtol=0, atol=1e-12)
+    assert torch.allclose(w[1], torch.full((4,), 0.25, dtype=torch.float64))  # equal scores: uniform
+    assert not w.requires_grad  # the scores are constants here
+    # with a selector's own weights: product, rescaled to the same row totals; the gradient reaches them
+    sw = torch.tensor([[0.2, 0.1, 0.3, 0.1], [0.5, 0.0, 0.25, 0.25]], dtype=torch.float64, requires_grad=True)
+    out = score_gate_weights(s, 0.1, sw)
+    prod = ref * sw.detach()
+    want = prod / prod.sum(1, keepdim=True) * sw.detach().sum(1, keepdim=True)
+    assert torch.allclose(out, want, rtol=0, atol=1e-12)
+    assert torch.allclose(out.sum(1), sw.detach().sum(1), rtol=0, atol=1e-12)
+    out[0, 0].backward()
+    assert sw.grad is not None and s.grad is None
+    # a large temperature tends to the selector's weighting
+    assert torch.allclose(score_gate_weights(s.detach(), 1e6), torch.full((2, 4), 0.25, dtype=torch.float64), atol=1e-6)
+    for bad in (0.0, -1.0, True, "0.1"):
+        with pytest.raises(ValueError, match="temperature"):
+            score_gate_weights(s, bad)
+    with pytest.raises(ValueError, match="finite"):
+        score_gate_weights(torch.tensor([[float("-inf"), 1.0]]), 0.1)
+    with pytest.raises(ValueError, match="slot_weights"):
+        score_gate_weights(s, 0.1, torch.ones(2, 3))
+
+
+@pytest.mark.parametrize("selector", ["perturbed", "hard", "attention", "sinkhorn"])
+def test_score_gate_weighs_the_chosen_patches_by_their_scores_in_training_and_at_inference(selector):
+    from operators.model import score_gate_weights
+
+    with pytest.raises(ConfigError, match="score_gate"):
+        ModelConfig(score_gate=-0.1)
+    torch.manual_seed(0)
+    scores = torch.rand(2, 30, dtype=torch.float64)
+    plain = FoveateModel(ModelConfig(k=4, selector=selector, num_samples=8)).double()
+    gated = FoveateModel(ModelConfig(k=4, selector=selector, num_samples=8, score_gate=0.05)).double()
+    for training in (False, True):
+        a = plain.select(scores, training=training, generator=torch.Generator().manual_seed(1))
+        b = gated.select(scores, training=training, generator=torch.Generator().manual_seed(1))
+        assert torch.equal(a.indices, b.indices)  # the same cells: the gate only weighs them
+        want = score_gate_weights(scores.gather(1, a.primary), 0.05, a.slot_weights)
+        assert torch.allclose(b.slot_weights, want, rtol=0, atol=1e-12)
+        top = scores.gather(1, b.primary).argmax(1)
+        assert bool((b.slot_weights.argmax(1) == top).all()) or a.slot_weights is not None
