@@ -495,3 +495,62 @@ def test_score_gate_weighs_the_chosen_patches_by_their_scores_in_training_and_at
         assert torch.allclose(b.slot_weights, want, rtol=0, atol=1e-12)
         top = scores.gather(1, b.primary).argmax(1)
         assert bool((b.slot_weights.argmax(1) == top).all()) or a.slot_weights is not None
+
+
+def test_relevance_gate_weights_reference_floor_and_chance():
+    from operators.model import relevance_gate_weights
+
+    rel = torch.tensor([[0.9, 0.5, 0.3, 0.7], [0.4, 0.5, 0.1, 0.5]], dtype=torch.float64, requires_grad=True)
+    w = relevance_gate_weights(rel, 2)
+    raw = [[max(v - 0.5, 0.0) + 0.05 for v in row] for row in rel.tolist()]
+    ref = torch.tensor([[v / sum(row) for v in row] for row in raw], dtype=torch.float64)
+    assert torch.allclose(w, ref, rtol=0, atol=1e-12)
+    assert torch.allclose(w[1], torch.full((4,), 0.25, dtype=torch.float64))  # all at or below chance: uniform
+    assert not w.requires_grad
+    # 4 classes: chance is 0.25, so 0.3 is above it
+    raw4 = torch.tensor([0.65, 0.25, 0.05, 0.45], dtype=torch.float64) + 0.05
+    assert torch.allclose(relevance_gate_weights(rel, 4)[0], raw4 / raw4.sum(), rtol=0, atol=1e-12)
+    sw = torch.tensor([[0.1, 0.2, 0.3, 0.4], [0.25, 0.25, 0.25, 0.25]], dtype=torch.float64)
+    out = relevance_gate_weights(rel, 2, sw)
+    want = ref * sw / (ref * sw).sum(1, keepdim=True) * sw.sum(1, keepdim=True)
+    assert torch.allclose(out, want, rtol=0, atol=1e-12)
+    with pytest.raises(ValueError, match="num_classes"):
+        relevance_gate_weights(rel, 1)
+    with pytest.raises(ValueError, match="floor"):
+        relevance_gate_weights(rel, 2, floor=0.0)
+    with pytest.raises(ValueError, match="slot_weights"):
+        relevance_gate_weights(rel, 2, torch.ones(2, 3))
+
+
+def test_relevance_head_learns_the_label_evidence_and_gates_the_bag(tmp_path):
+    with pytest.raises(ConfigError, match="relevance_weight"):
+        ModelConfig(relevance_weight=1.0)  # needs evidence='label' and an instance head
+    with pytest.raises(ConfigError, match="relevance_weight"):
+        ModelConfig(relevance_weight=-1.0, evidence="label", instance_weight=1.0)
+    assert FoveateModel(ModelConfig()).relevance_head is None
+    torch.manual_seed(0)
+    model = FoveateModel(_evidence_config(evidence="label", relevance_weight=1.0)).double()
+    feats = torch.randn(6, 16, dtype=torch.float64)
+    losses, info = model.evidence_losses(feats, torch.rand(6, dtype=torch.float64, requires_grad=True), 1)
+    # the relevance loss is BCE of the head's logit against the label evidence of each patch alone
+    with torch.no_grad():
+        ev = torch.softmax(model.aggregator.head(feats), 1)[:, 1]  # mean aggregator: a bag of one is the head
+        logit = model.relevance_head(feats).squeeze(-1)
+    want = torch.nn.functional.binary_cross_entropy_with_logits(logit, ev)
+    assert torch.allclose(losses["relevance"], want, rtol=1e-12)
+    losses["relevance"].backward()
+    assert model.relevance_head.weight.grad is not None and model.features is not None
+    # the bag: the aggregator receives the relevance gate of its patches (mean aggregator: a weighted mean)
+    bag = feats[None, :4]
+    pos = torch.zeros(1, 4, 2, dtype=torch.float64)
+    with torch.no_grad():
+        rel = torch.sigmoid(model.relevance_head(bag).squeeze(-1))
+        from operators.model import relevance_gate_weights
+
+        w = relevance_gate_weights(rel, 2)
+        want_logits = model.aggregator.head((bag * w[..., None]).sum(1))
+        assert torch.allclose(model.aggregate(bag, pos), want_logits, rtol=1e-12)
+        # a relevant patch counts more than one at chance
+        model.relevance_head.weight.zero_()
+        model.relevance_head.bias.zero_()
+        assert torch.allclose(model.aggregate(bag, pos), model.aggregator.head(bag.mean(1)), rtol=1e-12)
