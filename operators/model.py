@@ -43,7 +43,6 @@ __all__ = [
     "ModelOutput",
     "FoveateModel",
     "score_gate_weights",
-    "relevance_gate_weights",
 ]
 
 log = logging.getLogger(__name__)
@@ -129,15 +128,6 @@ class ModelConfig:
             scorer ranks first (the structures it learnt to look for) carry the bag, and the rest of the K
             (distractors and background that only fill the budget when a slide has fewer than K structures)
             count less. 0 (default): off (every chosen patch counts the same).
-        relevance_weight: weight of a *relevance head* (a linear map of a patch's features to one logit) trained
-            on every read patch, with binary cross-entropy, to predict the ``evidence="label"`` target of that
-            patch (the classifier's probability of the slide's own label for the patch alone, detached): its
-            expectation given the patch alone is high where a patch's content tells the label and at chance
-            (``1 / num_classes``) where it does not (background, distractors whose kind is drawn independently of
-            the label). The aggregator then weighs each patch of a bag by its relevance above chance
-            (:func:`relevance_gate_weights`, detached), in training and at inference, combined with the
-            selector's slot weights; the loss also gives the feature network a direct signal to tell the two
-            apart. Needs ``evidence="label"``. 0 (default): off (no head, every chosen patch counts the same).
         candidate_dropout: in training, each candidate cell is left out of the selection with this
             probability (a row keeps all its candidates when fewer than k would remain), for every selector: the
             top-k of a random subset reaches cells ranked up to about ``k / (1 - p)``, so the scorer sees cells
@@ -215,7 +205,6 @@ class ModelConfig:
     candidate_dropout: float = 0.0
     selection_grad: float = 1.0
     score_gate: float = 0.0
-    relevance_weight: float = 0.0
     patch_jitter: float = 0.0
     nms_radius: int = 0
     color_jitter: float = 0.0
@@ -360,13 +349,6 @@ class ModelConfig:
             )
         if self.evidence not in ("confidence", "label"):
             raise ConfigError(f"model.evidence must be 'confidence' or 'label', got {self.evidence!r}")
-        num_in("relevance_weight", 0.0, 100.0)
-        if self.relevance_weight > 0 and (self.evidence != "label" or self.instance_weight <= 0):
-            raise ConfigError(
-                "model.relevance_weight > 0 needs model.evidence='label' and model.instance_weight > 0 (its targets "
-                f"are the label evidence of the read patches); got evidence={self.evidence!r}, "
-                f"instance_weight={self.instance_weight}"
-            )
         if self.transformer_readout not in ("mean", "cls"):
             raise ConfigError(f"model.transformer_readout must be 'mean' or 'cls', got {self.transformer_readout!r}")
         for name, hi in (("color_jitter", 1.0), ("patch_jitter", 0.5), ("selection_grad", 1.0), ("score_gate", 10.0)):
@@ -572,43 +554,11 @@ def score_gate_weights(
         raise ValueError("scores must be finite (the chosen cells' scores)")
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
         raise ValueError(f"temperature must be a number > 0, got {temperature!r}")
-    return _combine_gate(torch.softmax(scores.detach() / float(temperature), dim=1), slot_weights)
-
-
-def relevance_gate_weights(
-    relevance: torch.Tensor, num_classes: int, slot_weights: torch.Tensor | None = None, *, floor: float = 0.05
-) -> torch.Tensor:
-    """Weights of the K patches of each bag from their relevance: ``max(relevance - 1 / num_classes, 0) + floor``,
-    normalised per bag, times the selector's own slot weights when it has them (then rescaled to their sum).
-
-    A patch at chance (its content does not tell the label) keeps only the ``floor``; a bag whose patches are
-    all at chance (e.g. early in training) is weighed uniformly.
-
-    Args:
-        relevance: ``[B, K]`` in [0, 1] (treated as constants).
-        num_classes: C >= 2 (chance is ``1 / C``).
-        slot_weights: ``[B, K]`` non-negative, or ``None``.
-        floor: ``> 0``.
-
-    Returns:
-        ``[B, K]`` weights summing to one per row (to ``slot_weights``' row sums when given).
-    """
-    if not isinstance(relevance, torch.Tensor) or relevance.dim() != 2 or not relevance.is_floating_point():
-        raise ValueError(f"relevance must be a float tensor [B, K], got {getattr(relevance, 'shape', type(relevance))}")
-    if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 2:
-        raise ValueError(f"num_classes must be an int >= 2, got {num_classes!r}")
-    if not (isinstance(floor, (int, float)) and math.isfinite(floor) and floor > 0):
-        raise ValueError(f"floor must be a finite number > 0, got {floor!r}")
-    g = (relevance.detach() - 1.0 / num_classes).clamp_min(0.0) + floor
-    return _combine_gate(g / g.sum(1, keepdim=True), slot_weights)
-
-
-def _combine_gate(gate: torch.Tensor, slot_weights: torch.Tensor | None) -> torch.Tensor:
-    """``gate`` (rows summing to one) times ``slot_weights``, rescaled to the slot weights' row sums."""
+    if slot_weights is not None and tuple(slot_weights.shape) != tuple(scores.shape):
+        raise ValueError(f"slot_weights must be [B, K] = {list(scores.shape)}, got {list(slot_weights.shape)}")
+    gate = torch.softmax(scores.detach() / float(temperature), dim=1)
     if slot_weights is None:
         return gate
-    if tuple(slot_weights.shape) != tuple(gate.shape):
-        raise ValueError(f"slot_weights must be [B, K] = {list(gate.shape)}, got {list(slot_weights.shape)}")
     g = gate.to(slot_weights.dtype) * slot_weights
     total = slot_weights.sum(1, keepdim=True)
     return g * (total / g.sum(1, keepdim=True).clamp_min(torch.finfo(g.dtype).tiny))
@@ -646,7 +596,6 @@ class FoveateModel(nn.Module):
         )
         # created only when used, so models without the evidence losses keep their parameters (and seeds)
         self.instance_head = nn.Linear(cfg.features.feature_dim, cfg.num_classes) if cfg.instance_weight > 0 else None
-        self.relevance_head = nn.Linear(cfg.features.feature_dim, 1) if cfg.relevance_weight > 0 else None
 
     @property
     def uses_evidence(self) -> bool:
@@ -882,13 +831,7 @@ class FoveateModel(nn.Module):
         self, features: torch.Tensor, positions: torch.Tensor, weights: torch.Tensor | None = None
     ) -> torch.Tensor:
         """``features[B, K, D]``, ``positions[B, K, 2]`` (patch centres / slide size, in [0, 1]) and optional
-        ``weights[B, K]`` (:attr:`Selection.slot_weights`) -> ``logits[B, C]``. With a relevance head
-        (``relevance_weight > 0``) the weights are first combined with :func:`relevance_gate_weights` of the
-        patches' relevance (detached)."""
-        if self.relevance_head is not None and features.dim() == 3:
-            with torch.no_grad():
-                rel = torch.sigmoid(self.relevance_head(features).squeeze(-1))  # [B, K]
-            weights = relevance_gate_weights(rel, self.cfg.num_classes, weights)
+        ``weights[B, K]`` (:attr:`Selection.slot_weights`) -> ``logits[B, C]``."""
         return self.aggregator(features, positions, weights)
 
     def classify(
@@ -942,25 +885,16 @@ class FoveateModel(nn.Module):
         losses = {"instance": self.cfg.instance_weight * instance_loss(logits, target)}
         conf = instance_confidence(logits.detach())
         info = {"instance_confidence": float(conf.mean())}
-        label_ev = self.cfg.evidence == "label" and (self.cfg.rank_weight > 0 or self.relevance_head is not None)
-        if label_ev:
-            kept = getattr(self.aggregator, "last_attention", None)  # the bag's, for heatmaps
-            with torch.no_grad():
-                pos = positions if positions is not None else features.new_zeros(features.shape[0], 2)
-                single = self.aggregate(features.detach()[:, None], pos.detach()[:, None], None)  # [M, C]
-                label_ev = torch.softmax(single, dim=1)[:, int(target)]
-            if kept is not None:
-                self.aggregator.last_attention = kept
-            info["label_evidence"] = float(label_ev.mean())
-        if self.relevance_head is not None:
-            rel_logit = self.relevance_head(features).squeeze(-1)
-            losses["relevance"] = self.cfg.relevance_weight * torch.nn.functional.binary_cross_entropy_with_logits(
-                rel_logit, label_ev.to(rel_logit.dtype)
-            )
-            info["relevance"] = float(torch.sigmoid(rel_logit.detach()).mean())
         if self.cfg.rank_weight > 0:
             if self.cfg.evidence == "label":
-                ev = label_ev
+                kept = getattr(self.aggregator, "last_attention", None)  # the bag's, for heatmaps
+                with torch.no_grad():
+                    pos = positions if positions is not None else features.new_zeros(features.shape[0], 2)
+                    single = self.aggregate(features.detach()[:, None], pos.detach()[:, None], None)  # [M, C]
+                    ev = torch.softmax(single, dim=1)[:, int(target)]
+                if kept is not None:
+                    self.aggregator.last_attention = kept
+                info["label_evidence"] = float(ev.mean())
             else:
                 ev = conf
             if prior is not None and prior_weight > 0:
