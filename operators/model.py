@@ -35,15 +35,7 @@ from operators.resnet import ResNet, ResNetConfig
 from operators.scorer import ScorerCNN, ScorerConfig, candidate_mask, cell_pool, minmax_normalise, score_map
 from operators.soft_patches import cap_support
 
-__all__ = [
-    "SELECTORS",
-    "ModelConfig",
-    "SlideGeometry",
-    "Selection",
-    "ModelOutput",
-    "FoveateModel",
-    "score_gate_weights",
-]
+__all__ = ["SELECTORS", "ModelConfig", "SlideGeometry", "Selection", "ModelOutput", "FoveateModel"]
 
 log = logging.getLogger(__name__)
 
@@ -122,12 +114,6 @@ class ModelConfig:
             the selection is multiplied by this (the scores' values are unchanged): 1 (default) trains the scorer
             end to end; 0 trains it by the evidence rank loss alone (the perturbed top-k gradient is an
             estimator whose variance grows as ``1/sigma``).
-        score_gate: temperature ``t`` of a score gate on the bag (:func:`score_gate_weights`): the aggregator
-            weighs the K chosen patches by ``softmax(s / t)`` of their (min-max normalised, detached) scores,
-            in training and at inference, combined with the selector's own slot weights; so the patches the
-            scorer ranks first (the structures it learnt to look for) carry the bag, and the rest of the K
-            (distractors and background that only fill the budget when a slide has fewer than K structures)
-            count less. 0 (default): off (every chosen patch counts the same).
         candidate_dropout: in training, each candidate cell is left out of the selection with this
             probability (a row keeps all its candidates when fewer than k would remain), for every selector: the
             top-k of a random subset reaches cells ranked up to about ``k / (1 - p)``, so the scorer sees cells
@@ -204,7 +190,6 @@ class ModelConfig:
     mask_extra: int = 0
     candidate_dropout: float = 0.0
     selection_grad: float = 1.0
-    score_gate: float = 0.0
     patch_jitter: float = 0.0
     nms_radius: int = 0
     color_jitter: float = 0.0
@@ -351,7 +336,7 @@ class ModelConfig:
             raise ConfigError(f"model.evidence must be 'confidence' or 'label', got {self.evidence!r}")
         if self.transformer_readout not in ("mean", "cls"):
             raise ConfigError(f"model.transformer_readout must be 'mean' or 'cls', got {self.transformer_readout!r}")
-        for name, hi in (("color_jitter", 1.0), ("patch_jitter", 0.5), ("selection_grad", 1.0), ("score_gate", 10.0)):
+        for name, hi in (("color_jitter", 1.0), ("patch_jitter", 0.5), ("selection_grad", 1.0)):
             num_in(name, 0.0, hi)
         if not (isinstance(self.candidate_dropout, (int, float)) and 0.0 <= self.candidate_dropout < 1.0):
             raise ConfigError(f"model.candidate_dropout must be in [0, 1), got {self.candidate_dropout!r}")
@@ -530,38 +515,6 @@ class ModelOutput:
     aux_losses: dict[str, torch.Tensor] = field(default_factory=dict)
     selection: Selection | None = None
     info: dict[str, float] = field(default_factory=dict)
-
-
-def score_gate_weights(
-    scores: torch.Tensor, temperature: float, slot_weights: torch.Tensor | None = None
-) -> torch.Tensor:
-    """Weights of the K chosen patches of each bag from their scores: ``softmax(scores / temperature)``, times
-    the selector's own slot weights when it has them (then rescaled to their sum, so an estimator's or a
-    mask's total is kept and its gradient passes).
-
-    Args:
-        scores: ``[B, K]`` finite scores of the chosen cells (treated as constants: no gradient flows into them).
-        temperature: ``> 0``; small values give the bag to its highest-scoring patches, large ones tend to the
-            plain (or the selector's) weighting.
-        slot_weights: ``[B, K]`` non-negative, or ``None`` (uniform).
-
-    Returns:
-        ``[B, K]`` weights; they sum to one per row (to ``slot_weights``' row sums when given).
-    """
-    if not isinstance(scores, torch.Tensor) or scores.dim() != 2 or not scores.is_floating_point():
-        raise ValueError(f"scores must be a float tensor [B, K], got {getattr(scores, 'shape', type(scores))}")
-    if not bool(torch.isfinite(scores).all()):
-        raise ValueError("scores must be finite (the chosen cells' scores)")
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
-        raise ValueError(f"temperature must be a number > 0, got {temperature!r}")
-    if slot_weights is not None and tuple(slot_weights.shape) != tuple(scores.shape):
-        raise ValueError(f"slot_weights must be [B, K] = {list(scores.shape)}, got {list(slot_weights.shape)}")
-    gate = torch.softmax(scores.detach() / float(temperature), dim=1)
-    if slot_weights is None:
-        return gate
-    g = gate.to(slot_weights.dtype) * slot_weights
-    total = slot_weights.sum(1, keepdim=True)
-    return g * (total / g.sum(1, keepdim=True).clamp_min(torch.finfo(g.dtype).tiny))
 
 
 class FoveateModel(nn.Module):
@@ -751,9 +704,6 @@ class FoveateModel(nn.Module):
             slot_weights=None if rows[0].slot_weights is None else torch.cat([r.slot_weights for r in rows]),
             aux={key: torch.cat([r.aux[key] for r in rows]) for key in rows[0].aux},
         )
-        if cfg.score_gate > 0:
-            scores_k = scores.detach().gather(1, out.primary)  # [B, K], finite: chosen cells are candidates
-            out.slot_weights = score_gate_weights(scores_k, cfg.score_gate, out.slot_weights)
         return out
 
     def _select_row(
