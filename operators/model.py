@@ -147,11 +147,6 @@ class ModelConfig:
             cell as a bag of one through the aggregator; for the mean aggregator exactly that cell's share of
             the bag's logits), so cells whose content is common to every class (background, distractors of
             random kinds) rank below cells that support the slide's label.
-        confidence_penalty: with ``evidence="label"``, the rank target of a read cell becomes ``(p(y) - l * c +
-            l) / (1 + l)`` with ``c = (max_k p(k) - 1/C) / (1 - 1/C)`` the same single-cell prediction's label-free
-            confidence and ``l`` this weight: a cell that tells *something* confidently but not consistently the
-            slide's label (a distractor of a random kind: p(y) high on some slides, low on others) ranks below one
-            that tells nothing (background), while cells that mostly tell the label stay on top. 0 (default): off.
         position_frequencies: Fourier frequencies per coordinate of the transformer's position encoding
             (``sin, cos(2^i pi p)``, i < F; high frequencies let the transformer memorise where patches are).
         max_support: cells kept per slot for soft patches (see ``operators.soft_patches``).
@@ -207,7 +202,6 @@ class ModelConfig:
     rank_weight: float = 0.0
     rank_temperature: float = 0.1
     evidence: str = "confidence"
-    confidence_penalty: float = 0.0
     max_support: int = 4
     scorer: ScorerConfig = field(default_factory=ScorerConfig)
     features: ResNetConfig = field(default_factory=ResNetConfig)
@@ -340,11 +334,6 @@ class ModelConfig:
             )
         if self.evidence not in ("confidence", "label"):
             raise ConfigError(f"model.evidence must be 'confidence' or 'label', got {self.evidence!r}")
-        num_in("confidence_penalty", 0.0, 1.0)
-        if self.confidence_penalty > 0 and self.evidence != "label":
-            raise ConfigError(
-                f"model.confidence_penalty applies to model.evidence='label', got evidence={self.evidence!r}"
-            )
         if self.transformer_readout not in ("mean", "cls"):
             raise ConfigError(f"model.transformer_readout must be 'mean' or 'cls', got {self.transformer_readout!r}")
         for name, hi in (("color_jitter", 1.0), ("patch_jitter", 0.5), ("selection_grad", 1.0)):
@@ -852,13 +841,7 @@ class FoveateModel(nn.Module):
                 with torch.no_grad():
                     pos = positions if positions is not None else features.new_zeros(features.shape[0], 2)
                     single = self.aggregate(features.detach()[:, None], pos.detach()[:, None], None)  # [M, C]
-                    prob = torch.softmax(single, dim=1)
-                    ev = prob[:, int(target)]
-                    lam = self.cfg.confidence_penalty
-                    if lam > 0:
-                        c = self.cfg.num_classes
-                        conf = (prob.amax(1) - 1.0 / c) / (1.0 - 1.0 / c)
-                        ev = (ev - lam * conf + lam) / (1.0 + lam)
+                    ev = torch.softmax(single, dim=1)[:, int(target)]
                 if kept is not None:
                     self.aggregator.last_attention = kept
                 info["label_evidence"] = float(ev.mean())

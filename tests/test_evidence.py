@@ -445,36 +445,3 @@ def test_local_maxima_keeps_window_maxima_falls_back_when_too_few_and_passes_gra
     assert FoveateModel(ModelConfig(k=2)).local_maxima(s, (4, 5)) is s  # off by default
     with pytest.raises(ValueError, match="grid"):
         model.local_maxima(s, (5, 5))
-
-
-def test_confidence_penalty_ranks_confident_cells_of_another_kind_below_uninformative_ones():
-    with pytest.raises(ConfigError, match="confidence_penalty"):
-        ModelConfig(instance_weight=1.0, rank_weight=0.1, confidence_penalty=0.2)  # evidence="confidence"
-    with pytest.raises(ConfigError, match="confidence_penalty"):
-        _evidence_config(evidence="label", confidence_penalty=1.5)
-    lam, c, y = 0.2, 4, 1
-    cfg = _evidence_config(evidence="label", confidence_penalty=lam, num_classes=c)
-    model = FoveateModel(cfg).double()
-    d = cfg.features.feature_dim
-    with torch.no_grad():  # the mean aggregator's head reads class k from feature k
-        model.aggregator.head[1].weight.zero_()
-        model.aggregator.head[1].bias.zero_()
-        model.aggregator.head[1].weight[:, :c] = torch.eye(c, dtype=torch.float64)
-    feats = torch.zeros(3, d, dtype=torch.float64)
-    feats[0, y] = 4.0  # tells the slide's label
-    feats[2, 3] = 4.0  # tells another class confidently; cell 1 tells nothing
-    scores = torch.tensor([0.2, 0.5, 0.9], dtype=torch.float64, requires_grad=True)
-    losses, _ = model.evidence_losses(feats, scores, y)
-    prob = torch.softmax(model.aggregator.head(feats), 1).detach()
-    conf = (prob.amax(1) - 1 / c) / (1 - 1 / c)
-    ev = (prob[:, y] - lam * conf + lam) / (1 + lam)
-    assert float(ev[0]) > float(ev[1]) > float(ev[2])  # label > nothing > another class
-    ref = evidence_rank_loss(scores, ev, temperature=cfg.rank_temperature)
-    assert float(losses["rank"]) == pytest.approx(cfg.rank_weight * float(ref), rel=1e-12)
-    # without the penalty the uninformative cell and the other-class cell are nearly tied (both ~1/C or below);
-    # with it the other-class cell falls by lam * conf / (1 + lam)
-    plain = FoveateModel(_evidence_config(evidence="label", num_classes=c)).double()
-    plain.load_state_dict(model.state_dict())
-    losses0, _ = plain.evidence_losses(feats, scores, y)
-    ref0 = evidence_rank_loss(scores, prob[:, y], temperature=cfg.rank_temperature)
-    assert float(losses0["rank"]) == pytest.approx(cfg.rank_weight * float(ref0), rel=1e-12)
