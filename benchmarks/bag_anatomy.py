@@ -31,20 +31,15 @@ from operators.model import FoveateModel
 from workers.patches import forward_slide, prepare_slide
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from selection_hits import sidecars
-
-
-def _overlap(x: int, y: int, p: int, b: dict) -> int:
-    ox = max(0, min(x + p, b["x"] + b["width"]) - max(x, b["x"]))
-    oy = max(0, min(y + p, b["y"] + b["height"]) - max(y, b["y"]))
-    return ox * oy
+from selection_hits import box_overlap, sidecars
 
 
 def patch_type(x: int, y: int, p: int, side: dict) -> tuple[str, str | None]:
     """``("O", kind)`` when the patch overlaps an informative object (the largest overlap), else ``("D", kind)``
     for a distractor, else ``("B", None)``."""
     for tag, key in (("O", "structures"), ("D", "distractors")):
-        best = max(((_overlap(x, y, p, b), b.get("kind")) for b in side.get(key, [])), default=(0, None))
+        areas = ((box_overlap(x, y, p, b), b.get("kind")) for b in side.get(key, []))
+        best = max(areas, key=lambda t: t[0], default=(0, None))
         if best[0] > 0:
             return tag, best[1]
     return "B", None

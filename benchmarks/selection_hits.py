@@ -59,6 +59,13 @@ def structure_boxes(stores: str, which: str = "structures") -> dict[str, list[di
     return {k: v.get(which, []) for k, v in sidecars(stores).items()}
 
 
+def box_overlap(x: int, y: int, patch: int, box: dict) -> int:
+    """Pixels shared by the level-0 patch at ``(x, y)`` (side ``patch``) and a sidecar box."""
+    w = min(x + patch, box["x"] + box["width"]) - max(x, box["x"])
+    h = min(y + patch, box["y"] + box["height"]) - max(y, box["y"])
+    return w * h if w > 0 and h > 0 else 0
+
+
 def kind_vote(coords, patch: int, boxes: list[dict], names: list[str] | tuple[str, ...]) -> str | None:
     """Diagnostic ceiling of a texture counter: the kind (a name in ``names``) that covers the most bag pixels,
     counting each chosen patch's overlap with the bounding boxes of ``boxes`` (with a ``kind``); None when
@@ -68,10 +75,7 @@ def kind_vote(coords, patch: int, boxes: list[dict], names: list[str] | tuple[st
         for b in boxes:
             if b.get("kind") not in names:
                 continue
-            w = min(x + patch, b["x"] + b["width"]) - max(x, b["x"])
-            h = min(y + patch, b["y"] + b["height"]) - max(y, b["y"])
-            if w > 0 and h > 0:
-                votes[names.index(b["kind"])] += w * h
+            votes[names.index(b["kind"])] += box_overlap(x, y, patch, b)
     return names[int(votes.argmax())] if votes.sum() > 0 else None
 
 
