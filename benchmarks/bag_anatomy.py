@@ -52,8 +52,8 @@ def main() -> None:
     a = ap.parse_args()
     ck = torch.load(a.model, weights_only=False)
     cfg = ck["cfg"]
-    if cfg.aggregator != "mean":
-        raise SystemExit(f"per-patch predictions need the mean aggregator, got {cfg.aggregator!r}")
+    if cfg.aggregator not in ("mean", "vote"):
+        raise SystemExit(f"per-patch predictions need the mean or vote aggregator, got {cfg.aggregator!r}")
     model = FoveateModel(cfg)
     model.load_state_dict(ck["state"])
     model.eval()
@@ -87,6 +87,18 @@ def main() -> None:
         w = np.exp((r["scores"] - r["scores"].max()) / t)
         return (w[:, None] * r["logits"]).sum(0) / w.sum()
 
+    def softmax(z):
+        e = np.exp(z - z.max(-1, keepdims=True))
+        return e / e.sum(-1, keepdims=True)
+
+    def hard_vote(r):  # majority of the patches' argmaxes; ties broken by the mean logits
+        votes = np.bincount(np.argmax(r["logits"], 1), minlength=r["logits"].shape[1]).astype(float)
+        return votes + 1e-3 * softmax(r["logits"].mean(0))
+
+    def objects_kept(d):  # share of the chosen informative objects that pass the gate
+        o = [(r["scores"][i] >= r["scores"].max() - d) for r in rows for i, t in enumerate(r["types"]) if t[0] == "O"]
+        return float(np.mean(o)) if o else float("nan")
+
     def objects_only(r):
         m = np.array([t[0] == "O" for t in r["types"]])
         return r["logits"][m].mean(0) if m.any() else r["logits"].mean(0)
@@ -98,6 +110,16 @@ def main() -> None:
     for m in (3, 4, 5):
         print(f"top {m} by score         {acc(lambda r, m=m: r['logits'][np.argsort(-r['scores'])[:m]].mean(0)):.2f}")
     print(f"objects only (oracle)  {acc(objects_only):.2f}")
+    print(f"soft vote (mean prob)  {acc(lambda r: softmax(r['logits']).mean(0)):.2f}")
+    print(f"hard vote (argmaxes)   {acc(hard_vote):.2f}")
+    print(f"mean log-softmax       {acc(lambda r: np.log(softmax(r['logits'])).mean(0)):.2f}")
+    for d in (0.05, 0.08, 0.1, 0.15):
+        print(
+            f"s >= max - {d:<4}: mean {acc(lambda r, d=d: r['logits'][r['scores'] >= r['scores'].max() - d].mean(0)):.2f}"
+            f" vote {acc(lambda r, d=d: softmax(r['logits'][r['scores'] >= r['scores'].max() - d]).mean(0)):.2f}"
+            f" kept {np.mean([(r['scores'] >= r['scores'].max() - d).sum() for r in rows]):.1f}"
+            f" objects kept {objects_kept(d):.2f}"
+        )
     for tag in "ODB":
         items = [(r["logits"][i], t[1], r["scores"][i]) for r in rows for i, t in enumerate(r["types"]) if t[0] == tag]
         if not items:

@@ -7,6 +7,11 @@ All take ``features[B, K, D]``, ``positions[B, K, 2]`` (patch centres, level-0 `
   attention-sampling estimator of Katharopoulos & Fleuret 2019 of ``E_a[f]``, or mask-gated features for
   SOFT / LapSum); then a linear head.
 * ``max`` — element-wise max over patches; linear head.
+* ``vote`` — a soft majority vote: a linear head classifies every patch on its own, and the bag's class
+  probabilities are the mean (or ``w``-weighted sum) of the patches' probabilities, ``p = sum_k w_k
+  softmax(W f_k + b)``; returns ``log p`` as logits (``softmax(log p) = p``). Every patch's say is bounded by its
+  weight, so a few confident patches of another class cannot outweigh a majority (with ``mean``, the bag logits
+  are the mean of the patches' logits and one patch with large logits can).
 * ``attention_mil`` — attention-based deep MIL pooling of Ilse et al. 2018: ``a = softmax_k(w^T tanh(V h_k))``
   or the gated variant ``w^T (tanh(V h_k) * sigmoid(U h_k))``; ``z = sum_k a_k h_k``; linear head.
 * ``transformer`` — a CLS token plus one token per patch (feature projection + a Fourier encoding of the
@@ -30,13 +35,14 @@ __all__ = [
     "AGGREGATORS",
     "MeanAggregator",
     "MaxAggregator",
+    "VoteAggregator",
     "AttentionMILAggregator",
     "TransformerAggregator",
     "build_aggregator",
     "fourier_position_encoding",
 ]
 
-AGGREGATORS = ("mean", "max", "attention_mil", "transformer")
+AGGREGATORS = ("mean", "max", "vote", "attention_mil", "transformer")
 
 
 def _check(features: torch.Tensor, positions: torch.Tensor | None, weights: torch.Tensor | None) -> None:
@@ -87,6 +93,25 @@ class MaxAggregator(nn.Module):
     ) -> torch.Tensor:
         _check(features, positions, weights)
         return self.head(_scale(features, weights).amax(1))
+
+
+class VoteAggregator(nn.Module):
+    """Soft majority vote: mean (or weighted sum) of per-patch class probabilities; returns their log."""
+
+    def __init__(self, dim: int, num_classes: int, *, dropout: float = 0.0):
+        super().__init__()
+        self.head = nn.Sequential(nn.Dropout(dropout), nn.Linear(dim, num_classes))
+
+    def forward(
+        self, features: torch.Tensor, positions: torch.Tensor | None = None, weights: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        _check(features, positions, weights)
+        logp = torch.log_softmax(self.head(features), dim=-1)  # [B, K, C]
+        if weights is None:
+            return torch.logsumexp(logp, dim=1) - math.log(features.shape[1])
+        w = weights.to(logp.dtype).clamp_min(0)
+        w = w / w.sum(1, keepdim=True).clamp_min(torch.finfo(logp.dtype).tiny)
+        return torch.logsumexp(logp + torch.log(w.clamp_min(torch.finfo(logp.dtype).tiny)).unsqueeze(-1), dim=1)
 
 
 class AttentionMILAggregator(nn.Module):
@@ -203,6 +228,8 @@ def build_aggregator(
         return MeanAggregator(dim, num_classes, dropout=dropout)
     if name == "max":
         return MaxAggregator(dim, num_classes, dropout=dropout)
+    if name == "vote":
+        return VoteAggregator(dim, num_classes, dropout=dropout)
     if name == "attention_mil":
         return AttentionMILAggregator(dim, num_classes, hidden=hidden, gated=gated, dropout=dropout)
     if name == "transformer":

@@ -147,6 +147,10 @@ class ModelConfig:
             cell as a bag of one through the aggregator; for the mean aggregator exactly that cell's share of
             the bag's logits), so cells whose content is common to every class (background, distractors of
             random kinds) rank below cells that support the slide's label.
+        evidence_gamma: with ``evidence="label"`` the rank targets are ``p ** evidence_gamma``: 1 (default) the
+            probability itself; below 1 a concave target, under which a cell type that supports the label on
+            some slides and opposes it on the others (a distractor of a random kind) ranks below a cell type that
+            is neutral everywhere (background) — with the linear target the two tie in expectation.
         position_frequencies: Fourier frequencies per coordinate of the transformer's position encoding
             (``sin, cos(2^i pi p)``, i < F; high frequencies let the transformer memorise where patches are).
         max_support: cells kept per slot for soft patches (see ``operators.soft_patches``).
@@ -202,10 +206,11 @@ class ModelConfig:
     rank_weight: float = 0.0
     rank_temperature: float = 0.1
     evidence: str = "confidence"
+    evidence_gamma: float = 1.0
     max_support: int = 4
     scorer: ScorerConfig = field(default_factory=ScorerConfig)
     features: ResNetConfig = field(default_factory=ResNetConfig)
-    aggregator: Literal["mean", "max", "attention_mil", "transformer"] = "mean"
+    aggregator: Literal["mean", "max", "vote", "attention_mil", "transformer"] = "mean"
     aggregator_hidden: int = 128
     gated: bool = True
     transformer_layers: int = 2
@@ -334,6 +339,12 @@ class ModelConfig:
             )
         if self.evidence not in ("confidence", "label"):
             raise ConfigError(f"model.evidence must be 'confidence' or 'label', got {self.evidence!r}")
+        if not (
+            isinstance(self.evidence_gamma, (int, float))
+            and math.isfinite(self.evidence_gamma)
+            and 0 < self.evidence_gamma <= 1
+        ):
+            raise ConfigError(f"model.evidence_gamma must be a number in (0, 1], got {self.evidence_gamma!r}")
         if self.transformer_readout not in ("mean", "cls"):
             raise ConfigError(f"model.transformer_readout must be 'mean' or 'cls', got {self.transformer_readout!r}")
         for name, hi in (("color_jitter", 1.0), ("patch_jitter", 0.5), ("selection_grad", 1.0)):
@@ -842,6 +853,8 @@ class FoveateModel(nn.Module):
                     pos = positions if positions is not None else features.new_zeros(features.shape[0], 2)
                     single = self.aggregate(features.detach()[:, None], pos.detach()[:, None], None)  # [M, C]
                     ev = torch.softmax(single, dim=1)[:, int(target)]
+                    if self.cfg.evidence_gamma != 1.0:
+                        ev = ev.clamp_min(0.0) ** self.cfg.evidence_gamma
                 if kept is not None:
                     self.aggregator.last_attention = kept
                 info["label_evidence"] = float(ev.mean())

@@ -274,6 +274,25 @@ def test_label_evidence_ranks_read_cells_by_the_classifiers_probability_of_the_s
         assert scores.grad.abs().sum() > 0
 
 
+def test_evidence_gamma_makes_the_label_target_concave():
+    """evidence_gamma < 1: the rank targets are p(label) ** gamma (a concave target: a cell type whose p(label)
+    is high on some slides and low on the others ranks below one with the same mean everywhere)."""
+    for bad in (0.0, -0.5, 1.5, float("nan"), "0.5"):
+        with pytest.raises(ConfigError, match="evidence_gamma"):
+            ModelConfig(instance_weight=1.0, rank_weight=0.1, evidence="label", evidence_gamma=bad)
+    torch.manual_seed(0)
+    cfg = _evidence_config(evidence="label", evidence_gamma=0.5)
+    model = FoveateModel(cfg).double()
+    feats = torch.randn(6, cfg.features.feature_dim, dtype=torch.float64)
+    scores = torch.rand(6, dtype=torch.float64, requires_grad=True)
+    losses, info = model.evidence_losses(feats, scores, 1)
+    with torch.no_grad():
+        ev = torch.softmax(model.aggregator.head(feats), 1)[:, 1] ** 0.5
+    ref = evidence_rank_loss(scores, ev, temperature=cfg.rank_temperature)
+    assert float(losses["rank"]) == pytest.approx(cfg.rank_weight * float(ref), rel=1e-12)
+    assert info["label_evidence"] == pytest.approx(float(ev.mean()), rel=1e-12)
+
+
 def test_selection_grad_scales_the_selection_gradient_to_the_scorer_and_not_the_values():
     with pytest.raises(ConfigError, match="selection_grad"):
         ModelConfig(selection_grad=1.5)

@@ -150,6 +150,32 @@ def test_aggregator_weights_semantics():
         agg(f, None, w[:, :2])
 
 
+def test_vote_is_mean_of_patch_probabilities():
+    torch.manual_seed(2)
+    agg = build_aggregator("vote", 5, 3).double()
+    f = torch.randn(2, 4, 5, dtype=torch.float64, requires_grad=True)
+    p = torch.softmax(agg.head(f), -1)  # [B, K, C] per-patch probabilities
+    torch.testing.assert_close(agg(f, None).exp(), p.mean(1))
+    w = torch.tensor([[0.1, 0.2, 0.3, 0.4], [0.0, 0.5, 0.5, 0.0]], dtype=torch.float64)
+    torch.testing.assert_close(agg(f, None, w).exp(), (w[..., None] * p).sum(1))
+    # a majority of 3 weak patches outvotes one confident patch, which it does not under the mean of logits
+    lin = agg.head[1]
+    with torch.no_grad():
+        lin.weight.zero_()
+        lin.bias.zero_()
+        lin.weight[0, 0] = lin.weight[1, 1] = 1.0
+    g = torch.zeros(1, 4, 5, dtype=torch.float64)
+    g[0, :3, 0] = 1.0  # three patches lean to class 0 (logit 1)
+    g[0, 3, 1] = 10.0  # one patch is sure of class 1
+    assert int(agg(g, None).argmax()) == 0
+    mean = build_aggregator("mean", 5, 3).double()
+    mean.head[1].load_state_dict(lin.state_dict())
+    assert int(mean(g, None).argmax()) == 1
+    # single patch: the bag's log-probabilities are the patch's
+    torch.testing.assert_close(agg(f[:, :1], None), torch.log_softmax(agg.head(f[:, :1]), -1)[:, 0])
+    assert torch.autograd.gradcheck(lambda x: agg(x, None, w), (f,))
+
+
 def test_attention_mil_is_ilse():
     torch.manual_seed(1)
     agg = build_aggregator("attention_mil", 6, 2, hidden=5, gated=True).double()
