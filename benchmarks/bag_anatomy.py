@@ -95,8 +95,11 @@ def main() -> None:
         votes = np.bincount(np.argmax(r["logits"], 1), minlength=r["logits"].shape[1]).astype(float)
         return votes + 1e-3 * softmax(r["logits"].mean(0))
 
+    def gate(r, d):  # the chosen patches whose score is within d of the bag's best
+        return r["scores"] >= r["scores"].max() - d
+
     def objects_kept(d):  # share of the chosen informative objects that pass the gate
-        o = [(r["scores"][i] >= r["scores"].max() - d) for r in rows for i, t in enumerate(r["types"]) if t[0] == "O"]
+        o = [gate(r, d)[i] for r in rows for i, t in enumerate(r["types"]) if t[0] == "O"]
         return float(np.mean(o)) if o else float("nan")
 
     def objects_only(r):
@@ -115,9 +118,9 @@ def main() -> None:
     print(f"mean log-softmax       {acc(lambda r: np.log(softmax(r['logits'])).mean(0)):.2f}")
     for d in (0.05, 0.08, 0.1, 0.15):
         print(
-            f"s >= max - {d:<4}: mean {acc(lambda r, d=d: r['logits'][r['scores'] >= r['scores'].max() - d].mean(0)):.2f}"
-            f" vote {acc(lambda r, d=d: softmax(r['logits'][r['scores'] >= r['scores'].max() - d]).mean(0)):.2f}"
-            f" kept {np.mean([(r['scores'] >= r['scores'].max() - d).sum() for r in rows]):.1f}"
+            f"s >= max - {d:<4}: mean {acc(lambda r, d=d: r['logits'][gate(r, d)].mean(0)):.2f}"
+            f" vote {acc(lambda r, d=d: softmax(r['logits'][gate(r, d)]).mean(0)):.2f}"
+            f" kept {np.mean([gate(r, d).sum() for r in rows]):.1f}"
             f" objects kept {objects_kept(d):.2f}"
         )
     for tag in "ODB":

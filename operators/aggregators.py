@@ -63,12 +63,16 @@ def _scale(features: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor
     return features * (weights * features.shape[1]).unsqueeze(-1).to(features.dtype)
 
 
-class MeanAggregator(nn.Module):
-    """Mean (or estimator-weighted sum) of patch features, then dropout and a linear head."""
+class _LinearHeadAggregator(nn.Module):
+    """Base of the aggregators whose only parameters are a dropout + linear head (``head``, ``[D] -> [C]``)."""
 
     def __init__(self, dim: int, num_classes: int, *, dropout: float = 0.0):
         super().__init__()
         self.head = nn.Sequential(nn.Dropout(dropout), nn.Linear(dim, num_classes))
+
+
+class MeanAggregator(_LinearHeadAggregator):
+    """Mean (or estimator-weighted sum) of patch features, then dropout and a linear head."""
 
     def forward(
         self, features: torch.Tensor, positions: torch.Tensor | None = None, weights: torch.Tensor | None = None
@@ -81,12 +85,8 @@ class MeanAggregator(nn.Module):
         return self.head(z)
 
 
-class MaxAggregator(nn.Module):
+class MaxAggregator(_LinearHeadAggregator):
     """Element-wise max over patch features, then dropout and a linear head."""
-
-    def __init__(self, dim: int, num_classes: int, *, dropout: float = 0.0):
-        super().__init__()
-        self.head = nn.Sequential(nn.Dropout(dropout), nn.Linear(dim, num_classes))
 
     def forward(
         self, features: torch.Tensor, positions: torch.Tensor | None = None, weights: torch.Tensor | None = None
@@ -95,12 +95,8 @@ class MaxAggregator(nn.Module):
         return self.head(_scale(features, weights).amax(1))
 
 
-class VoteAggregator(nn.Module):
+class VoteAggregator(_LinearHeadAggregator):
     """Soft majority vote: mean (or weighted sum) of per-patch class probabilities; returns their log."""
-
-    def __init__(self, dim: int, num_classes: int, *, dropout: float = 0.0):
-        super().__init__()
-        self.head = nn.Sequential(nn.Dropout(dropout), nn.Linear(dim, num_classes))
 
     def forward(
         self, features: torch.Tensor, positions: torch.Tensor | None = None, weights: torch.Tensor | None = None
