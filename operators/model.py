@@ -151,12 +151,6 @@ class ModelConfig:
             probability itself; below 1 a concave target, under which a cell type that supports the label on
             some slides and opposes it on the others (a distractor of a random kind) ranks below a cell type that
             is neutral everywhere (background) — with the linear target the two tie in expectation.
-        evidence_aversion: with ``evidence="label"``, a loss-averse rank target: ``t = p - (a - 1) * max(1/C - p, 0)``
-            with ``a`` this value and ``p`` the target above (``1/C`` raised to ``evidence_gamma`` likewise), so a cell
-            that *opposes* the slide's label (below the uniform prior) costs ``a`` times what a cell supporting it by
-            as much earns. Like a concave target it ranks a distractor of a random kind below background, but it
-            leaves the targets above the prior as they are, so the objects keep their margin over background.
-            1 (default): off.
         position_frequencies: Fourier frequencies per coordinate of the transformer's position encoding
             (``sin, cos(2^i pi p)``, i < F; high frequencies let the transformer memorise where patches are).
         max_support: cells kept per slot for soft patches (see ``operators.soft_patches``).
@@ -213,7 +207,6 @@ class ModelConfig:
     rank_temperature: float = 0.1
     evidence: str = "confidence"
     evidence_gamma: float = 1.0
-    evidence_aversion: float = 1.0
     max_support: int = 4
     scorer: ScorerConfig = field(default_factory=ScorerConfig)
     features: ResNetConfig = field(default_factory=ResNetConfig)
@@ -346,13 +339,6 @@ class ModelConfig:
             )
         if self.evidence not in ("confidence", "label"):
             raise ConfigError(f"model.evidence must be 'confidence' or 'label', got {self.evidence!r}")
-        if not (
-            isinstance(self.evidence_aversion, (int, float))
-            and not isinstance(self.evidence_aversion, bool)
-            and math.isfinite(self.evidence_aversion)
-            and self.evidence_aversion >= 1
-        ):
-            raise ConfigError(f"model.evidence_aversion must be a number >= 1, got {self.evidence_aversion!r}")
         if not (
             isinstance(self.evidence_gamma, (int, float))
             and math.isfinite(self.evidence_gamma)
@@ -867,12 +853,8 @@ class FoveateModel(nn.Module):
                     pos = positions if positions is not None else features.new_zeros(features.shape[0], 2)
                     single = self.aggregate(features.detach()[:, None], pos.detach()[:, None], None)  # [M, C]
                     ev = torch.softmax(single, dim=1)[:, int(target)]
-                    uniform = 1.0 / single.shape[1]
                     if self.cfg.evidence_gamma != 1.0:
                         ev = ev.clamp_min(0.0) ** self.cfg.evidence_gamma
-                        uniform = uniform**self.cfg.evidence_gamma
-                    if self.cfg.evidence_aversion != 1.0:
-                        ev = ev - (self.cfg.evidence_aversion - 1.0) * (uniform - ev).clamp_min(0.0)
                 if kept is not None:
                     self.aggregator.last_attention = kept
                 info["label_evidence"] = float(ev.mean())

@@ -464,26 +464,3 @@ def test_local_maxima_keeps_window_maxima_falls_back_when_too_few_and_passes_gra
     assert FoveateModel(ModelConfig(k=2)).local_maxima(s, (4, 5)) is s  # off by default
     with pytest.raises(ValueError, match="grid"):
         model.local_maxima(s, (5, 5))
-
-
-def test_evidence_aversion_penalises_cells_below_the_uniform_prior_only():
-    """evidence_aversion a: targets t = p - (a - 1) * max(1/C - p, 0): unchanged above the prior, a times as steep
-    below it, so a cell type that supports the label on some slides and opposes it on the others ranks below
-    one at the prior everywhere (background), while the targets above the prior keep their differences."""
-    for bad in (0.5, -1.0, float("nan"), "2", True):
-        with pytest.raises(ConfigError, match="evidence_aversion"):
-            ModelConfig(instance_weight=1.0, rank_weight=0.1, evidence="label", evidence_aversion=bad)
-    torch.manual_seed(0)
-    cfg = _evidence_config(evidence="label", evidence_aversion=3.0)
-    model = FoveateModel(cfg).double()
-    feats = torch.randn(8, cfg.features.feature_dim, dtype=torch.float64)
-    scores = torch.rand(8, dtype=torch.float64, requires_grad=True)
-    losses, info = model.evidence_losses(feats, scores, 0)
-    with torch.no_grad():
-        p = torch.softmax(model.aggregator.head(feats), 1)[:, 0]
-    c = cfg.num_classes
-    ev = torch.where(p >= 1 / c, p, 1 / c - 3.0 * (1 / c - p))
-    assert (p < 1 / c).any() and (p >= 1 / c).any()  # both branches are exercised
-    ref = evidence_rank_loss(scores, ev, temperature=cfg.rank_temperature)
-    assert float(losses["rank"]) == pytest.approx(cfg.rank_weight * float(ref), rel=1e-12)
-    assert info["label_evidence"] == pytest.approx(float(ev.mean()), rel=1e-12)
