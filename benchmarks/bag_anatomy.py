@@ -60,6 +60,8 @@ def main() -> None:
     stores = ck[a.split]
     side = sidecars(str(Path(stores[0]).parent))
     names = ck["class_names"]
+    if cfg.patch_size is None:  # a µm config: the sidecar boxes are level-0 pixels of each slide
+        raise SystemExit("this diagnostic needs model.patch_size in level-0 pixels, not model.patch_size_um")
     p = cfg.patch_size
     rows = []
     with torch.no_grad():

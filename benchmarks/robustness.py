@@ -338,7 +338,7 @@ def evaluate_checkpoint(checkpoint: str, split: Split) -> dict[str, float]:
 
     from pipeline.model_io import load_checkpoint
     from pipeline.train import classification_metrics
-    from workers.patches import forward_slide
+    from workers.patches import forward_slide, slide_geometry
     from workers.store import SlideStore
 
     model, cfg, _ = load_checkpoint(checkpoint)
@@ -346,14 +346,14 @@ def evaluate_checkpoint(checkpoint: str, split: Split) -> dict[str, float]:
     probs, ys, hit, rec_frac, dhit = [], [], [], [], []
     with torch.no_grad():
         for rec in split.test:
-            out = forward_slide(model, SlideStore(rec.store), training=False, sigma=0.0)
+            store = SlideStore(rec.store)
+            out = forward_slide(model, store, training=False, sigma=0.0)
+            patch = slide_geometry(store, cfg).patch_size  # level-0 pixels of this slide (also for µm settings)
             probs.append(torch.softmax(out.logits.reshape(1, -1).float(), -1)[0].numpy())
             ys.append(rec.target)
-            h, touched = hits_of(out.coords_l0.numpy().reshape(-1, 2), cfg.patch_size, split.boxes[rec.store])
+            h, touched = hits_of(out.coords_l0.numpy().reshape(-1, 2), patch, split.boxes[rec.store])
             hit.append(h.mean())
-            dhit.append(
-                hits_of(out.coords_l0.numpy().reshape(-1, 2), cfg.patch_size, split.distractors[rec.store])[0].mean()
-            )
+            dhit.append(hits_of(out.coords_l0.numpy().reshape(-1, 2), patch, split.distractors[rec.store])[0].mean())
             rec_frac.append(touched / max(len(split.boxes[rec.store]), 1))
     m = classification_metrics(ys, np.array(probs))
     return {

@@ -180,6 +180,8 @@ def main() -> None:
     names = {k: v.get("class_names", []) for k, v in side.items()}  # objects task: texture kinds
     model_cfg = dataclasses.replace(cfg.model, num_classes=table.num_classes)
     trainer = Trainer(model_cfg, cfg.optim, cfg.schedule, slides_per_epoch=len(tr), seed=cfg.seed)
+    if model_cfg.patch_size is None:  # a µm config: the sidecar boxes are level-0 pixels of each slide
+        raise SystemExit("this diagnostic needs model.patch_size in level-0 pixels, not model.patch_size_um")
     patch = model_cfg.patch_size
     if a.gt_scorer > 0:
         install_gt_scorer(trainer, boxes, a.gt_scorer)
