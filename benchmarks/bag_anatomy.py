@@ -31,7 +31,7 @@ from operators.model import FoveateModel
 from workers.patches import forward_slide, prepare_slide
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from selection_hits import box_overlap, sidecars
+from selection_hits import box_overlap, pixel_patch_size, sidecars
 
 
 def patch_type(x: int, y: int, p: int, side: dict) -> tuple[str, str | None]:
@@ -60,9 +60,7 @@ def main() -> None:
     stores = ck[a.split]
     side = sidecars(str(Path(stores[0]).parent))
     names = ck["class_names"]
-    if cfg.patch_size is None:  # a µm config: the sidecar boxes are level-0 pixels of each slide
-        raise SystemExit("this diagnostic needs model.patch_size in level-0 pixels, not model.patch_size_um")
-    p = cfg.patch_size
+    p = pixel_patch_size(cfg)
     rows = []
     with torch.no_grad():
         for st in stores:

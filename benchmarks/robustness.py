@@ -351,9 +351,10 @@ def evaluate_checkpoint(checkpoint: str, split: Split) -> dict[str, float]:
             patch = slide_geometry(store, cfg).patch_size  # level-0 pixels of this slide (also for µm settings)
             probs.append(torch.softmax(out.logits.reshape(1, -1).float(), -1)[0].numpy())
             ys.append(rec.target)
-            h, touched = hits_of(out.coords_l0.numpy().reshape(-1, 2), patch, split.boxes[rec.store])
+            xy = out.coords_l0.numpy().reshape(-1, 2)
+            h, touched = hits_of(xy, patch, split.boxes[rec.store])
             hit.append(h.mean())
-            dhit.append(hits_of(out.coords_l0.numpy().reshape(-1, 2), patch, split.distractors[rec.store])[0].mean())
+            dhit.append(hits_of(xy, patch, split.distractors[rec.store])[0].mean())
             rec_frac.append(touched / max(len(split.boxes[rec.store]), 1))
     m = classification_metrics(ys, np.array(probs))
     return {

@@ -59,6 +59,13 @@ def structure_boxes(stores: str, which: str = "structures") -> dict[str, list[di
     return {k: v.get(which, []) for k, v in sidecars(stores).items()}
 
 
+def pixel_patch_size(model_cfg) -> int:
+    """``model.patch_size`` (level-0 pixels, as the sidecar boxes are); refuses a µm config (``patch_size_um``)."""
+    if model_cfg.patch_size is None:
+        raise SystemExit("this diagnostic needs model.patch_size in level-0 pixels, not model.patch_size_um")
+    return int(model_cfg.patch_size)
+
+
 def box_overlap(x: int, y: int, patch: int, box: dict) -> int:
     """Pixels shared by the level-0 patch at ``(x, y)`` (side ``patch``) and a sidecar box."""
     w = min(x + patch, box["x"] + box["width"]) - max(x, box["x"])
@@ -179,10 +186,8 @@ def main() -> None:
     distractors = {k: v.get("distractors", []) for k, v in side.items()}
     names = {k: v.get("class_names", []) for k, v in side.items()}  # objects task: texture kinds
     model_cfg = dataclasses.replace(cfg.model, num_classes=table.num_classes)
+    patch = pixel_patch_size(model_cfg)  # before the trainer is built
     trainer = Trainer(model_cfg, cfg.optim, cfg.schedule, slides_per_epoch=len(tr), seed=cfg.seed)
-    if model_cfg.patch_size is None:  # a µm config: the sidecar boxes are level-0 pixels of each slide
-        raise SystemExit("this diagnostic needs model.patch_size in level-0 pixels, not model.patch_size_um")
-    patch = model_cfg.patch_size
     if a.gt_scorer > 0:
         install_gt_scorer(trainer, boxes, a.gt_scorer)
     part_norms: dict[str, list[float]] = {}
