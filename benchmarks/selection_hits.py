@@ -140,6 +140,7 @@ def main() -> None:
     p.add_argument("--stores", required=True)
     p.add_argument("--seed", type=int, default=0, help="split seed (data.seed)")
     p.add_argument("--val-fraction", type=float, default=0.3)
+    p.add_argument("--device", default="cpu", help="where the model trains: cpu (default), cuda or cuda:N")
     p.add_argument(
         "--gt-scorer",
         type=float,
@@ -187,7 +188,7 @@ def main() -> None:
     names = {k: v.get("class_names", []) for k, v in side.items()}  # objects task: texture kinds
     model_cfg = dataclasses.replace(cfg.model, num_classes=table.num_classes)
     patch = pixel_patch_size(model_cfg)  # before the trainer is built
-    trainer = Trainer(model_cfg, cfg.optim, cfg.schedule, slides_per_epoch=len(tr), seed=cfg.seed)
+    trainer = Trainer(model_cfg, cfg.optim, cfg.schedule, slides_per_epoch=len(tr), seed=cfg.seed, device=a.device)
     if a.gt_scorer > 0:
         install_gt_scorer(trainer, boxes, a.gt_scorer)
     part_norms: dict[str, list[float]] = {}
@@ -223,7 +224,7 @@ def main() -> None:
                 probs, ys, hits, recall, dhits, votes = [], [], [], [], [], []
                 for rec in recs:
                     out = forward_slide(model, trainer._store(rec.store), training=False)
-                    probs.append(torch.softmax(out.logits.reshape(1, -1).float(), -1)[0].numpy())
+                    probs.append(torch.softmax(out.logits.reshape(1, -1).float(), -1)[0].cpu().numpy())
                     ys.append(rec.target)
                     key = str(Path(rec.store).resolve())
                     h, r = hit_rate(out.coords_l0, boxes.get(key, []), patch)
@@ -247,13 +248,13 @@ def main() -> None:
         soft = ""
         if a.soft_eval:  # the training-time (soft / sampled) selection at the start sigma, without gradients
             probs, ys = [], []
-            gen = torch.Generator().manual_seed(12345)
+            gen = torch.Generator(device=trainer.device).manual_seed(12345)
             with torch.no_grad():
                 for rec in te:
                     out = forward_slide(
                         model, trainer._store(rec.store), training=True, sigma=cfg.schedule.sigma_start, generator=gen
                     )
-                    probs.append(torch.softmax(out.logits.reshape(1, -1).float(), -1)[0].numpy())
+                    probs.append(torch.softmax(out.logits.reshape(1, -1).float(), -1)[0].cpu().numpy())
                     ys.append(rec.target)
             soft_acc = classification_metrics(ys, np.array(probs))["accuracy"]
             soft = f"soft acc {soft_acc:.2f} "
