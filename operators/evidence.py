@@ -28,7 +28,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-__all__ = ["instance_confidence", "instance_loss", "evidence_rank_loss"]
+__all__ = ["instance_confidence", "instance_loss", "evidence_rank_loss", "neutral_loss"]
 
 
 def instance_confidence(instance_logits: torch.Tensor) -> torch.Tensor:
@@ -69,6 +69,29 @@ def instance_loss(instance_logits: torch.Tensor, target: int | torch.Tensor) -> 
         raise ValueError(f"target must be a class index in [0, {instance_logits.shape[1]}), got {t}")
     tgt = torch.full((instance_logits.shape[0],), t, dtype=torch.long, device=instance_logits.device)
     return F.cross_entropy(instance_logits, tgt)
+
+
+def neutral_loss(logits: torch.Tensor) -> torch.Tensor:
+    """Mean KL divergence from the uniform distribution to each patch's own class prediction.
+
+    ``KL(u || softmax(l)) = logsumexp(l) - mean_c(l) - log C`` per patch, averaged over the patches. Applied to
+    the single-patch logits of uniformly drawn tissue cells (mostly background and distractors, which occur in
+    every class), it teaches the classifier that such *filler* carries no class: with the mean aggregator and
+    its linear head the bag's logits are the mean of the patches' own logits, so neutral filler cannot outvote
+    the few patches on informative structures, whichever share of the K slots it takes.
+
+    Args:
+        logits: ``[M, C]`` (``C >= 2``).
+
+    Returns:
+        scalar tensor, >= 0 (up to rounding); 0 when every row is constant (a uniform prediction).
+    """
+    if not isinstance(logits, torch.Tensor) or logits.dim() != 2 or logits.shape[1] < 2:
+        raise ValueError(f"logits must be [M, C] with C >= 2, got {getattr(logits, 'shape', type(logits))}")
+    if logits.shape[0] == 0:
+        raise ValueError("logits must hold at least one patch (M >= 1), got M = 0")
+    kl = torch.logsumexp(logits, dim=1) - logits.mean(1) - math.log(logits.shape[1])
+    return kl.mean()
 
 
 def evidence_rank_loss(scores: torch.Tensor, evidence: torch.Tensor, *, temperature: float = 0.1) -> torch.Tensor:

@@ -133,6 +133,13 @@ class ModelConfig:
             rare structures land in the smallest strata, so this bag shows them to the classifier long before
             the scorer has learnt where they are. 0 (default): off. Needs ``instance_weight > 0``.
         rare_strata: number of strata for ``rare_cells``.
+        neutral_cells: in training, this many candidate cells per slide are drawn uniformly at random and read at
+            full resolution, and the classifier's prediction for each of them alone (the aggregator on a bag of
+            one) is pulled towards the uniform distribution (``operators.evidence.neutral_loss``, weight
+            ``neutral_weight``). Random cells are mostly background and distractors, which occur in every class:
+            this keeps such filler from voting a class when it fills the K slots beside the informative
+            patches. 0 (default): off.
+        neutral_weight: weight of that loss.
         rare_weight: weight of the rare bag's cross-entropy.
         instance_weight: weight of the instance loss (``operators.evidence.instance_loss``): a linear instance
             head classifies every read patch (selected and exploration cells) on its own with the slide label.
@@ -202,6 +209,8 @@ class ModelConfig:
     rare_cells: int = 0
     rare_strata: int = 64
     rare_weight: float = 1.0
+    neutral_cells: int = 0
+    neutral_weight: float = 1.0
     instance_weight: float = 0.0
     rank_weight: float = 0.0
     rank_temperature: float = 0.1
@@ -286,6 +295,7 @@ class ModelConfig:
         pos_int("explore_strata", 0)
         pos_int("rare_cells", 0)
         pos_int("rare_strata", 1)
+        pos_int("neutral_cells", 0)
         pos_int("nms_radius", 0)
         if self.stride is not None:
             pos_int("stride")
@@ -316,7 +326,7 @@ class ModelConfig:
             v = getattr(self, name)
             if not (math.isfinite(v) and v > 0):
                 raise ConfigError(f"model.{name} must be a finite number > 0, got {v!r}")
-        for name in ("instance_weight", "rank_weight", "rare_weight"):
+        for name in ("instance_weight", "rank_weight", "rare_weight", "neutral_weight"):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
                 raise ConfigError(f"model.{name} must be a finite number >= 0, got {v!r}")

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from operators.errors import ConfigError
-from operators.evidence import evidence_rank_loss, instance_confidence, instance_loss
+from operators.evidence import evidence_rank_loss, instance_confidence, instance_loss, neutral_loss
 from operators.model import FoveateModel, ModelConfig
 from operators.resnet import ResNetConfig
 from operators.scorer import ScorerConfig
@@ -464,3 +464,71 @@ def test_local_maxima_keeps_window_maxima_falls_back_when_too_few_and_passes_gra
     assert FoveateModel(ModelConfig(k=2)).local_maxima(s, (4, 5)) is s  # off by default
     with pytest.raises(ValueError, match="grid"):
         model.local_maxima(s, (5, 5))
+
+
+def test_neutral_loss_is_the_kl_from_uniform_zero_on_constant_rows_with_exact_gradients():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 3, generator=g, dtype=torch.float64, requires_grad=True)
+    ref = 0.0
+    for row in x.detach().tolist():  # KL(u || p) = sum_c u_c log(u_c / p_c), u = 1/C
+        z = [math.exp(v - max(row)) for v in row]
+        p = [v / sum(z) for v in z]
+        ref += sum((1 / 3) * math.log((1 / 3) / pc) for pc in p) / 5
+    assert float(neutral_loss(x).detach()) == pytest.approx(ref, rel=1e-12)
+    assert torch.autograd.gradcheck(neutral_loss, (x,), eps=1e-6, atol=1e-8)
+    # the gradient of one row is (softmax(l) - 1/C) / M: it moves every class towards the same probability
+    neutral_loss(x).backward()
+    expected = (torch.softmax(x.detach(), 1) - 1 / 3) / 5
+    assert torch.allclose(x.grad, expected, rtol=0, atol=1e-14)
+    flat = torch.tensor([[2.0, 2.0], [-7.0, -7.0]], dtype=torch.float64)
+    assert float(neutral_loss(flat)) == pytest.approx(0.0, abs=1e-15)
+    assert float(neutral_loss(torch.tensor([[9.0, -9.0]]))) > 8.0  # a confident patch costs a lot
+    for bad in (torch.zeros(3), torch.zeros(3, 1), torch.zeros(0, 2), [[0.0, 1.0]]):
+        with pytest.raises(ValueError, match="logits"):
+            neutral_loss(bad)
+
+
+def test_neutral_cells_pull_random_cells_predictions_to_uniform_in_training_only(tmp_path):
+    with pytest.raises(ConfigError, match="neutral_cells"):
+        ModelConfig(neutral_cells=-1)
+    with pytest.raises(ConfigError, match="neutral_weight"):
+        ModelConfig(neutral_cells=2, neutral_weight=-1.0)
+    store = _image_store(tmp_path)
+    torch.manual_seed(0)
+    # without the evidence losses too: the neutral term needs only the aggregator
+    cfg = ModelConfig(
+        patch_size=64,
+        scorer_downsample=8.0,
+        k=4,
+        num_samples=16,
+        neutral_cells=5,
+        neutral_weight=2.0,
+        scorer=ScorerConfig(channels=8),
+        features=ResNetConfig(widths=(8, 16), blocks=(1, 1), feature_dim=16),
+    )
+    model = FoveateModel(cfg)
+    with torch.no_grad():  # a head far from uniform, so the loss is clearly positive
+        model.aggregator.head[-1].bias.copy_(torch.tensor([3.0, -3.0]))
+    out = forward_slide(model, store, training=True, sigma=0.1, generator=torch.Generator().manual_seed(0), target=1)
+    assert set(out.aux_losses) == {"neutral"}
+    torch.manual_seed(0)  # the same initial model without the neutral cells: the same selection
+    base = forward_slide(
+        FoveateModel(ModelConfig(**{**cfg.__dict__, "neutral_cells": 0})),
+        store,
+        training=True,
+        sigma=0.1,
+        generator=torch.Generator().manual_seed(0),
+        target=1,
+    )
+    assert out.info["cells_read"] == base.info["cells_read"] + 5
+    model.eval()
+    gen = torch.Generator().manual_seed(0)
+    out = forward_slide(model, store, training=True, sigma=0.1, generator=gen, target=1)
+    assert float(out.aux_losses["neutral"]) > 2.0 * 1.5  # 2 x KL(u || softmax([3, -3] + w.f)) ~ 2 x 2.3
+    model.train()
+    out.aux_losses["neutral"].backward()
+    assert model.aggregator.head[-1].bias.grad[0] > 0 > model.aggregator.head[-1].bias.grad[1]  # towards equal
+    assert sum(float(p.grad.abs().sum()) for p in model.features.parameters() if p.grad is not None) > 0
+    with torch.no_grad():
+        assert "neutral" not in forward_slide(model, store, training=False, target=1).aux_losses
+        assert "neutral" not in forward_slide(model, store, training=True, sigma=0.1).aux_losses  # no target

@@ -37,6 +37,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from operators.evidence import neutral_loss
 from operators.model import FoveateModel, ModelConfig, ModelOutput, Selection, SlideGeometry
 from operators.soft_patches import combine_patches, unique_cells
 from workers.store import SlideStore
@@ -848,6 +849,19 @@ def forward_slide(
         extra_info["explore_cells"] = float(explore.numel())
     else:
         logits = model.classify(patches, positions, sel.slot_weights)
+    if training and target is not None and model.cfg.neutral_cells > 0:
+        neutral = _explore_cells(scores[0], model.cfg.neutral_cells, generator)  # uniform candidate cells
+        if neutral.numel():
+            pix = slide.reader.read(neutral.cpu(), random_offsets(neutral.numel(), jitter, generator))
+            pix = color_jitter_patches(pix.to(device=device, dtype=dtype).div_(255.0), cj, generator)
+            f_neutral = model.embed(pix)
+            pos = slide.grid.cell_centres(neutral.cpu()).to(device=device, dtype=dtype)
+            kept = getattr(model.aggregator, "last_attention", None)  # the bag's, for heatmaps
+            single = model.aggregate(f_neutral[:, None], pos[:, None], None)  # each cell a bag of one: [M, C]
+            if kept is not None:
+                model.aggregator.last_attention = kept
+            aux_losses["neutral"] = model.cfg.neutral_weight * neutral_loss(single.reshape(neutral.numel(), -1))
+            cells_read += int(neutral.numel())
     n_tissue = int(cell_mask.sum())
     info = {
         "num_cells": float(slide.grid.num_cells),
