@@ -247,7 +247,7 @@ def run_training_in_process(
     run_dir = workdir / "train" / run_name
     run_dir.mkdir(parents=True, exist_ok=True)
     ckpt = run_dir / "model.pt"
-    torch.save(checkpoint_dict(trainer.model, model_cfg, list(table.class_names)), ckpt)
+    torch.save(checkpoint_dict(trainer.eval_model, model_cfg, list(table.class_names)), ckpt)
     return {
         "metrics": metrics,
         "checkpoint": str(ckpt),

@@ -94,14 +94,14 @@ def hit_rate(coords, boxes, patch: int) -> tuple[float, float]:
 
 
 def install_gt_scorer(trainer: Trainer, boxes: dict[str, list[dict]], weight: float) -> None:
-    """Make ``trainer.model.score`` return ``(1 - weight) * scores + weight * gt`` for the slide being read, ``gt``
+    """Make ``trainer.model.score`` (and the moving average's, with ``optim.ema_epochs``) return ``(1 - weight) * scores + weight * gt`` for the slide being read, ``gt``
     = each cell's overlap area with the informative objects over the slide's largest (diagnostic only)."""
     from operators.scorer import minmax_normalise
     from workers.patches import prepare_slide
 
     current: dict[str, object] = {}
     gt_cache: dict[str, torch.Tensor] = {}
-    orig_store, orig_score = trainer._store, trainer.model.score
+    orig_store = trainer._store
 
     def store(path):
         current["key"] = str(Path(path).resolve())
@@ -122,14 +122,18 @@ def install_gt_scorer(trainer: Trainer, boxes: dict[str, list[dict]], weight: fl
             gt_cache[key] = torch.from_numpy(area / max(area.max(), 1.0)).float()
         return gt_cache[key]
 
-    def score(lowres, cell_mask, geometry=None):
-        s = orig_score(lowres, cell_mask, geometry)
-        gt = gt_of(current["key"]).to(s.device, s.dtype)[None]
-        cand = torch.isfinite(s)
-        return minmax_normalise((1 - weight) * torch.where(cand, s, 0.0) + weight * gt, cand)
+    def mixed(orig_score):
+        def score(lowres, cell_mask, geometry=None):
+            s = orig_score(lowres, cell_mask, geometry)
+            gt = gt_of(current["key"]).to(s.device, s.dtype)[None]
+            cand = torch.isfinite(s)
+            return minmax_normalise((1 - weight) * torch.where(cand, s, 0.0) + weight * gt, cand)
+
+        return score
 
     trainer._store = store
-    trainer.model.score = score
+    for model in {id(m): m for m in (trainer.model, trainer.eval_model)}.values():
+        model.score = mixed(model.score)
 
 
 def main() -> None:
@@ -216,7 +220,7 @@ def main() -> None:
 
         trainer.on_step = on_step
         ep = trainer.train_epoch(shard(tr, 0, 1, epoch=trainer.epoch, seed=cfg.data.seed))
-        model = trainer.model
+        model = trainer.eval_model
         model.eval()
         res = {}
         with torch.no_grad():
@@ -277,7 +281,7 @@ def main() -> None:
         torch.save(
             {
                 "cfg": model_cfg,
-                "state": trainer.model.state_dict(),
+                "state": trainer.eval_model.state_dict(),
                 "train": [r.store for r in tr],
                 "test": [r.store for r in te],
                 "targets": {r.store: r.target for r in (*tr, *te)},

@@ -99,7 +99,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
                 torch.save(state, Path(tmp) / WORKER_STATE)
                 torch.save(
                     checkpoint_dict(
-                        trainer.model,
+                        trainer.eval_model,
                         cfg.model,
                         class_names,
                         train_config=to_dict(cfg),

@@ -7,6 +7,7 @@ predictions. A second run uses two workers through the CLI.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -272,3 +273,49 @@ def test_two_workers_through_the_cli(tmp_path, slides, ray_local, capsys):
     # 3 training slides over 2 workers: 2 slides each (one repeated by padding), 1 per step -> 2 steps
     assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == [1, 2]
     assert run.data.metrics["epoch"] == 1
+
+
+def test_weight_average_follows_its_recursion_and_is_what_is_evaluated_and_saved(tmp_path, slides):
+    from pipeline.data import build_slide_table, shard, split_train_val
+    from workers.patches import forward_slide
+    from workers.trainer import Trainer
+
+    with pytest.raises(ConfigError, match="ema_epochs"):
+        load_config(TrainConfig, _config_file(tmp_path, slides), ["optim.ema_epochs=-1"])
+    c = load_config(TrainConfig, _config_file(tmp_path, slides), ["optim.ema_epochs=1.5"])
+    table = build_slide_table(c.data)
+    c = dataclasses.replace(c, model=dataclasses.replace(c.model, num_classes=table.num_classes))
+    train_recs, val_recs = split_train_val(table.records, c.data.val_fraction, c.data.seed)
+    snaps = []
+
+    def snapshot(metrics, step):
+        snaps.append([p.detach().double().clone() for p in trainer.model.parameters()])
+
+    torch.manual_seed(0)
+    trainer = Trainer(c.model, c.optim, c.schedule, slides_per_epoch=len(train_recs), seed=c.seed, on_step=snapshot)
+    assert trainer.eval_model is trainer.ema_model and trainer.ema_model is not trainer.model
+    decay = 1 - 1 / (1.5 * trainer.steps_per_epoch)
+    expected = [p.detach().double().clone() for p in trainer.model.parameters()]  # the average starts at the init
+    for epoch in range(c.optim.epochs):
+        trainer.train_epoch(shard(train_recs, 0, 1, epoch=epoch, seed=c.data.seed))
+    assert len(snaps) == trainer.global_step == c.optim.epochs * trainer.steps_per_epoch >= 4
+    for t, params in enumerate(snaps):
+        d = min(decay, (1 + t) / (10 + t))
+        expected = [d * e + (1 - d) * p for e, p in zip(expected, params)]
+    got = [p.double() for p in trainer.ema_model.parameters()]
+    assert all(torch.allclose(g, e, rtol=0, atol=1e-6) for g, e in zip(got, expected))
+    assert any(not torch.equal(g, p.double()) for g, p in zip(got, trainer.model.parameters()))
+    # evaluation uses the average, not the last weights
+    ev = trainer.evaluate(val_recs)
+    with torch.no_grad():
+        out = forward_slide(trainer.ema_model, trainer._store(val_recs[0].store), training=False)
+    assert ev.probs[0] == pytest.approx(torch.softmax(out.logits.reshape(-1).float(), -1).tolist(), abs=1e-7)
+    # it is checkpointed and restored with the rest
+    state = trainer.state_dict()
+    again = Trainer(c.model, c.optim, c.schedule, slides_per_epoch=len(train_recs), seed=c.seed + 1)
+    again.load_state_dict(state)
+    for a, b in zip(again.ema_model.state_dict().values(), trainer.ema_model.state_dict().values()):
+        assert torch.equal(a, b)
+    plain = load_config(TrainConfig, _config_file(tmp_path, slides))
+    off = Trainer(c.model, plain.optim, plain.schedule, slides_per_epoch=len(train_recs), seed=0)
+    assert off.eval_model is off.model and "ema" not in off.state_dict()

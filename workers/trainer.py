@@ -22,6 +22,7 @@ logging, checkpoint reporting); a benchmark drives one in-process with the same 
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import resource
@@ -83,6 +84,12 @@ class OptimConfig:
         accumulate: slides per optimizer step on each worker (one slide per forward, B=1).
         warmup: linear warm-up optimizer steps before the cosine decay.
         min_lr_ratio: the cosine schedule ends at ``lr * min_lr_ratio``.
+        ema_epochs: evaluate, checkpoint and export an exponential moving average of the weights over about the
+            last this many epochs (decay per optimizer step ``1 - 1 / (ema_epochs * steps_per_epoch)``, with
+            the usual warm-up ``min(decay, (1 + t) / (10 + t))`` at step t), instead of the last weights; the
+            training itself is unchanged. A model whose held-out accuracy swings from epoch to epoch (a
+            learning rate that stays high to the end, ``min_lr_ratio``) ends at the average, not at the last
+            swing. 0 (default): off.
 
     The attention-sampling entropy regulariser's weight is ``model.entropy_weight``: the model returns the
     term (``-entropy_weight * H``) in ``ModelOutput.aux_losses`` and the trainer adds every aux loss as is.
@@ -96,6 +103,7 @@ class OptimConfig:
     accumulate: int = 1
     warmup: int = 0
     min_lr_ratio: float = 0.0
+    ema_epochs: float = 0.0
 
     def __post_init__(self) -> None:
         _check("optim.epochs", self.epochs, self.epochs >= 1, ">= 1")
@@ -106,6 +114,7 @@ class OptimConfig:
         _check("optim.clip", self.clip, self.clip in ("global", "per_module"), "'global' or 'per_module'")
         _check("optim.warmup", self.warmup, self.warmup >= 0, ">= 0")
         _check("optim.min_lr_ratio", self.min_lr_ratio, 0 <= self.min_lr_ratio <= 1, "in [0, 1]")
+        _check_finite("optim.ema_epochs", self.ema_epochs, note=" (0 = off)")
 
 
 @dataclass(frozen=True)
@@ -358,6 +367,26 @@ class Trainer:
         self.generator.manual_seed(seed * 1000 + self.rank)
         self.epoch, self.global_step, self.train_seconds = 0, 0, 0.0
         self._stores: dict[str, Any] = {}
+        self.ema_model: torch.nn.Module | None = None
+        if optim.ema_epochs > 0:
+            self.ema_decay = 1.0 - 1.0 / max(optim.ema_epochs * self.steps_per_epoch, 1.0)
+            self.ema_model = copy.deepcopy(self.model).eval().requires_grad_(False)
+
+    @property
+    def eval_model(self) -> torch.nn.Module:
+        """The model to evaluate, checkpoint and export: the moving average of the weights with
+        ``optim.ema_epochs`` > 0, else the trained model itself."""
+        return self.ema_model if self.ema_model is not None else self.model
+
+    @torch.no_grad()
+    def _update_ema(self) -> None:
+        """``ema = d * ema + (1 - d) * weights`` after an optimizer step (buffers copied as they are)."""
+        t = self.global_step  # steps done before this one
+        d = min(self.ema_decay, (1.0 + t) / (10.0 + t))
+        for e, p in zip(self.ema_model.parameters(), self.model.parameters()):
+            e.lerp_(p.detach(), 1.0 - d)
+        for e, b in zip(self.ema_model.buffers(), self.model.buffers()):
+            e.copy_(b)
 
     # ------------------------------------------------------------------ slides
     def _store(self, path: str):
@@ -368,12 +397,20 @@ class Trainer:
         return self._stores[path]
 
     def _forward(
-        self, store, *, training: bool, sigma: float, target: int | None = None, rarity: float = 0.0, rare: float = 1.0
+        self,
+        store,
+        *,
+        training: bool,
+        sigma: float,
+        target: int | None = None,
+        rarity: float = 0.0,
+        rare: float = 1.0,
+        model: torch.nn.Module | None = None,
     ):
         from workers.patches import forward_slide
 
         return forward_slide(
-            self.model,
+            self.model if model is None else model,
             store,
             training=training,
             sigma=sigma,
@@ -425,6 +462,8 @@ class Trainer:
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
         self.scheduler.step()
+        if self.ema_model is not None:
+            self._update_ema()
         self.global_step += 1
         dt = time.perf_counter() - t0
         stats = torch.tensor(
@@ -476,12 +515,13 @@ class Trainer:
 
     # ------------------------------------------------------------------ evaluate
     def evaluate(self, records: Sequence[Any]) -> EvalResult:
-        """Hard-selection predictions of ``records`` (eval mode, no gradients)."""
-        self.model.eval()
+        """Hard-selection predictions of ``records`` by :attr:`eval_model` (eval mode, no gradients)."""
+        model = self.eval_model
+        model.eval()
         targets, probs, loss_sum, patches = [], [], 0.0, 0
         with torch.no_grad():
             for rec in records:
-                out = self._forward(self._store(rec.store), training=False, sigma=0.0)
+                out = self._forward(self._store(rec.store), training=False, sigma=0.0, model=model)
                 logits = out.logits.reshape(1, -1).float()
                 loss_sum += float(
                     torch.nn.functional.cross_entropy(logits, torch.tensor([rec.target], device=logits.device))
@@ -529,11 +569,14 @@ class Trainer:
             "global_step": self.global_step,
             "train_seconds": self.train_seconds,
             "generators": self.collective.all_gather(self.generator.get_state()),
+            **({"ema": self.ema_model.state_dict()} if self.ema_model is not None else {}),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from :meth:`state_dict` (this rank's generator state where it was saved)."""
         self.model.load_state_dict(state["model"])
+        if self.ema_model is not None:
+            self.ema_model.load_state_dict(state.get("ema", state["model"]))
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.epoch, self.global_step = int(state["epoch"]), int(state["global_step"])
