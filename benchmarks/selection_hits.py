@@ -94,8 +94,9 @@ def hit_rate(coords, boxes, patch: int) -> tuple[float, float]:
 
 
 def install_gt_scorer(trainer: Trainer, boxes: dict[str, list[dict]], weight: float) -> None:
-    """Make ``trainer.model.score`` (and the moving average's, with ``optim.ema_epochs``) return ``(1 - weight) * scores + weight * gt`` for the slide being read, ``gt``
-    = each cell's overlap area with the informative objects over the slide's largest (diagnostic only)."""
+    """Make ``trainer.model.score`` (and the moving average's, with ``optim.ema_epochs``) return ``(1 - weight) *
+    scores + weight * gt`` for the slide being read, ``gt`` = each cell's overlap area with the informative objects
+    over the slide's largest (diagnostic only)."""
     from operators.scorer import minmax_normalise
     from workers.patches import prepare_slide
 

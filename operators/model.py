@@ -133,6 +133,7 @@ class ModelConfig:
             rare structures land in the smallest strata, so this bag shows them to the classifier long before
             the scorer has learnt where they are. 0 (default): off. Needs ``instance_weight > 0``.
         rare_strata: number of strata for ``rare_cells``.
+        rare_weight: weight of the rare bag's cross-entropy.
         neutral_cells: in training, this many candidate cells per slide are drawn uniformly at random and read at
             full resolution, and the classifier's prediction for each of them alone (the aggregator on a bag of
             one) is pulled towards the uniform distribution (``operators.evidence.neutral_loss``, weight
@@ -140,7 +141,6 @@ class ModelConfig:
             this keeps such filler from voting a class when it fills the K slots beside the informative
             patches. 0 (default): off.
         neutral_weight: weight of that loss.
-        rare_weight: weight of the rare bag's cross-entropy.
         instance_weight: weight of the instance loss (``operators.evidence.instance_loss``): a linear instance
             head classifies every read patch (selected and exploration cells) on its own with the slide label.
             0 (default): no instance head.
@@ -805,6 +805,17 @@ class FoveateModel(nn.Module):
         ``weights[B, K]`` (:attr:`Selection.slot_weights`) -> ``logits[B, C]``."""
         return self.aggregator(features, positions, weights)
 
+    def aggregate_each(self, features: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Each patch classified on its own (the aggregator on a bag of one): ``features[M, D]``, optional
+        ``positions[M, 2]`` (zeros when None) -> ``logits[M, C]``. The aggregator's ``last_attention`` (the
+        latest bag's, for heatmaps) is left as it was."""
+        pos = positions if positions is not None else features.new_zeros(features.shape[0], 2)
+        kept = getattr(self.aggregator, "last_attention", None)
+        logits = self.aggregate(features[:, None], pos[:, None], None)
+        if kept is not None:
+            self.aggregator.last_attention = kept
+        return logits.reshape(features.shape[0], -1)
+
     def classify(
         self, patches: torch.Tensor, positions: torch.Tensor, slot_weights: torch.Tensor | None = None
     ) -> torch.Tensor:
@@ -858,15 +869,11 @@ class FoveateModel(nn.Module):
         info = {"instance_confidence": float(conf.mean())}
         if self.cfg.rank_weight > 0:
             if self.cfg.evidence == "label":
-                kept = getattr(self.aggregator, "last_attention", None)  # the bag's, for heatmaps
                 with torch.no_grad():
-                    pos = positions if positions is not None else features.new_zeros(features.shape[0], 2)
-                    single = self.aggregate(features.detach()[:, None], pos.detach()[:, None], None)  # [M, C]
+                    single = self.aggregate_each(features.detach(), positions)  # [M, C]
                     ev = torch.softmax(single, dim=1)[:, int(target)]
                     if self.cfg.evidence_gamma != 1.0:
                         ev = ev.clamp_min(0.0) ** self.cfg.evidence_gamma
-                if kept is not None:
-                    self.aggregator.last_attention = kept
                 info["label_evidence"] = float(ev.mean())
             else:
                 ev = conf

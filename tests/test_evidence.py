@@ -125,19 +125,22 @@ def _image_store(tmp_path):
     return write_store_from_array(tmp_path / "s.zarr", _image(), tile_size=128, min_size=64)
 
 
-def _evidence_config(**extra) -> ModelConfig:
-    """A small model on :func:`_image`'s 8 x 8 grid of 64 px cells with the evidence losses on."""
+def _small_config(**extra) -> ModelConfig:
+    """A small model on :func:`_image`'s 8 x 8 grid of 64 px cells."""
     return ModelConfig(
         patch_size=64,
         scorer_downsample=8.0,
         k=4,
         num_samples=16,
-        instance_weight=1.0,
-        rank_weight=0.5,
         scorer=ScorerConfig(channels=8),
         features=ResNetConfig(widths=(8, 16), blocks=(1, 1), feature_dim=16),
         **extra,
     )
+
+
+def _evidence_config(**extra) -> ModelConfig:
+    """:func:`_small_config` with the evidence losses on."""
+    return _small_config(instance_weight=1.0, rank_weight=0.5, **extra)
 
 
 def test_forward_slide_adds_evidence_losses_only_in_training_with_a_target(tmp_path):
@@ -496,16 +499,7 @@ def test_neutral_cells_pull_random_cells_predictions_to_uniform_in_training_only
     store = _image_store(tmp_path)
     torch.manual_seed(0)
     # without the evidence losses too: the neutral term needs only the aggregator
-    cfg = ModelConfig(
-        patch_size=64,
-        scorer_downsample=8.0,
-        k=4,
-        num_samples=16,
-        neutral_cells=5,
-        neutral_weight=2.0,
-        scorer=ScorerConfig(channels=8),
-        features=ResNetConfig(widths=(8, 16), blocks=(1, 1), feature_dim=16),
-    )
+    cfg = _small_config(neutral_cells=5, neutral_weight=2.0)
     model = FoveateModel(cfg)
     with torch.no_grad():  # a head far from uniform, so the loss is clearly positive
         model.aggregator.head[-1].bias.copy_(torch.tensor([3.0, -3.0]))

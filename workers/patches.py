@@ -800,6 +800,15 @@ def forward_slide(
     )
     cj = model.cfg.color_jitter if training else 0.0
     patches = color_jitter_patches(patches, cj, generator)
+
+    def embed_cells(cells: torch.Tensor, pixels: torch.Tensor | None = None) -> torch.Tensor:
+        """Features ``[M, D]`` of extra training reads (exploration, rare and neutral cells), augmented as the
+        selected patches are: read at random offsets of up to ``jitter`` px (or ``pixels``, uint8 reads given),
+        then colour-jittered."""
+        if pixels is None:
+            pixels = slide.reader.read(cells.cpu(), random_offsets(cells.numel(), jitter, generator))
+        return model.embed(color_jitter_patches(pixels.to(device=device, dtype=dtype).div_(255.0), cj, generator))
+
     cells = sel.primary[0]
     aux_losses = model.aux_losses(sel)
     extra_info: dict[str, float] = {}
@@ -810,9 +819,7 @@ def forward_slide(
         strata = _slide_strata(slide, model.cfg.explore_strata) if model.cfg.explore_strata > 0 else None
         explore = _explore_cells(scores[0], model.cfg.explore_cells, generator, strata)
         if explore.numel():
-            pix = slide.reader.read(explore.cpu(), random_offsets(explore.numel(), jitter, generator))
-            pix = color_jitter_patches(pix.to(device=device, dtype=dtype).div_(255.0), cj, generator)
-            feats = torch.cat([feats, model.embed(pix)])
+            feats = torch.cat([feats, embed_cells(explore)])
             cells_read += int(explore.numel())
         read_cells = torch.cat([cells, explore])
         if model.cfg.rare_cells > 0 and rare_scale > 0:
@@ -821,11 +828,7 @@ def forward_slide(
                 rare = rare_cells(slide.lowres_u8, cell_mask, *key, _slide_strata(slide, key[1]))
                 slide.rare = (*key, rare, None if jitter else slide.reader.read(rare))
             rare = slide.rare[2]
-            pix = None if jitter else slide.rare[3]
-            if pix is None:  # jittered: read again at new offsets each step
-                pix = slide.reader.read(rare, random_offsets(rare.numel(), jitter, generator))
-            pix = color_jitter_patches(pix.to(device=device, dtype=dtype).div_(255.0), cj, generator)
-            f_rare = model.embed(pix)
+            f_rare = embed_cells(rare, None if jitter else slide.rare[3])  # jittered: read again each step
             pos = slide.grid.cell_centres(rare).to(device=device, dtype=dtype)
             logits_rare = model.aggregate(f_rare[None], pos[None], None)
             tgt = torch.tensor([int(target)], device=logits_rare.device)
@@ -852,15 +855,9 @@ def forward_slide(
     if training and target is not None and model.cfg.neutral_cells > 0:
         neutral = _explore_cells(scores[0], model.cfg.neutral_cells, generator)  # uniform candidate cells
         if neutral.numel():
-            pix = slide.reader.read(neutral.cpu(), random_offsets(neutral.numel(), jitter, generator))
-            pix = color_jitter_patches(pix.to(device=device, dtype=dtype).div_(255.0), cj, generator)
-            f_neutral = model.embed(pix)
             pos = slide.grid.cell_centres(neutral.cpu()).to(device=device, dtype=dtype)
-            kept = getattr(model.aggregator, "last_attention", None)  # the bag's, for heatmaps
-            single = model.aggregate(f_neutral[:, None], pos[:, None], None)  # each cell a bag of one: [M, C]
-            if kept is not None:
-                model.aggregator.last_attention = kept
-            aux_losses["neutral"] = model.cfg.neutral_weight * neutral_loss(single.reshape(neutral.numel(), -1))
+            single = model.aggregate_each(embed_cells(neutral), pos)  # each cell classified on its own
+            aux_losses["neutral"] = model.cfg.neutral_weight * neutral_loss(single)
             cells_read += int(neutral.numel())
     n_tissue = int(cell_mask.sum())
     info = {
