@@ -25,7 +25,8 @@ object, then the rest of the K slots filled with random tissue cells) and evalua
 whether the task is learnable once the scorer looks at the right place.
 
 Tasks (``--tasks``): ``checker`` (the 80-slide task of ``benchmarks/accuracy.py``: 80 slides of 2048-3072 px),
-``objects-binary`` and ``objects-4class`` (``foveate synth --task objects``, 64 slides of 4096 px by default;
+``objects-binary`` and ``objects-4class`` (``foveate synth --task objects``, 128 slides of 4096 px by default:
+89 train / 39 held out; on 64 the held-out set of 19–20 slides put one slide at 0.05 of accuracy;
 ``--count`` / ``--size`` change every task's size), and quick variants ``checker-quick`` (32 x 2048),
 ``objects-binary-quick`` and ``objects-4class-quick`` (32 x 4096).
 
@@ -33,6 +34,10 @@ Usage:
   python benchmarks/robustness.py --tasks objects-binary-quick --configs perturbed_mean --seeds 0,1,2 --epochs 10
   python benchmarks/robustness.py --tasks objects-binary,objects-4class --configs perturbed_mean,attention_sampling \\
       --seeds 0,1,2 --oracle --json benchmarks/results/robustness_objects.json
+  # two processes on two cores, then one table:
+  python benchmarks/robustness.py --in-process --seeds 0,2,4,6,8 --json a.json & \
+  python benchmarks/robustness.py --in-process --seeds 1,3,5,7,9 --json b.json; wait
+  python benchmarks/robustness.py --merge a.json b.json --json all.json
 """
 
 from __future__ import annotations
@@ -78,8 +83,8 @@ class Task:
 
 TASKS = {
     "checker": Task("checker", "checker", 2, 80, "2048:3072", "zstd"),
-    "objects-binary": Task("objects-binary", "objects", 2, 64, "4096", "jpeg"),
-    "objects-4class": Task("objects-4class", "objects", 4, 64, "4096", "jpeg"),
+    "objects-binary": Task("objects-binary", "objects", 2, 128, "4096", "jpeg"),
+    "objects-4class": Task("objects-4class", "objects", 4, 128, "4096", "jpeg"),
     "checker-quick": Task("checker-quick", "checker", 2, 32, "2048", "zstd"),
     "objects-binary-quick": Task("objects-binary-quick", "objects", 2, 32, "4096", "jpeg"),
     "objects-4class-quick": Task("objects-4class-quick", "objects", 4, 32, "4096", "jpeg"),
@@ -546,6 +551,36 @@ def print_table(summary: list[dict], oracle: list[dict]) -> None:
         )
 
 
+def merge(paths: list[str], out_json: str | None) -> int:
+    """Merge the rows of several output JSONs (runs of this script, e.g. one per process) into one table; a
+    (task, config, seed) that occurs twice keeps the last file's row."""
+    rows: dict[tuple, dict] = {}
+    oracle: dict[tuple, dict] = {}
+    parts = []
+    for path in paths:
+        d = json.loads(Path(path).read_text())
+        parts.append({k: d.get(k) for k in ("command", "started_utc", "machine", "torch", "overrides", "total_seconds")})
+        for r in d.get("rows", []):
+            rows[(r["task"], r["config"], r["seed"])] = r
+        for r in d.get("oracle", []):
+            oracle[(r["task"], r["config"], r["seed"])] = r
+    merged = sorted(rows.values(), key=lambda r: (r["task"], r["config"], r["seed"]))
+    summary = summarise(merged)
+    print_table(summary, list(oracle.values()))
+    if out_json:
+        out = {
+            "merged_from": parts,
+            "success_threshold": SUCCESS,
+            "summary": summary,
+            "oracle": list(oracle.values()),
+            "rows": merged,
+        }
+        Path(out_json).parent.mkdir(parents=True, exist_ok=True)
+        Path(out_json).write_text(json.dumps(out, indent=2, default=float))
+        print(f"wrote {out_json}")
+    return 0
+
+
 # ---------------------------------------------------------------------------------------------- main
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
@@ -593,7 +628,16 @@ def main(argv: list[str] | None = None) -> int:
         help="keep the successful runs (and oracle rows) already in the output JSON and run only the "
         "missing or crashed (task, config, seed) combinations",
     )
+    p.add_argument(
+        "--merge",
+        nargs="+",
+        default=None,
+        metavar="JSON",
+        help="no training: merge the rows of these output JSONs (e.g. one per process) into one table and --json",
+    )
     args = p.parse_args(argv)
+    if args.merge:
+        return merge(args.merge, args.json)
 
     tasks = []
     for t in [t.strip() for t in args.tasks.split(",") if t.strip()]:

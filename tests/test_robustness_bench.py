@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
@@ -80,3 +81,25 @@ def test_cli_rejects_unknown_task_and_config(rb, capsys):
         rb.main(["--tasks", "checker-quick", "--configs", "nope"])
     assert "unknown config(s) ['nope']" in capsys.readouterr().err
     assert "perturbed_mean" in rb.available_configs() and "demo" not in rb.available_configs()
+
+
+def test_merge_combines_processes_and_keeps_the_last_duplicate(rb, tmp_path, capsys):
+    def row(seed, acc, config="c"):
+        return {"task": "t", "config": config, "seed": seed, "test_accuracy": acc, "train_seconds": 10.0}
+
+    a, b, out = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "all.json"
+    a.write_text(json.dumps({"command": "a", "rows": [row(0, 1.0), row(2, 0.5), row(0, 0.9, "d")]}))
+    b.write_text(json.dumps({"command": "b", "rows": [row(1, 0.97), row(2, 0.96)], "oracle": []}))
+    assert rb.main(["--merge", str(a), str(b), "--json", str(out)]) == 0
+    d = json.loads(out.read_text())
+    assert [(r["config"], r["seed"], r["test_accuracy"]) for r in d["rows"]] == [
+        ("c", 0, 1.0),
+        ("c", 1, 0.97),
+        ("c", 2, 0.96),
+        ("d", 0, 0.9),
+    ]
+    c, dd = d["summary"]
+    assert (c["config"], c["runs"], c["successes"], c["worst_accuracy"]) == ("c", 3, 3, 0.96)
+    assert (dd["config"], dd["runs"], dd["successes"]) == ("d", 1, 0)
+    assert [p["command"] for p in d["merged_from"]] == ["a", "b"]
+    assert "3/3" in capsys.readouterr().out
