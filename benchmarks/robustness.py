@@ -559,7 +559,9 @@ def merge(paths: list[str], out_json: str | None) -> int:
     parts = []
     for path in paths:
         d = json.loads(Path(path).read_text())
-        parts.append({k: d.get(k) for k in ("command", "started_utc", "machine", "torch", "overrides", "total_seconds")})
+        parts.append(
+            {k: d.get(k) for k in ("command", "started_utc", "machine", "torch", "overrides", "total_seconds")}
+        )
         for r in d.get("rows", []):
             rows[(r["task"], r["config"], r["seed"])] = r
         for r in d.get("oracle", []):
