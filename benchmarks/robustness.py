@@ -26,7 +26,7 @@ whether the task is learnable once the scorer looks at the right place.
 
 Tasks (``--tasks``): ``checker`` (the 80-slide task of ``benchmarks/accuracy.py``: 80 slides of 2048-3072 px),
 ``objects-binary`` and ``objects-4class`` (``foveate synth --task objects``, 128 slides of 4096 px by default:
-89 train / 39 held out; on 64 the held-out set of 19–20 slides put one slide at 0.05 of accuracy;
+38–40 of them held out; on 64 a held-out set of 19–20 slides put one slide at 0.05 of accuracy;
 ``--count`` / ``--size`` change every task's size), and quick variants ``checker-quick`` (32 x 2048),
 ``objects-binary-quick`` and ``objects-4class-quick`` (32 x 4096).
 
