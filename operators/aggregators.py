@@ -153,7 +153,8 @@ class TransformerAggregator(nn.Module):
         hidden: token width (a multiple of ``heads``).
         layers: number of encoder layers.
         heads: attention heads.
-        num_frequencies: Fourier frequencies per coordinate of the position encoding.
+        num_frequencies: Fourier frequencies per coordinate of the position encoding; 0: no position encoding
+            (the tokens are the patch features alone, and the output does not depend on where the patches are).
         dropout: dropout inside the encoder and before the head.
         readout: ``"mean"`` (default): the mean of the encoded patch tokens (the encoder layers are residual,
             so at initialisation this is close to the mean aggregator and the interactions are learnt on top;
@@ -181,7 +182,9 @@ class TransformerAggregator(nn.Module):
             raise ValueError(f"aggregator hidden ({hidden}) must be a multiple of heads ({heads})")
         self.num_frequencies = num_frequencies
         self.inp = nn.Linear(dim, hidden)
-        self.pos = nn.Linear(4 * num_frequencies, hidden)
+        if num_frequencies < 0:
+            raise ValueError(f"num_frequencies must be >= 0, got {num_frequencies}")
+        self.pos = nn.Linear(4 * num_frequencies, hidden) if num_frequencies else None
         self.cls = nn.Parameter(torch.zeros(1, 1, hidden))
         nn.init.normal_(self.cls, std=0.02)
         layer = nn.TransformerEncoderLayer(
@@ -195,10 +198,11 @@ class TransformerAggregator(nn.Module):
         self, features: torch.Tensor, positions: torch.Tensor | None = None, weights: torch.Tensor | None = None
     ) -> torch.Tensor:
         _check(features, positions, weights)
-        if positions is None:
-            raise ValueError("the transformer aggregator needs positions [B, K, 2]")
         h = self.inp(_scale(features, weights))
-        h = h + self.pos(fourier_position_encoding(positions.to(h.dtype), self.num_frequencies))
+        if self.pos is not None:
+            if positions is None:
+                raise ValueError("the transformer aggregator with a position encoding needs positions [B, K, 2]")
+            h = h + self.pos(fourier_position_encoding(positions.to(h.dtype), self.num_frequencies))
         if self.readout == "mean":
             return self.head(self.norm(self.encoder(h).mean(1)))
         tokens = torch.cat([self.cls.expand(h.shape[0], -1, -1).to(h.dtype), h], dim=1)

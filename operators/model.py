@@ -159,7 +159,8 @@ class ModelConfig:
             some slides and opposes it on the others (a distractor of a random kind) ranks below a cell type that
             is neutral everywhere (background) — with the linear target the two tie in expectation.
         position_frequencies: Fourier frequencies per coordinate of the transformer's position encoding
-            (``sin, cos(2^i pi p)``, i < F; high frequencies let the transformer memorise where patches are).
+            (``sin, cos(2^i pi p)``, i < F; high frequencies let the transformer memorise where patches are);
+            0: no position encoding (a transformer over the patch features alone).
         max_support: cells kept per slot for soft patches (see ``operators.soft_patches``).
         scorer: :class:`~operators.scorer.ScorerConfig`.
         features: :class:`~operators.resnet.ResNetConfig` (``feature_dim``, widths, ``frozen``).
@@ -286,9 +287,9 @@ class ModelConfig:
             "aggregator_hidden",
             "transformer_layers",
             "transformer_heads",
-            "position_frequencies",
         ):
             pos_int(name)
+        pos_int("position_frequencies", 0)
         pos_int("num_classes", 2)
         pos_int("mask_extra", 0)
         pos_int("explore_cells", 0)

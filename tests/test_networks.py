@@ -135,6 +135,23 @@ def test_transformer_readouts_are_permutation_invariant(readout):
         build_aggregator("transformer", 12, 2, hidden=16, heads=2, readout="max")
 
 
+def test_transformer_without_position_encoding_ignores_positions():
+    torch.manual_seed(3)
+    agg = build_aggregator("transformer", 12, 2, hidden=16, layers=1, heads=2, num_frequencies=0).double().eval()
+    assert agg.pos is None
+    f = torch.randn(2, 5, 12, dtype=torch.float64)
+    pos = torch.rand(2, 5, 2, dtype=torch.float64)
+    out = agg(f, pos)
+    torch.testing.assert_close(agg(f, torch.rand(2, 5, 2, dtype=torch.float64)), out)
+    torch.testing.assert_close(agg(f, None), out)
+    torch.testing.assert_close(out, agg.head(agg.norm(agg.encoder(agg.inp(f)).mean(1))))
+    with_pos = build_aggregator("transformer", 12, 2, hidden=16, layers=1, heads=2, num_frequencies=2)
+    with pytest.raises(ValueError, match="needs positions"):
+        with_pos(f.float(), None)
+    with pytest.raises(ValueError, match="num_frequencies must be >= 0"):
+        build_aggregator("transformer", 12, 2, hidden=16, heads=2, num_frequencies=-1)
+
+
 def test_aggregator_weights_semantics():
     agg = build_aggregator("mean", 4, 2).double()
     f = torch.randn(1, 3, 4, dtype=torch.float64)
