@@ -180,10 +180,10 @@ class TransformerAggregator(nn.Module):
         self.readout = readout
         if hidden % heads:
             raise ValueError(f"aggregator hidden ({hidden}) must be a multiple of heads ({heads})")
-        self.num_frequencies = num_frequencies
-        self.inp = nn.Linear(dim, hidden)
         if num_frequencies < 0:
             raise ValueError(f"num_frequencies must be >= 0, got {num_frequencies}")
+        self.num_frequencies = num_frequencies
+        self.inp = nn.Linear(dim, hidden)
         self.pos = nn.Linear(4 * num_frequencies, hidden) if num_frequencies else None
         self.cls = nn.Parameter(torch.zeros(1, 1, hidden))
         nn.init.normal_(self.cls, std=0.02)
