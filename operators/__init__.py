@@ -15,7 +15,7 @@ from operators.resnet import ResNet, ResNetConfig
 from operators.scorer import ScorerCNN, ScorerConfig, cell_pool, minmax_normalise
 from operators.sinkhorn import SinkhornTopK, sinkhorn_topk
 from operators.soft_patches import cap_support, combine_patches
-from operators.topk import PerturbedTopK, hard_topk, perturbed_topk
+from operators.topk import PerturbedTopK, hard_topk, mask_sample, perturbed_topk
 from operators.topk_loss import TopKCrossEntropyLoss, topk_cross_entropy
 
 __all__ = [
@@ -49,6 +49,7 @@ __all__ = [
     "attention_sample",
     "hard_topk",
     "lapsum_topk",
+    "mask_sample",
     "mist_loss",
     "nms_topk",
     "perturbed_topk",

@@ -99,6 +99,17 @@ class ModelConfig:
             below the top-k threshold, which carry part of the mask, are seen and get a gradient (like the
             capped support of the perturbed top-k's soft patches; the mask beyond those cells is dropped). 0
             (default): the k chosen cells only. Inference always reads the hard top-k.
+        mask_sampling: SOFT top-k and LapSum in training read ``k`` cells drawn with inclusion probabilities
+            equal to the soft mask (:func:`operators.topk.mask_sample`) instead of the ``k`` largest scores: the
+            cells the mask holds at 1 are always read, the cells near the threshold, between which it spreads its
+            mass, take turns from step to step (as the perturbed top-k's noisy samples make them do). The
+            aggregator then sees the same confident cells with varying filler, not a fixed bag per slide it can
+            memorise. Needs ``mask_extra = 0`` and ``explore_temperature = 0``. False (default): the top-k.
+        straight_through: SOFT top-k and LapSum weigh the read patches by the hard top-k (``1/k`` on the k
+            cells ranked first, 0 on the ``mask_extra`` cells) in the forward pass, in training and at inference,
+            and pass the soft mask's gradient to the scorer in the backward pass (straight-through): the
+            aggregator sees the plain mean of the k patches whatever the mask's spread, so training and inference
+            see the same bag. False (default): the mask values gate the features (``mask / k``).
         nms_radius: selection takes only cells whose score is the maximum of their ``(2r+1) x (2r+1)`` window of
             grid cells (:meth:`FoveateModel.local_maxima`), in training and at inference, so the K patches land on
             K different structures instead of several cells of the same one (a slide with fewer than ``k``
@@ -200,6 +211,8 @@ class ModelConfig:
     attention_temperature: float = 0.05
     explore_temperature: float = 0.0
     mask_extra: int = 0
+    straight_through: bool = False
+    mask_sampling: bool = False
     candidate_dropout: float = 0.0
     selection_grad: float = 1.0
     patch_jitter: float = 0.0
@@ -292,6 +305,15 @@ class ModelConfig:
         pos_int("position_frequencies", 0)
         pos_int("num_classes", 2)
         pos_int("mask_extra", 0)
+        for name in ("straight_through", "mask_sampling"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"model.{name} must be true or false, got {getattr(self, name)!r}")
+        if self.mask_sampling and (self.mask_extra > 0 or self.explore_temperature > 0):
+            raise ConfigError(
+                "model.mask_sampling draws the k cells SOFT/LapSum read in training; it cannot be combined with "
+                f"model.mask_extra (got {self.mask_extra}) or model.explore_temperature (got "
+                f"{self.explore_temperature}): set those to 0"
+            )
         pos_int("explore_cells", 0)
         pos_int("explore_strata", 0)
         pos_int("rare_cells", 0)
@@ -765,9 +787,15 @@ class FoveateModel(nn.Module):
             )  # [1,K,Nc]
             idx, w, mass = cap_support(y, cfg.max_support)
             return Selection(cidx[idx], w, None, {"kept_mass": mass})
-        if training and cfg.selector in ("sinkhorn", "lapsum") and sc.shape[1] > k:
+        keys = sc.detach()  # what ranks the read cells (training with explore_temperature: + Gumbel noise)
+        mask = None
+        if training and cfg.mask_sampling and cfg.selector in ("sinkhorn", "lapsum") and sc.shape[1] > k:
+            # read k cells drawn with inclusion probabilities = the soft mask: the cells it holds at 1 always,
+            # the mass it spreads near its threshold shared out at random (operators.topk.mask_sample)
+            mask = self._soft_mask(sc)
+            idx = topk.mask_sample(mask, k, generator=generator)
+        elif training and cfg.selector in ("sinkhorn", "lapsum") and sc.shape[1] > k:
             # read num_read = k + mask_extra cells: the largest scores, or a Gumbel-top-k draw from softmax(s / T)
-            keys = sc.detach()
             if cfg.explore_temperature > 0:
                 from operators.attention_sampling import gumbel_noise
 
@@ -781,17 +809,30 @@ class FoveateModel(nn.Module):
         if cfg.selector in ("sinkhorn", "lapsum") and sc.shape[1] == k:
             # SOFT and LapSum need k < N; with exactly k candidates all are chosen with mask 1
             return Selection(cidx[idx].unsqueeze(-1), ones, sc.new_full((1, k), 1.0 / k), {})
+        if cfg.selector in ("sinkhorn", "lapsum"):
+            if mask is None:
+                mask = self._soft_mask(sc)
+            gates = mask.gather(1, idx) / k  # [1, num_read]
+            if cfg.straight_through:
+                # forward: the hard top-k mean (1/k on the k read cells with the largest keys, 0 on the extra
+                # ones), as at inference; backward: the soft mask's gradient
+                hard = torch.zeros_like(gates)
+                top = keys.gather(1, idx).topk(k, dim=1).indices
+                hard.scatter_(1, top, 1.0 / k)
+                gates = hard + (gates - gates.detach())
+            return Selection(cidx[idx].unsqueeze(-1), ones, gates, {})
+        return Selection(cidx[idx].unsqueeze(-1), ones, None, {})
+
+    def _soft_mask(self, sc: torch.Tensor) -> torch.Tensor:
+        """The SOFT (``sinkhorn``) or LapSum top-k mask of ``sc[1, Nc]`` (finite, ``Nc > k``): ``[1, Nc]``."""
+        cfg = self.cfg
         if cfg.selector == "sinkhorn":
             from operators.sinkhorn import sinkhorn_topk
 
-            mask = sinkhorn_topk(sc, k, epsilon=cfg.epsilon, max_iter=cfg.sinkhorn_max_iter)
-            return Selection(cidx[idx].unsqueeze(-1), ones, mask.gather(1, idx) / k, {})
-        if cfg.selector == "lapsum":
-            from operators.lapsum import lapsum_topk
+            return sinkhorn_topk(sc, cfg.k, epsilon=cfg.epsilon, max_iter=cfg.sinkhorn_max_iter)
+        from operators.lapsum import lapsum_topk
 
-            mask = lapsum_topk(sc, k, alpha=cfg.alpha)
-            return Selection(cidx[idx].unsqueeze(-1), ones, mask.gather(1, idx) / k, {})
-        return Selection(cidx[idx].unsqueeze(-1), ones, None, {})
+        return lapsum_topk(sc, cfg.k, alpha=cfg.alpha)
 
     # ------------------------------------------------------------------ stage 3: features
     def embed(self, patches: torch.Tensor) -> torch.Tensor:

@@ -32,7 +32,7 @@ from torch import nn
 
 from operators._checks import check_bool, check_k, check_nonneg, check_positive_int, check_scores, check_tensor
 
-__all__ = ["hard_topk", "perturbed_topk", "PerturbedTopK"]
+__all__ = ["hard_topk", "mask_sample", "perturbed_topk", "PerturbedTopK"]
 
 #: Largest number of noise elements (B * samples * N) drawn at once: above it the samples are drawn and
 #: processed in chunks of at most this many elements (the noise convention of the module docstring).
@@ -55,6 +55,52 @@ def hard_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
     check_scores(scores, "scores", floating=False)
     k = check_k(k, scores.shape[1])
     return torch.topk(scores, k, dim=-1, sorted=False).indices.sort(dim=-1).values
+
+
+def mask_sample(mask: torch.Tensor, k: int, *, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Draw ``k`` distinct indices per row with inclusion probabilities equal to a soft top-k mask.
+
+    Systematic sampling in a random order (Madow 1949): the entries are put in a random order, laid end to end
+    as intervals of length ``mask[i]`` on ``[0, k)``, and the ``k`` points ``u, u + 1, ..., u + k - 1``
+    (``u ~ U[0, 1)``) pick the entries whose intervals they fall in. Every entry is drawn with probability exactly
+    ``mask[i]`` and at most once (its interval is at most 1 long), and every draw has exactly ``k`` entries: a
+    cell the mask holds at 1 is always drawn, the mass a soft top-k spreads over the cells near its threshold
+    is shared out among them at random. (A soft top-k mask, e.g. :func:`operators.sinkhorn.sinkhorn_topk` or
+    :func:`operators.lapsum.lapsum_topk`, sums to ``k`` up to its solver's tolerance; the row is rescaled to sum
+    to ``k`` exactly, entries clipped to ``[0, 1]`` with the excess shared among the others.)
+
+    Args:
+        mask: ``[B, N]`` real, entries in ``[0, 1]`` (up to rounding), each row summing to about ``k``.
+        k: number of indices per row, ``1 <= k <= N``.
+        generator: RNG for the order and the offset ``u`` (on the mask's device).
+
+    Returns:
+        ``LongTensor[B, k]``, each row increasing (distinct indices).
+    """
+    check_scores(mask, "mask", floating=True)
+    k = check_k(k, mask.shape[1])
+    m = mask.detach().to(torch.float64).clamp(0.0, 1.0)
+    total = m.sum(1, keepdim=True)
+    if bool((total <= 0).any()):
+        raise ValueError("mask must have a positive sum in every row, got a row of zeros")
+    if bool(((total - k).abs() > 0.01 * k).any()):
+        raise ValueError(f"mask rows must sum to about k={k} (a soft top-k mask), got sums {total.flatten().tolist()}")
+    for _ in range(m.shape[1]):  # rescale to sum k; entries pushed to >= 1 become certain and leave the rescaling
+        full = m >= 1.0
+        rest = (m * ~full).sum(1, keepdim=True)
+        need = k - full.sum(1, keepdim=True).to(m.dtype)
+        m = torch.where(full, torch.ones_like(m), m * (need / rest.clamp_min(1e-300)))
+        if not bool((m > 1.0).any()):
+            break
+    m = m.clamp(0.0, 1.0)
+    b, n = m.shape
+    order = torch.rand((b, n), generator=generator, device=m.device, dtype=torch.float64).argsort(dim=1)
+    c = m.gather(1, order).cumsum(1)
+    c[:, -1] = float(k)  # exact end, whatever the rounding
+    u = torch.rand((b, 1), generator=generator, device=m.device, dtype=torch.float64)
+    points = u + torch.arange(k, device=m.device, dtype=torch.float64)[None]
+    pos = torch.searchsorted(c, points, right=True).clamp_max(n - 1)
+    return order.gather(1, pos).sort(dim=1).values
 
 
 def _sample_chunks(batch: int, num_samples: int, n: int) -> list[tuple[int, int]]:

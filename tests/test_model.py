@@ -318,6 +318,40 @@ def test_mask_selectors_read_extra_cells_weighted_by_their_mask(selector):
         ModelConfig(**{**SMALL, "mask_extra": -1})
 
 
+@pytest.mark.parametrize("selector", ["lapsum", "sinkhorn"])
+def test_straight_through_gates_are_the_hard_topk_forward_and_the_mask_backward(selector):
+    base = {**SMALL, "selector": selector, "mask_extra": 3, "alpha": 0.1, "epsilon": 0.05}
+    soft_model = FoveateModel(ModelConfig(**base)).double()
+    st_model = FoveateModel(ModelConfig(**{**base, "straight_through": True})).double()
+    k = soft_model.cfg.k
+    g = torch.Generator().manual_seed(11)
+    scores = torch.rand(2, 20, generator=g, dtype=torch.float64)
+    scores[1, :4] = float("-inf")
+    w = torch.randn(2, k + 3, generator=g, dtype=torch.float64)
+    grads = []
+    for model in (soft_model, st_model):
+        s = scores.clone().requires_grad_(True)
+        sel = model.select(s, training=True)
+        if model is st_model:
+            # forward: 1/k on the k largest scores among the read cells, 0 on the 3 extra ones
+            for b in range(2):
+                read = scores[b, sel.indices[b, :, 0]]
+                want = torch.zeros(k + 3, dtype=torch.float64)
+                want[read.topk(k).indices] = 1.0 / k
+                torch.testing.assert_close(sel.slot_weights[b].detach(), want, rtol=0, atol=0)
+        (sel.slot_weights * w).sum().backward()
+        grads.append(s.grad.clone())
+    # backward: exactly the soft mask's gradient
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-12, atol=1e-12)
+    assert float(grads[1].abs().sum()) > 0
+    # inference: the plain mean of the hard top-k (uniform gates), same cells as without
+    hard = st_model.select(scores, training=False)
+    torch.testing.assert_close(hard.slot_weights, torch.full((2, k), 1.0 / k, dtype=torch.float64))
+    assert torch.equal(hard.indices, soft_model.select(scores, training=False).indices)
+    with pytest.raises(ValueError, match="straight_through"):
+        ModelConfig(**{**base, "straight_through": 1})
+
+
 def test_explore_temperature_draws_distinct_cells_deterministically():
     cfg = ModelConfig(**{**SMALL, "selector": "lapsum", "explore_temperature": 0.2, "mask_extra": 2})
     model = FoveateModel(cfg)
@@ -380,3 +414,40 @@ def test_transformer_readout_config():
     assert cls.aggregator.readout == "cls"
     with pytest.raises(ValueError, match="transformer_readout"):
         ModelConfig(**{**SMALL, "transformer_readout": "max"})
+
+
+@pytest.mark.parametrize("selector", ["lapsum", "sinkhorn"])
+def test_mask_sampling_reads_k_cells_drawn_from_the_soft_mask(selector):
+    from operators.topk import mask_sample
+
+    base = {**SMALL, "selector": selector, "alpha": 0.1, "epsilon": 0.05}
+    model = FoveateModel(ModelConfig(**{**base, "mask_sampling": True, "straight_through": True}))
+    k = model.cfg.k
+    g = torch.Generator().manual_seed(2)
+    scores = torch.rand(2, 20, generator=g)
+    scores[1, :4] = float("-inf")
+    sel = model.select(scores, training=True, generator=torch.Generator().manual_seed(7))
+    assert tuple(sel.indices.shape) == (2, k, 1)
+    gen = torch.Generator().manual_seed(7)  # the same draws, row by row, on the compacted rows
+    for b in range(2):
+        cand = torch.nonzero(torch.isfinite(scores[b])).flatten()
+        want = cand[mask_sample(model._soft_mask(scores[b, cand][None]), k, generator=gen)[0]]
+        assert torch.equal(sel.indices[b, :, 0], want)
+    torch.testing.assert_close(sel.slot_weights, torch.full((2, k), 1.0 / k))  # straight-through: the plain mean
+    # the draws vary from step to step: cells beyond the hard top-k are read sometimes
+    seen = set()
+    for s in range(30):
+        seen |= set(
+            model.select(scores[:1], training=True, generator=torch.Generator().manual_seed(s))
+            .indices.flatten()
+            .tolist()
+        )
+    assert len(seen) > k
+    # inference: the hard top-k
+    assert torch.equal(
+        model.select(scores, training=False).indices,
+        FoveateModel(ModelConfig(**base)).select(scores, training=False).indices,
+    )
+    for bad in ({"mask_extra": 2}, {"explore_temperature": 0.1}):
+        with pytest.raises(ValueError, match="mask_sampling"):
+            ModelConfig(**{**base, "mask_sampling": True, **bad})

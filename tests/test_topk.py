@@ -256,3 +256,40 @@ def test_cuda_matches_cpu_with_same_noise():
     s = scores.cuda().requires_grad_(True)
     perturbed_topk(s, 3, sigma=0.2, num_samples=40, generator=gen).sum().backward()
     assert s.grad.shape == s.shape
+
+
+def test_mask_sample_draws_k_distinct_cells_with_the_mask_as_inclusion_probabilities():
+    from operators.sinkhorn import sinkhorn_topk
+    from operators.topk import mask_sample
+
+    g = torch.Generator().manual_seed(0)
+    scores = torch.rand(2, 30, generator=g, dtype=torch.float64)
+    k = 6
+    mask = sinkhorn_topk(scores, k, epsilon=0.05, max_iter=500)
+    assert float(mask.min()) < 0.9 and float(mask.max()) > 0.5  # a soft mask: mass spread near the threshold
+    draws = 4000
+    counts = torch.zeros_like(mask)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(draws):
+        idx = mask_sample(mask, k, generator=gen)
+        assert idx.shape == (2, k)
+        assert bool((idx[:, 1:] > idx[:, :-1]).all())  # increasing: distinct
+        counts.scatter_add_(1, idx, torch.ones_like(idx, dtype=counts.dtype))
+    # inclusion frequencies match the mask (binomial standard error <= 0.008 at 4000 draws)
+    torch.testing.assert_close(counts / draws, mask / mask.sum(1, keepdim=True) * k, rtol=0, atol=0.035)
+    # a hard mask is drawn as it is; the same generator state gives the same draw
+    hard = torch.zeros(1, 10, dtype=torch.float64)
+    hard[0, [1, 4, 7]] = 1.0
+    assert mask_sample(hard, 3, generator=torch.Generator().manual_seed(3)).tolist() == [[1, 4, 7]]
+    a = mask_sample(mask, k, generator=torch.Generator().manual_seed(9))
+    b = mask_sample(mask, k, generator=torch.Generator().manual_seed(9))
+    assert torch.equal(a, b)
+    # an entry above 1 after rescaling is certain; the rest share the remaining mass
+    tilted = torch.tensor([[1.0, 1.0, 0.49, 0.49, 0.0]], dtype=torch.float64)  # sums to 2.98 for k=3
+    for s in range(20):
+        idx = mask_sample(tilted, 3, generator=torch.Generator().manual_seed(s))[0].tolist()
+        assert idx[:2] == [0, 1] and idx[2] in (2, 3)
+    with pytest.raises(ValueError, match="sum to about k"):
+        mask_sample(hard, 5)
+    with pytest.raises(ValueError, match="k"):
+        mask_sample(hard, 11)
