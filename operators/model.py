@@ -144,6 +144,9 @@ class ModelConfig:
             rare structures land in the smallest strata, so this bag shows them to the classifier long before
             the scorer has learnt where they are. 0 (default): off. Needs ``instance_weight > 0``.
         rare_strata: number of strata for ``rare_cells``.
+        rare_per_step: each training step uses this many of the ``rare_cells`` (drawn without replacement, a new
+            subset every step) as the rare bag: the features of fewer patches are computed, and the bag's make-up
+            varies from step to step. 0 (default): all of them.
         rare_weight: weight of the rare bag's cross-entropy.
         neutral_cells: in training, this many candidate cells per slide are drawn uniformly at random and read at
             full resolution, and the classifier's prediction for each of them alone (the aggregator on a bag of
@@ -151,6 +154,9 @@ class ModelConfig:
             ``neutral_weight``). Random cells are mostly background and distractors, which occur in every class:
             this keeps such filler from voting a class when it fills the K slots beside the informative
             patches. 0 (default): off.
+        neutral_pool: draw the neutral cells from a per-slide pool of this many uniformly drawn tissue cells,
+            drawn and read once (kept with the slide like the rare bag), ``neutral_cells`` of them per step, instead
+            of reading new random cells at every step. 0 (default): new cells every step.
         neutral_weight: weight of that loss.
         instance_weight: weight of the instance loss (``operators.evidence.instance_loss``): a linear instance
             head classifies every read patch (selected and exploration cells) on its own with the slide label.
@@ -222,8 +228,10 @@ class ModelConfig:
     explore_strata: int = 0
     rare_cells: int = 0
     rare_strata: int = 64
+    rare_per_step: int = 0
     rare_weight: float = 1.0
     neutral_cells: int = 0
+    neutral_pool: int = 0
     neutral_weight: float = 1.0
     instance_weight: float = 0.0
     rank_weight: float = 0.0
@@ -319,6 +327,17 @@ class ModelConfig:
         pos_int("rare_cells", 0)
         pos_int("rare_strata", 1)
         pos_int("neutral_cells", 0)
+        pos_int("rare_per_step", 0)
+        pos_int("neutral_pool", 0)
+        if self.rare_per_step > self.rare_cells:
+            raise ConfigError(
+                f"model.rare_per_step must be at most model.rare_cells ({self.rare_cells}), got {self.rare_per_step}"
+            )
+        if self.neutral_pool and self.neutral_pool < self.neutral_cells:
+            raise ConfigError(
+                f"model.neutral_pool must be 0 or at least model.neutral_cells ({self.neutral_cells}), got "
+                f"{self.neutral_pool}"
+            )
         pos_int("nms_radius", 0)
         if self.stride is not None:
             pos_int("stride")

@@ -526,3 +526,50 @@ def test_neutral_cells_pull_random_cells_predictions_to_uniform_in_training_only
     with torch.no_grad():
         assert "neutral" not in forward_slide(model, store, training=False, target=1).aux_losses
         assert "neutral" not in forward_slide(model, store, training=True, sigma=0.1).aux_losses  # no target
+
+
+def test_neutral_pool_is_drawn_and_read_once_per_slide_and_rare_per_step_takes_a_subset(tmp_path):
+    from workers.patches import clear_cache, prepare_slide
+
+    with pytest.raises(ConfigError, match="neutral_pool"):
+        ModelConfig(neutral_cells=4, neutral_pool=3)
+    with pytest.raises(ConfigError, match="rare_per_step"):
+        ModelConfig(rare_cells=2, rare_per_step=3, instance_weight=1.0)
+    store = _image_store(tmp_path)
+    clear_cache()
+    torch.manual_seed(0)
+    cfg = _small_config(neutral_cells=3, neutral_pool=12)
+    model = FoveateModel(cfg)
+    si = prepare_slide(store, cfg)
+    calls = []
+    real_read = si.reader.read
+    si.reader.read = lambda cells, offsets=None: (calls.append(cells.tolist()), real_read(cells, offsets))[1]
+    gen = torch.Generator().manual_seed(0)
+    forward_slide(model, store, training=True, sigma=0.1, generator=gen, target=1)
+    size, pool, pix = si.neutral
+    assert size == pool.numel() == 12 and len(set(pool.tolist())) == 12
+    assert bool(si.cell_mask.flatten()[pool].all())  # tissue cells
+    assert torch.equal(pix, real_read(pool)) and pool.tolist() in calls  # read once, in one call
+    calls.clear()
+    out = forward_slide(model, store, training=True, sigma=0.1, generator=gen, target=1)
+    assert len(calls) == 1 and len(calls[0]) <= cfg.k * cfg.max_support  # the next step: the selected patches only
+    assert "neutral" in out.aux_losses and si.neutral[1] is pool  # the same pool
+    # rare_per_step: a new subset of the rare bag each step, the features of that many patches only
+    ecfg = _evidence_config(rare_cells=6, rare_strata=8, rare_per_step=2)
+    torch.manual_seed(1)
+    emodel = FoveateModel(ecfg)
+    sizes = []
+    real_embed = emodel.embed
+    emodel.embed = lambda x: (sizes.append(x.shape[0]), real_embed(x))[1]
+    torch.manual_seed(1)  # the same initial model with the whole bag
+    full = forward_slide(
+        FoveateModel(_evidence_config(rare_cells=6, rare_strata=8)),
+        store,
+        training=True,
+        sigma=0.1,
+        generator=torch.Generator().manual_seed(0),
+        target=1,
+    )
+    part = forward_slide(emodel, store, training=True, sigma=0.1, generator=torch.Generator().manual_seed(0), target=1)
+    assert part.info["cells_read"] == full.info["cells_read"] - 4
+    assert 2 in sizes and 6 not in sizes and "rare" in part.aux_losses

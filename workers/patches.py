@@ -418,6 +418,7 @@ class SlideInput:
     strata: dict[int, torch.Tensor] = field(default_factory=dict)  # number of strata -> cell_strata (cached)
     rarity: tuple[int, torch.Tensor] | None = None  # (strata, cell_rarity)
     rare: tuple[int, int, torch.Tensor, torch.Tensor | None] | None = None  # (count, strata, cells, uint8 pixels)
+    neutral: tuple[int, torch.Tensor, torch.Tensor | None] | None = None  # (pool size, cells, uint8 pixels)
     geometry: SlideGeometry | None = None
 
     @property
@@ -723,6 +724,12 @@ def _slide_strata(slide: SlideInput, num_strata: int) -> torch.Tensor:
     return slide.strata[num_strata]
 
 
+def _draw(n: int, m: int, generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
+    """``min(m, n)`` distinct positions of ``range(n)`` drawn uniformly (CPU LongTensor), with ``generator`` on
+    ``device``."""
+    return torch.rand(n, generator=generator, device=device).argsort()[:m].cpu()
+
+
 def _explore_cells(
     scores: torch.Tensor, count: int, generator: torch.Generator | None, strata: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -827,8 +834,11 @@ def forward_slide(
             if slide.rare is None or slide.rare[:2] != key:  # fixed per slide: found (and read) once
                 rare = rare_cells(slide.lowres_u8, cell_mask, *key, _slide_strata(slide, key[1]))
                 slide.rare = (*key, rare, None if jitter else slide.reader.read(rare))
-            rare = slide.rare[2]
-            f_rare = embed_cells(rare, None if jitter else slide.rare[3])  # jittered: read again each step
+            rare, rare_pix = slide.rare[2], slide.rare[3]
+            if 0 < model.cfg.rare_per_step < rare.numel():  # a new subset of the bag every step
+                pick = _draw(rare.numel(), model.cfg.rare_per_step, generator, scores.device)
+                rare, rare_pix = rare[pick], None if rare_pix is None else rare_pix[pick]
+            f_rare = embed_cells(rare, rare_pix)  # jittered (no pixels kept): read again each step
             pos = slide.grid.cell_centres(rare).to(device=device, dtype=dtype)
             logits_rare = model.aggregate(f_rare[None], pos[None], None)
             tgt = torch.tensor([int(target)], device=logits_rare.device)
@@ -853,10 +863,20 @@ def forward_slide(
     else:
         logits = model.classify(patches, positions, sel.slot_weights)
     if training and target is not None and model.cfg.neutral_cells > 0:
-        neutral = _explore_cells(scores[0], model.cfg.neutral_cells, generator)  # uniform candidate cells
+        pool = model.cfg.neutral_pool
+        neutral_pix = None
+        if pool:  # a per-slide pool of uniform tissue cells, drawn and read once; neutral_cells of them per step
+            if slide.neutral is None or slide.neutral[0] != pool:
+                cells_pool = _explore_cells(scores[0].detach(), pool, generator).cpu()
+                slide.neutral = (pool, cells_pool, None if jitter else slide.reader.read(cells_pool))
+            pick = _draw(slide.neutral[1].numel(), model.cfg.neutral_cells, generator, scores.device)
+            neutral = slide.neutral[1][pick]
+            neutral_pix = None if slide.neutral[2] is None else slide.neutral[2][pick]
+        else:
+            neutral = _explore_cells(scores[0], model.cfg.neutral_cells, generator)  # uniform candidate cells
         if neutral.numel():
             pos = slide.grid.cell_centres(neutral.cpu()).to(device=device, dtype=dtype)
-            single = model.aggregate_each(embed_cells(neutral), pos)  # each cell classified on its own
+            single = model.aggregate_each(embed_cells(neutral, neutral_pix), pos)  # each cell classified on its own
             aux_losses["neutral"] = model.cfg.neutral_weight * neutral_loss(single)
             cells_read += int(neutral.numel())
     n_tissue = int(cell_mask.sum())
