@@ -105,11 +105,17 @@ class ModelConfig:
             mass, take turns from step to step (as the perturbed top-k's noisy samples make them do). The
             aggregator then sees the same confident cells with varying filler, not a fixed bag per slide it can
             memorise. Needs ``mask_extra = 0`` and ``explore_temperature = 0``. False (default): the top-k.
-        straight_through: SOFT top-k and LapSum weigh the read patches by the hard top-k (``1/k`` on the k
-            cells ranked first, 0 on the ``mask_extra`` cells) in the forward pass, in training and at inference,
-            and pass the soft mask's gradient to the scorer in the backward pass (straight-through): the
-            aggregator sees the plain mean of the k patches whatever the mask's spread, so training and inference
-            see the same bag. False (default): the mask values gate the features (``mask / k``).
+        gates: how SOFT top-k and LapSum weigh the read patches' features in the aggregator (``slot_weights``).
+            ``"mask"`` (default): the mask values, ``mask / k``, in training and at inference. ``"hard"``: the
+            hard top-k mean (``1/k`` on the k cells ranked first, 0 on the ``mask_extra`` cells) in the forward
+            pass, in training and at inference, with the mask's gradient in the backward pass (straight-through).
+            ``"certainty"``: in training, each read cell weighs ``max(0, 2 m - 1)`` (``m`` its mask value: how
+            sure the soft top-k is that the cell belongs to the top k), normalised to sum to one over the bag, so
+            the aggregator learns from the cells the selector is sure of and the cells near the threshold
+            (filler: background, distractors) are left out; at inference as ``"hard"``. (The perturbed top-k's
+            soft slots do the same by construction: with ``max_support`` 1, each slot takes its most frequent
+            cell over the noise samples, so the confident cells fill the slots, duplicated, and the cells near
+            the threshold rarely appear; measured in ``benchmarks/RESULTS.md``.)
         nms_radius: selection takes only cells whose score is the maximum of their ``(2r+1) x (2r+1)`` window of
             grid cells (:meth:`FoveateModel.local_maxima`), in training and at inference, so the K patches land on
             K different structures instead of several cells of the same one (a slide with fewer than ``k``
@@ -217,7 +223,7 @@ class ModelConfig:
     attention_temperature: float = 0.05
     explore_temperature: float = 0.0
     mask_extra: int = 0
-    straight_through: bool = False
+    gates: Literal["mask", "hard", "certainty"] = "mask"
     mask_sampling: bool = False
     candidate_dropout: float = 0.0
     selection_grad: float = 1.0
@@ -313,9 +319,10 @@ class ModelConfig:
         pos_int("position_frequencies", 0)
         pos_int("num_classes", 2)
         pos_int("mask_extra", 0)
-        for name in ("straight_through", "mask_sampling"):
-            if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"model.{name} must be true or false, got {getattr(self, name)!r}")
+        if not isinstance(self.mask_sampling, bool):
+            raise ConfigError(f"model.mask_sampling must be true or false, got {self.mask_sampling!r}")
+        if self.gates not in ("mask", "hard", "certainty"):
+            raise ConfigError(f"model.gates must be one of 'mask', 'hard', 'certainty', got {self.gates!r}")
         if self.mask_sampling and (self.mask_extra > 0 or self.explore_temperature > 0):
             raise ConfigError(
                 "model.mask_sampling draws the k cells SOFT/LapSum read in training; it cannot be combined with "
@@ -831,10 +838,17 @@ class FoveateModel(nn.Module):
         if cfg.selector in ("sinkhorn", "lapsum"):
             if mask is None:
                 mask = self._soft_mask(sc)
-            gates = mask.gather(1, idx) / k  # [1, num_read]
-            if cfg.straight_through:
+            m = mask.gather(1, idx)  # [1, num_read]
+            gates = m / k
+            if cfg.gates == "certainty" and training:
+                # the certainty of each read cell's inclusion, max(0, 2m - 1), normalised over the bag: the cells
+                # the mask holds near 1 carry the bag, those near its threshold (m <= 1/2) are left out
+                cert = (2.0 * m - 1.0).clamp_min(0.0)
+                if float(cert.detach().sum()) > 0:
+                    return Selection(cidx[idx].unsqueeze(-1), ones, cert / cert.sum(1, keepdim=True), {})
+            if cfg.gates != "mask":
                 # forward: the hard top-k mean (1/k on the k read cells with the largest keys, 0 on the extra
-                # ones), as at inference; backward: the soft mask's gradient
+                # ones), as at inference; backward: the soft mask's gradient (straight-through)
                 hard = torch.zeros_like(gates)
                 top = keys.gather(1, idx).topk(k, dim=1).indices
                 hard.scatter_(1, top, 1.0 / k)

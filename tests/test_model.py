@@ -319,10 +319,10 @@ def test_mask_selectors_read_extra_cells_weighted_by_their_mask(selector):
 
 
 @pytest.mark.parametrize("selector", ["lapsum", "sinkhorn"])
-def test_straight_through_gates_are_the_hard_topk_forward_and_the_mask_backward(selector):
+def test_hard_gates_are_the_hard_topk_forward_and_the_mask_backward(selector):
     base = {**SMALL, "selector": selector, "mask_extra": 3, "alpha": 0.1, "epsilon": 0.05}
     soft_model = FoveateModel(ModelConfig(**base)).double()
-    st_model = FoveateModel(ModelConfig(**{**base, "straight_through": True})).double()
+    st_model = FoveateModel(ModelConfig(**{**base, "gates": "hard"})).double()
     k = soft_model.cfg.k
     g = torch.Generator().manual_seed(11)
     scores = torch.rand(2, 20, generator=g, dtype=torch.float64)
@@ -348,8 +348,8 @@ def test_straight_through_gates_are_the_hard_topk_forward_and_the_mask_backward(
     hard = st_model.select(scores, training=False)
     torch.testing.assert_close(hard.slot_weights, torch.full((2, k), 1.0 / k, dtype=torch.float64))
     assert torch.equal(hard.indices, soft_model.select(scores, training=False).indices)
-    with pytest.raises(ValueError, match="straight_through"):
-        ModelConfig(**{**base, "straight_through": 1})
+    with pytest.raises(ValueError, match="gates"):
+        ModelConfig(**{**base, "gates": "soft"})
 
 
 def test_explore_temperature_draws_distinct_cells_deterministically():
@@ -421,7 +421,7 @@ def test_mask_sampling_reads_k_cells_drawn_from_the_soft_mask(selector):
     from operators.topk import mask_sample
 
     base = {**SMALL, "selector": selector, "alpha": 0.1, "epsilon": 0.05}
-    model = FoveateModel(ModelConfig(**{**base, "mask_sampling": True, "straight_through": True}))
+    model = FoveateModel(ModelConfig(**{**base, "mask_sampling": True, "gates": "hard"}))
     k = model.cfg.k
     g = torch.Generator().manual_seed(2)
     scores = torch.rand(2, 20, generator=g)
@@ -451,3 +451,35 @@ def test_mask_sampling_reads_k_cells_drawn_from_the_soft_mask(selector):
     for bad in ({"mask_extra": 2}, {"explore_temperature": 0.1}):
         with pytest.raises(ValueError, match="mask_sampling"):
             ModelConfig(**{**base, "mask_sampling": True, **bad})
+
+
+@pytest.mark.parametrize("selector", ["lapsum", "sinkhorn"])
+def test_certainty_gates_weigh_read_cells_by_their_inclusion_certainty_in_training(selector):
+    base = {**SMALL, "selector": selector, "mask_extra": 3, "alpha": 0.1, "epsilon": 0.05}
+    model = FoveateModel(ModelConfig(**{**base, "gates": "certainty"})).double()
+    k = model.cfg.k
+    g = torch.Generator().manual_seed(4)
+    scores = torch.rand(2, 20, generator=g, dtype=torch.float64)
+    scores[0, [3, 11]] += 2.0  # two cells the mask is sure of
+    scores[1, :4] = float("-inf")
+    s = scores.clone().requires_grad_(True)
+    sel = model.select(s, training=True)
+    for b in range(2):
+        cand = torch.nonzero(torch.isfinite(scores[b])).flatten()
+        mask = model._soft_mask(scores[b, cand][None])[0]
+        pos = {int(c): i for i, c in enumerate(cand)}
+        m = mask[[pos[int(c)] for c in sel.indices[b, :, 0]]]
+        cert = (2 * m - 1).clamp_min(0)
+        torch.testing.assert_close(sel.slot_weights[b].detach(), cert / cert.sum(), rtol=1e-12, atol=1e-12)
+    assert float(sel.slot_weights[0].detach().sum()) == pytest.approx(1.0)
+    assert int((sel.slot_weights[0] > 0).sum()) < k + 3  # the cells near the threshold are left out
+    # differentiable: the scorer gets the gradient of the normalised certainty
+    (sel.slot_weights * torch.randn(2, k + 3, generator=g, dtype=torch.float64)).sum().backward()
+    assert float(s.grad.abs().sum()) > 0
+    # inference: the plain mean of the hard top-k
+    hard = model.select(scores, training=False)
+    torch.testing.assert_close(hard.slot_weights, torch.full((2, k), 1.0 / k, dtype=torch.float64))
+    # a mask that is sure of nothing (every read cell m <= 1/2): the hard top-k mean instead
+    flat = torch.zeros(1, 20, dtype=torch.float64)
+    unsure = model.select(flat, training=True)
+    assert float(unsure.slot_weights.sum()) == pytest.approx(1.0) and int((unsure.slot_weights > 0).sum()) == k
