@@ -89,6 +89,12 @@ class ModelConfig:
             never learnt. At T = 0.2 (at most ``e^5``) the attention stayed near uniform over the ~400 tissue cells
             of a slide even after the scorer ranked the informative cells first, so training read random cells
             and one seed in ten ended at chance; ``benchmarks/RESULTS.md``.)
+        attention_weights: how attention sampling weighs the K drawn cells in training. ``"estimator"``
+            (default): the unbiased estimator's weights of :func:`operators.attention_sampling.attention_sample`
+            (the bag's expected value is the attention-weighted mean over *all* cells, so the mass the attention
+            leaves on the many filler cells is in it). ``"normalised"``: the drawn cells' attention renormalised
+            to sum to one (self-normalised, biased, lower variance): the cells the attention is sure of carry the
+            bag, as the renormalised attention does at inference.
         explore_temperature: SOFT top-k and LapSum in training read the top-k cells of
             ``s / T + Gumbel`` (``T`` this value; K cells drawn without replacement from ``softmax(s / T)``) instead
             of the hard top-k, and gate them with their mask values; 0 (default) reads the hard top-k. Without it
@@ -224,6 +230,7 @@ class ModelConfig:
     explore_temperature: float = 0.0
     mask_extra: int = 0
     gates: Literal["mask", "hard", "certainty"] = "mask"
+    attention_weights: Literal["estimator", "normalised"] = "estimator"
     mask_sampling: bool = False
     candidate_dropout: float = 0.0
     selection_grad: float = 1.0
@@ -321,6 +328,10 @@ class ModelConfig:
         pos_int("mask_extra", 0)
         if not isinstance(self.mask_sampling, bool):
             raise ConfigError(f"model.mask_sampling must be true or false, got {self.mask_sampling!r}")
+        if self.attention_weights not in ("estimator", "normalised"):
+            raise ConfigError(
+                f"model.attention_weights must be 'estimator' or 'normalised', got {self.attention_weights!r}"
+            )
         if self.gates not in ("mask", "hard", "certainty"):
             raise ConfigError(f"model.gates must be one of 'mask', 'hard', 'certainty', got {self.gates!r}")
         if self.mask_sampling and (self.mask_extra > 0 or self.explore_temperature > 0):
@@ -797,6 +808,9 @@ class FoveateModel(nn.Module):
             ent = attention_entropy(att)
             if training:
                 idx, w = attention_sample(att, k, replace=cfg.replace, generator=generator)
+                if cfg.attention_weights == "normalised":  # self-normalised: the drawn cells' attention, summing to 1
+                    w = att.gather(1, idx)
+                    w = w / w.sum(1, keepdim=True)
             else:
                 idx = topk.hard_topk(sc, k)
                 w = att.gather(1, idx)

@@ -483,3 +483,23 @@ def test_certainty_gates_weigh_read_cells_by_their_inclusion_certainty_in_traini
     flat = torch.zeros(1, 20, dtype=torch.float64)
     unsure = model.select(flat, training=True)
     assert float(unsure.slot_weights.sum()) == pytest.approx(1.0) and int((unsure.slot_weights > 0).sum()) == k
+
+
+def test_attention_weights_normalised_are_the_drawn_cells_attention_summing_to_one():
+    from operators.attention_sampling import attention_sample
+
+    base = {**SMALL, "selector": "attention", "attention_temperature": 0.1}
+    model = FoveateModel(ModelConfig(**{**base, "attention_weights": "normalised"})).double()
+    k = model.cfg.k
+    scores = torch.rand(1, 20, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    s = scores.clone().requires_grad_(True)
+    sel = model.select(s, training=True, generator=torch.Generator().manual_seed(5))
+    att = torch.softmax(scores / 0.1, dim=1)
+    idx, _ = attention_sample(att, k, replace=False, generator=torch.Generator().manual_seed(5))
+    assert torch.equal(sel.indices[0, :, 0], idx[0])  # the same draws as the estimator
+    want = att[0, idx[0]] / att[0, idx[0]].sum()
+    torch.testing.assert_close(sel.slot_weights[0].detach(), want, rtol=1e-12, atol=1e-12)
+    sel.slot_weights[0, 0].backward()
+    assert float(s.grad.abs().sum()) > 0  # differentiable wrt the scores
+    with pytest.raises(ValueError, match="attention_weights"):
+        ModelConfig(**{**base, "attention_weights": "unbiased"})
