@@ -32,7 +32,15 @@ from operators.aggregators import AGGREGATORS, build_aggregator
 from operators.errors import ConfigError
 from operators.evidence import evidence_rank_loss, instance_confidence, instance_loss
 from operators.resnet import ResNet, ResNetConfig
-from operators.scorer import ScorerCNN, ScorerConfig, candidate_mask, cell_pool, minmax_normalise, score_map
+from operators.scorer import (
+    ScorerCNN,
+    ScorerConfig,
+    candidate_mask,
+    cell_pool,
+    minmax_normalise,
+    score_map,
+    sparse_grad_cell_scores,
+)
 from operators.soft_patches import cap_support
 
 __all__ = ["SELECTORS", "ModelConfig", "SlideGeometry", "Selection", "ModelOutput", "FoveateModel"]
@@ -682,8 +690,20 @@ class FoveateModel(nn.Module):
                 f"patch_size/stride or k"
             )
         g = self.cfg.geometry() if geometry is None else geometry
-        smap = score_map(self.scorer, lowres)
-        raw = cell_pool(smap, (gh, gw), g.patch_size, g.stride, mode=self.cfg.scorer.pool)[:, 0]
+        if (
+            self.cfg.selection_grad == 0.0
+            and torch.is_grad_enabled()
+            and not lowres.requires_grad
+            and any(p.requires_grad for p in self.scorer.parameters())
+        ):
+            # the scorer learns from the rank loss on the cells that were read (and the normalisation's min and
+            # max cells) alone: its backward pass re-runs it on those cells' crops only (same gradients)
+            raw = sparse_grad_cell_scores(
+                self.scorer, lowres, (gh, gw), g.patch_size, g.stride, mode=self.cfg.scorer.pool
+            )
+        else:
+            smap = score_map(self.scorer, lowres)
+            raw = cell_pool(smap, (gh, gw), g.patch_size, g.stride, mode=self.cfg.scorer.pool)[:, 0]
         cand = candidate_mask(cell_mask.reshape(b, n).to(device=raw.device, dtype=torch.bool), self.cfg.k)
         return minmax_normalise(raw, cand)
 

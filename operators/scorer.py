@@ -28,6 +28,7 @@ __all__ = [
     "scorer_halo",
     "tiled_score_map",
     "cell_pool",
+    "sparse_grad_cell_scores",
     "mask_scores",
     "minmax_normalise",
     "candidate_mask",
@@ -91,7 +92,9 @@ class ScorerCNN(nn.Module):
         self.net = nn.Sequential(*layers)
 
     def forward(self, lowres: torch.Tensor) -> torch.Tensor:
-        return self.net((lowres - 0.5) / 0.25)
+        # channels-last activations: the same maths, 2-3x faster convolutions and max-pool on a CPU for these
+        # few-channel, large-image layers (benchmarks/RESULTS.md, "training" -> "Speed of a training step")
+        return self.net(((lowres - 0.5) / 0.25).contiguous(memory_format=torch.channels_last))
 
 
 def _as_float(lowres: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -228,6 +231,113 @@ def cell_pool(
     cols = rows[:, :, :, ox.clamp(max=w - 1)]  # [B, C, Gh, Gw, kx]
     cols = cols.masked_fill(~vx[None, None, None], neg).amax(4)
     return cols.reshape(b, ch, gh * gw)
+
+
+def sparse_grad_cell_scores(
+    scorer: ScorerCNN,
+    lowres: torch.Tensor,
+    grid_shape: tuple[int, int],
+    patch_size: int,
+    stride: int,
+    *,
+    mode: str = "mean",
+    dense_fraction: float = 0.5,
+) -> torch.Tensor:
+    """``cell_pool(score_map(scorer, lowres), ...)[:, 0]`` with a backward pass that only touches the cells
+    whose gradient is non-zero.
+
+    The forward pass scores the whole view without keeping activations. The backward pass receives the
+    gradient of every cell's raw score; when only a few cells have a non-zero one (a rank loss on the cells
+    that were read, the min and max cells of the normalisation: training with ``selection_grad = 0``), it
+    re-runs the scorer with gradients on one small crop per such cell — the cell's map pixels plus
+    :func:`scorer_halo` low-res pixels of context, cut at the view's border as in :func:`tiled_score_map`, so
+    each crop's scores equal the whole view's — crops of one shape batched, and back-propagates the cells'
+    gradients through those crops alone. The parameter gradients equal those of the whole-view computation (up
+    to float rounding; ties inside a cell's max-pooled box are split as :func:`cell_pool` splits them). When
+    the crops would cover more than ``dense_fraction`` of the view, the whole view is re-run instead (one more
+    forward pass than plain autograd).
+
+    Args:
+        scorer: the :class:`ScorerCNN` (its parameters get the gradients).
+        lowres: ``[B, 3, h, w]`` float in [0, 1] or uint8; must not require gradients.
+        grid_shape, patch_size, stride, mode: as for :func:`cell_pool`.
+        dense_fraction: in (0, 1]; see above.
+
+    Returns:
+        ``[B, Gh * Gw]`` raw (not normalised) cell scores.
+    """
+    if not isinstance(scorer, ScorerCNN):
+        raise TypeError(f"scorer must be a ScorerCNN, got {type(scorer).__name__}")
+    if not isinstance(lowres, torch.Tensor) or lowres.dim() != 4 or lowres.shape[1] != 3:
+        raise ValueError(f"lowres must be [B, 3, h, w], got {getattr(lowres, 'shape', type(lowres))}")
+    if lowres.requires_grad:
+        raise ValueError("lowres must not require gradients (the sparse backward only reaches the scorer's parameters)")
+    if mode not in ("mean", "max"):
+        raise ValueError(f"mode must be 'mean' or 'max', got {mode!r}")
+    if not (0.0 < float(dense_fraction) <= 1.0):
+        raise ValueError(f"dense_fraction must be in (0, 1], got {dense_fraction!r}")
+    spec = (scorer, (int(grid_shape[0]), int(grid_shape[1])), int(patch_size), int(stride), mode, float(dense_fraction))
+    return _SparseGradCellScores.apply(lowres, spec, *scorer.parameters())
+
+
+class _SparseGradCellScores(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, lowres: torch.Tensor, spec: tuple, *params: torch.Tensor) -> torch.Tensor:
+        scorer, grid_shape, patch_size, stride, mode, _ = spec
+        with torch.no_grad():
+            smap = score_map(scorer, lowres)
+            raw = cell_pool(smap, grid_shape, patch_size, stride, mode=mode)[:, 0]
+        ctx.spec = spec
+        ctx.map_hw = (int(smap.shape[2]), int(smap.shape[3]))
+        ctx.save_for_backward(lowres)
+        return raw
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (lowres,) = ctx.saved_tensors
+        scorer, grid_shape, patch_size, stride, mode, dense_fraction = ctx.spec
+        params = list(scorer.parameters())
+        wanted = [p for p in params if p.requires_grad]
+        nz = torch.nonzero(grad).tolist()  # [(b, cell)]
+        if not wanted or not nz:
+            return (None, None, *[None] * len(params))
+        gh, gw = grid_shape
+        hm, wm = ctx.map_hw
+        _, _, h, w = lowres.shape
+        y0, y1 = (t.tolist() for t in _cell_bounds(gh, patch_size, stride, hm, torch.device("cpu")))
+        x0, x1 = (t.tolist() for t in _cell_bounds(gw, patch_size, stride, wm, torch.device("cpu")))
+        halo = scorer_halo(scorer.cfg.num_layers)
+
+        def span(lo: int, hi: int, size: int) -> tuple[int, int]:  # low-res crop of map pixels [lo, hi)
+            return max(0, 2 * lo - halo), min(size, 2 * hi + halo)
+
+        groups: dict[tuple, list[tuple[int, int, int, int]]] = {}
+        area = 0
+        for i, (b, n) in enumerate(nz):
+            r, c = divmod(n, gw)
+            ya, yb = span(y0[r], y1[r], h)
+            xa, xb = span(x0[c], x1[c], w)
+            area += (yb - ya) * (xb - xa)
+            key = (yb - ya, xb - xa, (2 * y0[r] - ya) // 2, (2 * x0[c] - xa) // 2, y1[r] - y0[r], x1[c] - x0[c])
+            groups.setdefault(key, []).append((i, b, ya, xa))
+        dtype = params[0].dtype
+        with torch.enable_grad():
+            if area > dense_fraction * h * w * lowres.shape[0]:
+                smap = score_map(scorer, lowres)
+                raw = cell_pool(smap, grid_shape, patch_size, stride, mode=mode)[:, 0]
+                total = (raw * grad).sum()
+            else:
+                gvals = grad[tuple(torch.tensor(nz, device=grad.device).T)]
+                total = grad.new_zeros(())
+                for (ch, cw, cy, cx, ky, kx), members in groups.items():
+                    crops = torch.stack([lowres[b, :, ya : ya + ch, xa : xa + cw] for _, b, ya, xa in members])
+                    core = scorer(_as_float(crops, dtype))[:, 0, cy : cy + ky, cx : cx + kx]  # [M, ky, kx]
+                    # the order of cell_pool's reductions (rows, then columns), so ties split the same way
+                    pooled = core.amax(1).amax(1) if mode == "max" else core.mean((1, 2))
+                    total = total + (pooled * gvals[[i for i, *_ in members]]).sum()
+            got = torch.autograd.grad(total, wanted, allow_unused=True)
+        by_param = dict(zip((id(p) for p in wanted), got))
+        return (None, None, *[by_param.get(id(p)) for p in params])
 
 
 def _cell_bounds(

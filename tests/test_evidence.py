@@ -572,4 +572,5 @@ def test_neutral_pool_is_drawn_and_read_once_per_slide_and_rare_per_step_takes_a
     )
     part = forward_slide(emodel, store, training=True, sigma=0.1, generator=torch.Generator().manual_seed(0), target=1)
     assert part.info["cells_read"] == full.info["cells_read"] - 4
-    assert 2 in sizes and 6 not in sizes and "rare" in part.aux_losses
+    # one ResNet batch per slide-step: the selected and exploration patches and 2 (not 6) rare cells
+    assert sizes == [cfg.k + ecfg.explore_cells + 2] and "rare" in part.aux_losses

@@ -808,60 +808,43 @@ def forward_slide(
     cj = model.cfg.color_jitter if training else 0.0
     patches = color_jitter_patches(patches, cj, generator)
 
-    def embed_cells(cells: torch.Tensor, pixels: torch.Tensor | None = None) -> torch.Tensor:
-        """Features ``[M, D]`` of extra training reads (exploration, rare and neutral cells), augmented as the
-        selected patches are: read at random offsets of up to ``jitter`` px (or ``pixels``, uint8 reads given),
-        then colour-jittered."""
+    # Training reads more cells than the K selected ones (exploration, the rare bag, neutral cells): their pixels
+    # are prepared first, in the order the generator is drawn from (cells, read offsets, colour jitter), then
+    # every patch of this slide-step goes through the ResNet in one batch (the same features, one call).
+    groups: list[torch.Tensor] = []
+
+    def read_cells(cells: torch.Tensor, pixels: torch.Tensor | None = None) -> int:
+        """Queue the pixels of extra training reads, augmented as the selected patches are: read at random
+        offsets of up to ``jitter`` px (or ``pixels``, uint8 reads given), then colour-jittered; returns the
+        position of their features in the batch."""
         if pixels is None:
             pixels = slide.reader.read(cells.cpu(), random_offsets(cells.numel(), jitter, generator))
-        return model.embed(color_jitter_patches(pixels.to(device=device, dtype=dtype).div_(255.0), cj, generator))
+        groups.append(color_jitter_patches(pixels.to(device=device, dtype=dtype).div_(255.0), cj, generator))
+        return len(groups) - 1
 
     cells = sel.primary[0]
     aux_losses = model.aux_losses(sel)
     extra_info: dict[str, float] = {}
-    if training and target is not None and model.uses_evidence:
-        k = patches.shape[1]
-        feats = model.embed(patches.flatten(0, 1))  # [K, D]
-        logits = model.aggregate(feats.view(1, k, -1), positions, sel.slot_weights)
+    k = patches.shape[1]
+    groups.append(patches.flatten(0, 1))
+    evidence = training and target is not None and model.uses_evidence
+    explore = rare = neutral = None
+    if evidence:
         strata = _slide_strata(slide, model.cfg.explore_strata) if model.cfg.explore_strata > 0 else None
         explore = _explore_cells(scores[0], model.cfg.explore_cells, generator, strata)
-        if explore.numel():
-            feats = torch.cat([feats, embed_cells(explore)])
-            cells_read += int(explore.numel())
-        read_cells = torch.cat([cells, explore])
+        g_explore = read_cells(explore) if explore.numel() else None
+        cells_read += int(explore.numel())
         if model.cfg.rare_cells > 0 and rare_scale > 0:
             key = (model.cfg.rare_cells, model.cfg.rare_strata)
             if slide.rare is None or slide.rare[:2] != key:  # fixed per slide: found (and read) once
-                rare = rare_cells(slide.lowres_u8, cell_mask, *key, _slide_strata(slide, key[1]))
-                slide.rare = (*key, rare, None if jitter else slide.reader.read(rare))
+                found = rare_cells(slide.lowres_u8, cell_mask, *key, _slide_strata(slide, key[1]))
+                slide.rare = (*key, found, None if jitter else slide.reader.read(found))
             rare, rare_pix = slide.rare[2], slide.rare[3]
             if 0 < model.cfg.rare_per_step < rare.numel():  # a new subset of the bag every step
                 pick = _draw(rare.numel(), model.cfg.rare_per_step, generator, scores.device)
                 rare, rare_pix = rare[pick], None if rare_pix is None else rare_pix[pick]
-            f_rare = embed_cells(rare, rare_pix)  # jittered (no pixels kept): read again each step
-            pos = slide.grid.cell_centres(rare).to(device=device, dtype=dtype)
-            logits_rare = model.aggregate(f_rare[None], pos[None], None)
-            tgt = torch.tensor([int(target)], device=logits_rare.device)
-            aux_losses["rare"] = (
-                rare_scale * model.cfg.rare_weight * torch.nn.functional.cross_entropy(logits_rare.reshape(1, -1), tgt)
-            )
-            feats = torch.cat([feats, f_rare])
-            read_cells = torch.cat([read_cells, rare.to(read_cells.device)])
+            g_rare = read_cells(rare, rare_pix)  # jittered (no pixels kept): read again each step
             cells_read += int(rare.numel())
-        read_pos = slide.grid.cell_centres(read_cells.cpu()).to(device=device, dtype=dtype)
-        prior = None
-        if rarity > 0:
-            if slide.rarity is None or slide.rarity[0] != model.cfg.rare_strata:
-                n = model.cfg.rare_strata
-                slide.rarity = (n, cell_rarity(slide.lowres_u8, cell_mask, n, _slide_strata(slide, n)))
-            prior = slide.rarity[1].to(device=device, dtype=dtype)[read_cells]
-        ev_losses, extra_info = model.evidence_losses(
-            feats, scores[0, read_cells], int(target), read_pos, prior=prior, prior_weight=rarity
-        )
-        aux_losses.update(ev_losses)
-        extra_info["explore_cells"] = float(explore.numel())
-    else:
-        logits = model.classify(patches, positions, sel.slot_weights)
     if training and target is not None and model.cfg.neutral_cells > 0:
         pool = model.cfg.neutral_pool
         neutral_pix = None
@@ -874,11 +857,44 @@ def forward_slide(
             neutral_pix = None if slide.neutral[2] is None else slide.neutral[2][pick]
         else:
             neutral = _explore_cells(scores[0], model.cfg.neutral_cells, generator)  # uniform candidate cells
-        if neutral.numel():
-            pos = slide.grid.cell_centres(neutral.cpu()).to(device=device, dtype=dtype)
-            single = model.aggregate_each(embed_cells(neutral, neutral_pix), pos)  # each cell classified on its own
-            aux_losses["neutral"] = model.cfg.neutral_weight * neutral_loss(single)
-            cells_read += int(neutral.numel())
+        g_neutral = read_cells(neutral, neutral_pix) if neutral.numel() else None
+        cells_read += int(neutral.numel())
+    feats_all = model.embed(torch.cat(groups) if len(groups) > 1 else groups[0])
+    parts = list(feats_all.split([g.shape[0] for g in groups]))
+    feats = parts[0]  # [K, D], the selected patches
+    logits = model.aggregate(feats.view(1, k, -1), positions, sel.slot_weights)
+    if evidence:
+        read = [cells]
+        if g_explore is not None:
+            feats = torch.cat([feats, parts[g_explore]])
+            read.append(explore.to(cells.device))
+        if rare is not None:
+            f_rare = parts[g_rare]
+            pos = slide.grid.cell_centres(rare).to(device=device, dtype=dtype)
+            logits_rare = model.aggregate(f_rare[None], pos[None], None)
+            tgt = torch.tensor([int(target)], device=logits_rare.device)
+            aux_losses["rare"] = (
+                rare_scale * model.cfg.rare_weight * torch.nn.functional.cross_entropy(logits_rare.reshape(1, -1), tgt)
+            )
+            feats = torch.cat([feats, f_rare])
+            read.append(rare.to(cells.device))
+        read_idx = torch.cat(read)
+        read_pos = slide.grid.cell_centres(read_idx.cpu()).to(device=device, dtype=dtype)
+        prior = None
+        if rarity > 0:
+            if slide.rarity is None or slide.rarity[0] != model.cfg.rare_strata:
+                n = model.cfg.rare_strata
+                slide.rarity = (n, cell_rarity(slide.lowres_u8, cell_mask, n, _slide_strata(slide, n)))
+            prior = slide.rarity[1].to(device=device, dtype=dtype)[read_idx]
+        ev_losses, extra_info = model.evidence_losses(
+            feats, scores[0, read_idx], int(target), read_pos, prior=prior, prior_weight=rarity
+        )
+        aux_losses.update(ev_losses)
+        extra_info["explore_cells"] = float(explore.numel())
+    if neutral is not None and neutral.numel():
+        pos = slide.grid.cell_centres(neutral.cpu()).to(device=device, dtype=dtype)
+        single = model.aggregate_each(parts[g_neutral], pos)  # each cell classified on its own
+        aux_losses["neutral"] = model.cfg.neutral_weight * neutral_loss(single)
     n_tissue = int(cell_mask.sum())
     info = {
         "num_cells": float(slide.grid.num_cells),
