@@ -13,7 +13,8 @@ All take ``features[B, K, D]``, ``positions[B, K, 2]`` (patch centres, level-0 `
   weight, so a few confident patches of another class cannot outweigh a majority (with ``mean``, the bag logits
   are the mean of the patches' logits and one patch with large logits can).
 * ``attention_mil`` — attention-based deep MIL pooling of Ilse et al. 2018: ``a = softmax_k(w^T tanh(V h_k))``
-  or the gated variant ``w^T (tanh(V h_k) * sigmoid(U h_k))``; ``z = sum_k a_k h_k``; linear head.
+  or the gated variant ``w^T (tanh(V h_k) * sigmoid(U h_k))``; ``z = sum_k a_k h_k``; linear head. With
+  ``attention="sigmoid"`` the weights are ``sigmoid(s_k) / sum_j sigmoid(s_j)`` of the same logits ``s_k``.
 * ``transformer`` — a CLS token plus one token per patch (feature projection + a Fourier encoding of the
   patch position), a few pre-norm self-attention layers, linear head on the CLS token.
 
@@ -114,10 +115,26 @@ class AttentionMILAggregator(nn.Module):
     """Attention-based deep MIL pooling (Ilse, Tomczak & Welling 2018), optionally gated.
 
     ``last_attention`` holds the attention ``[B, K]`` of the latest call (detached), for heatmaps.
+
+    ``attention``: ``"softmax"`` (the paper) or ``"sigmoid"``: weights ``sigmoid(s_k) / sum_j sigmoid(s_j)`` of the
+    attention logits ``s_k``, saturating gates under which the patches the attention is sure of weigh about the
+    same (a majority of informative patches outweighs a minority); both are uniform when the logits are equal.
     """
 
-    def __init__(self, dim: int, num_classes: int, *, hidden: int = 128, gated: bool = True, dropout: float = 0.0):
+    def __init__(
+        self,
+        dim: int,
+        num_classes: int,
+        *,
+        hidden: int = 128,
+        gated: bool = True,
+        dropout: float = 0.0,
+        attention: str = "softmax",
+    ):
         super().__init__()
+        if attention not in ("softmax", "sigmoid"):
+            raise ValueError(f"attention must be 'softmax' or 'sigmoid', got {attention!r}")
+        self.attention = attention
         self.V = nn.Linear(dim, hidden)
         self.U = nn.Linear(dim, hidden) if gated else None
         self.w = nn.Linear(hidden, 1)
@@ -132,7 +149,12 @@ class AttentionMILAggregator(nn.Module):
         a = torch.tanh(self.V(h))
         if self.U is not None:
             a = a * torch.sigmoid(self.U(h))
-        att = torch.softmax(self.w(a).squeeze(-1), dim=1)  # [B, K]
+        logit = self.w(a).squeeze(-1)  # [B, K]
+        if self.attention == "sigmoid":
+            gate = torch.sigmoid(logit)
+            att = gate / gate.sum(1, keepdim=True)
+        else:
+            att = torch.softmax(logit, dim=1)
         self.last_attention = att.detach()
         return self.head((att.unsqueeze(-1) * h).sum(1))
 
@@ -222,6 +244,7 @@ def build_aggregator(
     num_frequencies: int = 8,
     dropout: float = 0.0,
     readout: str = "mean",
+    mil_attention: str = "softmax",
 ) -> nn.Module:
     """The aggregator called ``name`` (one of :data:`AGGREGATORS`)."""
     if name == "mean":
@@ -231,7 +254,9 @@ def build_aggregator(
     if name == "vote":
         return VoteAggregator(dim, num_classes, dropout=dropout)
     if name == "attention_mil":
-        return AttentionMILAggregator(dim, num_classes, hidden=hidden, gated=gated, dropout=dropout)
+        return AttentionMILAggregator(
+            dim, num_classes, hidden=hidden, gated=gated, dropout=dropout, attention=mil_attention
+        )
     if name == "transformer":
         return TransformerAggregator(
             dim,

@@ -204,6 +204,12 @@ class ModelConfig:
         aggregator: ``"mean"``, ``"max"``, ``"attention_mil"`` or ``"transformer"``.
         aggregator_hidden: hidden size of attention-MIL / token width of the transformer.
         gated: gated attention-MIL.
+        mil_attention: how attention-MIL turns its attention logits ``s_k`` into pooling weights: ``"softmax"``
+            (Ilse et al. 2018, default) or ``"sigmoid"`` (``sigmoid(s_k) / sum_j sigmoid(s_j)``: saturating gates,
+            so every patch the attention is sure of weighs about the same and a majority of informative patches
+            outweighs a minority; with softmax one object's larger logit can take most of the bag — on the
+            four-class objects task the misread slides put 0.34-0.45 of the attention on the one object of
+            another kind, benchmarks/RESULTS.md).
         transformer_layers, transformer_heads: transformer aggregator size.
         transformer_readout: ``"mean"`` of the encoded patch tokens (default) or a ``"cls"`` token.
         num_classes: C (>= 2).
@@ -265,6 +271,7 @@ class ModelConfig:
     aggregator: Literal["mean", "max", "vote", "attention_mil", "transformer"] = "mean"
     aggregator_hidden: int = 128
     gated: bool = True
+    mil_attention: Literal["softmax", "sigmoid"] = "softmax"
     transformer_layers: int = 2
     transformer_heads: int = 4
     position_frequencies: int = 8
@@ -630,6 +637,7 @@ class FoveateModel(nn.Module):
             cfg.num_classes,
             hidden=cfg.aggregator_hidden,
             gated=cfg.gated,
+            mil_attention=cfg.mil_attention,
             layers=cfg.transformer_layers,
             heads=cfg.transformer_heads,
             num_frequencies=cfg.position_frequencies,

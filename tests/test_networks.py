@@ -202,6 +202,23 @@ def test_attention_mil_is_ilse():
     torch.testing.assert_close(agg.last_attention, a)
 
 
+def test_attention_mil_sigmoid_gates_weigh_confident_patches_alike():
+    torch.manual_seed(1)
+    agg = build_aggregator("attention_mil", 6, 2, hidden=5, gated=True, mil_attention="sigmoid").double()
+    h = torch.randn(2, 4, 6, dtype=torch.float64)
+    s = agg.w(torch.tanh(agg.V(h)) * torch.sigmoid(agg.U(h))).squeeze(-1)
+    a = torch.sigmoid(s) / torch.sigmoid(s).sum(1, keepdim=True)
+    torch.testing.assert_close(agg(h, None), agg.head((a[..., None] * h).sum(1)))
+    torch.testing.assert_close(agg.last_attention, a)
+    # two patches with large logits 4 and 8 and two with -6: the sure ones weigh ~1/2 each (softmax: 0.98 / 0.02)
+    logits = torch.tensor([[4.0, 8.0, -6.0, -6.0]], dtype=torch.float64)
+    gate = torch.sigmoid(logits) / torch.sigmoid(logits).sum(1, keepdim=True)
+    assert abs(float(gate[0, 0] - gate[0, 1])) < 0.01 and float(gate[0, 2:].sum()) < 0.005
+    assert float(torch.softmax(logits, 1)[0, 0]) < 0.02
+    with pytest.raises(ValueError, match="softmax"):
+        build_aggregator("attention_mil", 6, 2, mil_attention="sparsemax")
+
+
 def test_fourier_encoding():
     e = fourier_position_encoding(torch.tensor([[0.25, 0.5]]), 2)
     assert tuple(e.shape) == (1, 8)
