@@ -607,10 +607,9 @@ def cell_strata(
     cen = desc[centres].clone()
     for _ in range(iterations):
         assign = _nearest(desc, cen)
-        for j in range(cen.shape[0]):
-            members = desc[assign == j]
-            if members.numel():
-                cen[j] = members.mean(0)
+        counts = torch.bincount(assign, minlength=cen.shape[0]).to(desc.dtype)[:, None]
+        sums = torch.zeros_like(cen).index_add_(0, assign, desc)
+        cen = torch.where(counts > 0, sums / counts.clamp_min(1.0), cen)  # an empty stratum keeps its centre
     return _nearest(desc, cen)
 
 
@@ -651,9 +650,11 @@ def _cell_appearance(lowres: torch.Tensor, gh: int, gw: int) -> torch.Tensor:
 
 
 def _nearest(desc: torch.Tensor, cen: torch.Tensor) -> torch.Tensor:
-    if desc.shape[0] <= _NEAREST_ROWS:
-        return torch.cdist(desc, cen).argmin(1)
-    return torch.cat([torch.cdist(d, cen).argmin(1) for d in desc.split(_NEAREST_ROWS)])
+    """Index of the nearest centre of every descriptor (Euclidean distance from the coordinate differences, not the
+    matrix-product expansion), ``_NEAREST_ROWS`` at a time."""
+    return torch.cat(
+        [torch.cdist(d, cen, compute_mode="donot_use_mm_for_euclid_dist").argmin(1) for d in desc.split(_NEAREST_ROWS)]
+    )
 
 
 def rare_cells(
