@@ -21,7 +21,15 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["ChunkWriter", "decode_shard", "encode_shard", "level_codec_kwargs", "sync_filesystem"]
+__all__ = [
+    "ChunkWriter",
+    "LocalChunkReader",
+    "decode_shard",
+    "encode_shard",
+    "level_codec_kwargs",
+    "local_chunk_reader",
+    "sync_filesystem",
+]
 
 
 _syncfs: Any = None
@@ -334,3 +342,201 @@ class ChunkWriter:
 
             self._zstd = Zstd(level=self.zstd_level)
         return self._zstd
+
+
+# ------------------------------------------------------------------------------------------------ reading
+class LocalChunkReader:
+    """Decoded chunks of one level of a *local* store, read straight from its chunk (or shard) files: the pixels
+    zarr returns, without zarr's per-call machinery (a level-0 patch read touches one to four chunks, and zarr's
+    asynchronous get, shard-index read and codec pipeline cost about 2 ms per call on top of a 0.7 ms JPEG
+    decode; ``benchmarks/RESULTS.md``, "Speed of a training step").
+
+    Only the layouts ingest writes are read here (:func:`local_chunk_reader` returns None for anything else, and
+    callers fall back to zarr): a ``(3, h, w)`` uint8 array on a local folder, the default ``/`` chunk keys,
+    optionally zarr's sharding (index at the end, ``bytes`` little-endian + ``crc32c``), and inner chunks that are
+    :class:`workers.codecs.JpegRGBCodec` JPEGs, ``transpose(1, 2, 0)`` + ``bytes`` + ``zstd`` or ``bytes`` + ``zstd``. A missing
+    chunk (no file, or an empty shard-index entry) is the fill value. The shard indexes are read once per shard
+    and kept (16 bytes per chunk); thread-safe for reads.
+
+    Args:
+        root: the store's folder; ``array_path``: the level's key inside it (``"0"``).
+        shape: ``(3, h, w)``; ``chunk``: inner chunk ``(th, tw)``; ``shard``: shard ``(sh, sw)`` or None.
+        decode: bytes of one inner chunk -> ``(3, th, tw)`` uint8.
+        fill: the fill value.
+    """
+
+    def __init__(self, root: str, array_path: str, shape, chunk, shard, decode: Callable[[bytes], np.ndarray], fill):
+        self.root = os.path.join(root, array_path) if array_path else root
+        self.shape = tuple(int(v) for v in shape)
+        self.chunk = (int(chunk[0]), int(chunk[1]))
+        self.shard = None if shard is None else (int(shard[0]), int(shard[1]))
+        self._decode = decode
+        self.fill = int(fill)
+        self._index: dict[tuple[int, int], np.ndarray | None] = {}
+        self._lock = threading.Lock()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state.pop("_lock")
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+    def _shard_index(self, path: str, key: tuple[int, int], n: tuple[int, int]) -> np.ndarray | None:
+        with self._lock:
+            if key in self._index:
+                return self._index[key]
+        size = n[0] * n[1] * 16
+        try:
+            with open(path, "rb") as fh:
+                fh.seek(0, os.SEEK_END)
+                end = fh.tell()
+                if end < size + 4:
+                    raise ValueError(f"shard {path} holds {end} bytes, fewer than its index needs ({size + 4})")
+                fh.seek(end - size - 4)
+                raw = fh.read(size + 4)
+        except FileNotFoundError:
+            index = None
+        else:
+            import google_crc32c
+
+            if np.uint32(google_crc32c.value(raw[:size])).astype("<u4").tobytes() != raw[size:]:
+                raise ValueError(f"shard {path}: index checksum mismatch (a damaged or truncated shard)")
+            index = np.frombuffer(raw[:size], dtype="<u8").reshape(n[0], n[1], 2)
+        with self._lock:
+            self._index[key] = index
+        return index
+
+    def encoded(self, cy: int, cx: int) -> bytes | None:
+        """The stored bytes of inner chunk ``(cy, cx)`` (None: not stored, i.e. the fill value)."""
+        th, tw = self.chunk
+        if self.shard is None:
+            try:
+                with open(os.path.join(self.root, "c", "0", str(cy), str(cx)), "rb") as fh:
+                    return fh.read()
+            except FileNotFoundError:
+                return None
+        ny, nx = self.shard[0] // th, self.shard[1] // tw
+        sy, sx = cy // ny, cx // nx
+        path = os.path.join(self.root, "c", "0", str(sy), str(sx))
+        index = self._shard_index(path, (sy, sx), (ny, nx))
+        if index is None:
+            return None
+        off, nbytes = (int(v) for v in index[cy - sy * ny, cx - sx * nx])
+        if off == _MAX_U64:
+            return None
+        with open(path, "rb") as fh:
+            fh.seek(off)
+            data = fh.read(nbytes)
+        if len(data) != nbytes:
+            raise ValueError(f"shard {path}: chunk ({cy}, {cx}) is cut short ({len(data)} of {nbytes} bytes)")
+        return data
+
+    def read(self, cy: int, cx: int) -> np.ndarray:
+        """Chunk ``(cy, cx)`` as ``(3, th', tw')`` uint8, cut at the level's edge (``th' <= th``) as zarr returns it."""
+        th, tw = self.chunk
+        h = min(th, self.shape[1] - cy * th)
+        w = min(tw, self.shape[2] - cx * tw)
+        if h <= 0 or w <= 0 or cy < 0 or cx < 0:
+            raise IndexError(f"chunk ({cy}, {cx}) is outside a level of shape {self.shape} in {th}x{tw} chunks")
+        data = self.encoded(cy, cx)
+        if data is None:
+            return np.full((3, h, w), self.fill, dtype=np.uint8)
+        full = self._decode(data)
+        if full.shape != (3, th, tw):
+            raise ValueError(f"chunk ({cy}, {cx}) of {self.root} decodes to {full.shape}, expected {(3, th, tw)}")
+        return full[:, :h, :w]
+
+
+def _inner_decoder(codecs: Any, chunk: tuple[int, int]) -> Callable[[bytes], np.ndarray] | None:
+    """A decoder of one inner chunk for the codec chains ingest writes, or None."""
+    from zarr.codecs import BytesCodec, TransposeCodec, ZstdCodec
+
+    from workers.codecs import JpegRGBCodec, decode_jpeg_chunk
+
+    codecs = tuple(codecs)
+    if len(codecs) == 1 and isinstance(codecs[0], JpegRGBCodec):
+        colorspace = codecs[0].colorspace
+        return lambda data: decode_jpeg_chunk(data, colorspace)
+    if (
+        len(codecs) == 3
+        and isinstance(codecs[0], TransposeCodec)
+        and tuple(codecs[0].order) == (1, 2, 0)
+        and isinstance(codecs[1], BytesCodec)
+        and isinstance(codecs[2], ZstdCodec)
+    ):
+        import numcodecs
+
+        zstd = numcodecs.Zstd()
+        th, tw = chunk
+
+        def decode(data: bytes) -> np.ndarray:
+            hwc = np.frombuffer(zstd.decode(data), dtype=np.uint8)
+            if hwc.size != th * tw * 3:
+                raise ValueError(f"a zstd chunk decodes to {hwc.size} bytes, expected {th * tw * 3}")
+            return np.ascontiguousarray(hwc.reshape(th, tw, 3).transpose(2, 0, 1))
+
+        return decode
+    if len(codecs) == 2 and isinstance(codecs[0], BytesCodec) and isinstance(codecs[1], ZstdCodec):
+        import numcodecs
+
+        zstd = numcodecs.Zstd()
+        th, tw = chunk
+
+        def decode_chw(data: bytes) -> np.ndarray:
+            chw = np.frombuffer(zstd.decode(data), dtype=np.uint8)
+            if chw.size != th * tw * 3:
+                raise ValueError(f"a zstd chunk decodes to {chw.size} bytes, expected {th * tw * 3}")
+            return chw.reshape(3, th, tw).copy()
+
+        return decode_chw
+    return None
+
+
+def local_chunk_reader(arr: Any) -> LocalChunkReader | None:
+    """A :class:`LocalChunkReader` of a zarr v3 array (a store level), or None when its layout or location is one
+    this reader does not handle (object storage, other codecs, other key encodings): read it with zarr then."""
+    try:
+        from zarr.codecs import BytesCodec, Crc32cCodec, ShardingCodec
+        from zarr.storage import LocalStore
+
+        store = arr.store_path.store
+        meta = arr.metadata
+        if not isinstance(store, LocalStore) or getattr(meta, "zarr_format", None) != 3:
+            return None
+        if len(arr.shape) != 3 or int(arr.shape[0]) != 3 or np.dtype(arr.dtype) != np.uint8:
+            return None
+        enc = meta.chunk_key_encoding
+        if type(enc).__name__ != "DefaultChunkKeyEncoding" or getattr(enc, "separator", None) != "/":
+            return None
+        outer = tuple(int(v) for v in meta.chunk_grid.chunk_shape)
+        codecs = tuple(meta.codecs)
+        shard = None
+        if len(codecs) == 1 and isinstance(codecs[0], ShardingCodec):
+            sc = codecs[0]
+            idx = tuple(sc.index_codecs)
+            if (
+                str(getattr(sc.index_location, "value", sc.index_location)) != "end"
+                or len(idx) != 2
+                or not isinstance(idx[0], BytesCodec)
+                or str(getattr(idx[0].endian, "value", idx[0].endian)) != "little"
+                or not isinstance(idx[1], Crc32cCodec)
+            ):
+                return None
+            inner = tuple(int(v) for v in sc.chunk_shape)
+            if outer[0] != 3 or inner[0] != 3 or outer[1] % inner[1] or outer[2] % inner[2]:
+                return None
+            shard, chunk, codecs = (outer[1], outer[2]), (inner[1], inner[2]), sc.codecs
+        elif outer[0] == 3:
+            chunk = (outer[1], outer[2])
+        else:
+            return None
+        decode = _inner_decoder(codecs, chunk)
+        if decode is None:
+            return None
+        fill = meta.fill_value
+        return LocalChunkReader(str(store.root), str(arr.store_path.path), arr.shape, chunk, shard, decode, int(fill))
+    except Exception:  # an unexpected zarr layout: the zarr path reads it
+        return None
