@@ -129,11 +129,10 @@ def measure(kind: str, store: str, config: str, tile: int, threads: int, sets: l
         for cy in range(int(y) // tile_px, (int(y) + slide.grid.patch_size - 1) // tile_px + 1):
             for cx in range(int(x) // tile_px, (int(x) + slide.grid.patch_size - 1) // tile_px + 1):
                 touched.add((cy, cx))
-    out["level0_bytes_selected"] = sum(
-        (root / "0" / "c" / "0" / str(cy) / str(cx)).stat().st_size
-        for cy, cx in touched
-        if (root / "0" / "c" / "0" / str(cy) / str(cx)).is_file()
-    )
+    from workers.chunks import local_chunk_reader
+
+    chunk_files = local_chunk_reader(st.levels[0])  # the stored bytes of each inner chunk, sharded or not
+    out["level0_bytes_selected"] = sum(len(chunk_files.encoded(cy, cx) or b"") for cy, cx in touched)
     out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return out
 
