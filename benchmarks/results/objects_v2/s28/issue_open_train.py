@@ -1,17 +1,27 @@
 """The training loop of 68f6686's benchmarks/selection_hits.py (the code when issue 10 was opened), without its
-per-epoch evaluation and hit counting: seconds of training for 20 epochs of a config on a task's stores."""
+per-epoch evaluation and hit counting: seconds of training for 20 epochs of a config on a task's stores.
 
-import sys, time, math, argparse, os, json
+Usage: git worktree add /tmp/open 68f6686 && cd /tmp/open && \
+       ROOT=/tmp/open python <this file> --stores STORES [--config perturbed_mean] [--epochs 20]
+(the issue-open code and its configs; compare with benchmarks/train_speed.py on HEAD run beside it)."""
 
-ROOT = "/work/open"
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+ROOT = os.environ.get("ROOT", "/tmp/open")
 sys.path.insert(0, ROOT)
-import numpy as np, torch
+import numpy as np
+import torch
 
 torch.set_num_threads(1)
-from pipeline.config import load_config
-from pipeline.train import TrainConfig, lr_factor, sigma_at
-from pipeline.data import build_slide_table, split_train_val
 from operators.model import FoveateModel
+from pipeline.config import load_config
+from pipeline.data import build_slide_table, split_train_val
+from pipeline.train import TrainConfig, lr_factor, sigma_at
 from workers.patches import forward_slide
 from workers.store import SlideStore
 
