@@ -92,10 +92,15 @@ def test_unknown_layouts_are_left_to_zarr_and_a_damaged_index_is_an_error(tmp_pa
         **level_codec_kwargs("zstd", zstd_level=3, jpeg_quality=90, shard_side=128),
     )
     arr[...] = img
+    reader = local_chunk_reader(arr)
+    np.testing.assert_array_equal(reader.read(0, 0), np.asarray(arr[:, :64, :64]))  # its index is kept now
+    arr[:, :64, :64] = 7  # the store written again: the kept index is not used for the new shard file
+    np.testing.assert_array_equal(reader.read(0, 0), np.full((3, 64, 64), 7, np.uint8))
+    np.testing.assert_array_equal(reader.read(1, 1), np.asarray(arr[:, 64:128, 64:128]))
     shard = tmp_path / "s.zarr" / "c" / "0" / "0" / "0"
     data = bytearray(shard.read_bytes())
     data[-10] ^= 0xFF  # a flipped bit in the index
     shard.write_bytes(bytes(data))
     with pytest.raises(ValueError, match="checksum"):
-        local_chunk_reader(arr).read(0, 0)
+        reader.read(0, 0)
     assert os.path.getsize(shard) == len(data)

@@ -356,7 +356,7 @@ class LocalChunkReader:
     optionally zarr's sharding (index at the end, ``bytes`` little-endian + ``crc32c``), and inner chunks that are
     :class:`workers.codecs.JpegRGBCodec` JPEGs, ``transpose(1, 2, 0)`` + ``bytes`` + ``zstd`` or ``bytes`` + ``zstd``. A missing
     chunk (no file, or an empty shard-index entry) is the fill value. The shard indexes are read once per shard
-    and kept (16 bytes per chunk); thread-safe for reads.
+    and kept (16 bytes per chunk) while the shard file's size and mtime stay the same; thread-safe for reads.
 
     Args:
         root: the store's folder; ``array_path``: the level's key inside it (``"0"``).
@@ -372,7 +372,7 @@ class LocalChunkReader:
         self.shard = None if shard is None else (int(shard[0]), int(shard[1]))
         self._decode = decode
         self.fill = int(fill)
-        self._index: dict[tuple[int, int], np.ndarray | None] = {}
+        self._index: dict[tuple[int, int], tuple[Any, np.ndarray | None]] = {}
         self._lock = threading.Lock()
 
     def __getstate__(self) -> dict[str, Any]:
@@ -385,28 +385,32 @@ class LocalChunkReader:
         self._lock = threading.Lock()
 
     def _shard_index(self, path: str, key: tuple[int, int], n: tuple[int, int]) -> np.ndarray | None:
-        with self._lock:
-            if key in self._index:
-                return self._index[key]
-        size = n[0] * n[1] * 16
+        """The shard's index ``[ny, nx, 2]`` (offset, length), kept while the file's size and mtime stay the same
+        (a store written again is read again); None when the shard is not stored."""
         try:
-            with open(path, "rb") as fh:
-                fh.seek(0, os.SEEK_END)
-                end = fh.tell()
-                if end < size + 4:
-                    raise ValueError(f"shard {path} holds {end} bytes, fewer than its index needs ({size + 4})")
-                fh.seek(end - size - 4)
-                raw = fh.read(size + 4)
+            st = os.stat(path)
+            stamp = (st.st_size, st.st_mtime_ns)
         except FileNotFoundError:
-            index = None
-        else:
+            stamp = None
+        with self._lock:
+            hit = self._index.get(key)
+            if hit is not None and hit[0] == stamp:
+                return hit[1]
+        index = None
+        if stamp is not None:
+            size = n[0] * n[1] * 16
+            if stamp[0] < size + 4:
+                raise ValueError(f"shard {path} holds {stamp[0]} bytes, fewer than its index needs ({size + 4})")
+            with open(path, "rb") as fh:
+                fh.seek(stamp[0] - size - 4)
+                raw = fh.read(size + 4)
             import google_crc32c
 
-            if np.uint32(google_crc32c.value(raw[:size])).astype("<u4").tobytes() != raw[size:]:
+            if len(raw) != size + 4 or np.uint32(google_crc32c.value(raw[:size])).astype("<u4").tobytes() != raw[size:]:
                 raise ValueError(f"shard {path}: index checksum mismatch (a damaged or truncated shard)")
             index = np.frombuffer(raw[:size], dtype="<u8").reshape(n[0], n[1], 2)
         with self._lock:
-            self._index[key] = index
+            self._index[key] = (stamp, index)
         return index
 
     def encoded(self, cy: int, cx: int) -> bytes | None:
