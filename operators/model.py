@@ -45,6 +45,10 @@ from operators.soft_patches import cap_support
 
 __all__ = ["SELECTORS", "ModelConfig", "SlideGeometry", "Selection", "ModelOutput", "FoveateModel"]
 
+# views smaller than this are scored with plain autograd in training: there the crops of the ~60 cells a
+# slide-step reads cover about as many pixels as the view (operators.scorer.sparse_grad_cell_scores)
+_SPARSE_SCORER_MIN_PIXELS = 256 * 256
+
 log = logging.getLogger(__name__)
 
 SELECTORS = ("perturbed", "sinkhorn", "lapsum", "attention", "hard")
@@ -700,6 +704,7 @@ class FoveateModel(nn.Module):
         g = self.cfg.geometry() if geometry is None else geometry
         if (
             self.cfg.selection_grad == 0.0
+            and lowres.shape[-2] * lowres.shape[-1] >= _SPARSE_SCORER_MIN_PIXELS
             and torch.is_grad_enabled()
             and not lowres.requires_grad
             and any(p.requires_grad for p in self.scorer.parameters())
