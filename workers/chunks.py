@@ -454,6 +454,25 @@ class LocalChunkReader:
         return full[:, :h, :w]
 
 
+def _zstd_decoder(chunk: tuple[int, int], interleaved: bool) -> Callable[[bytes], np.ndarray]:
+    """zstd-compressed raw bytes of a ``chunk = (th, tw)`` chunk -> ``(3, th, tw)`` uint8; ``interleaved``: the bytes
+    are ``(th, tw, 3)`` (zarr's ``transpose(1, 2, 0)`` codec before them), else ``(3, th, tw)``."""
+    import numcodecs
+
+    zstd = numcodecs.Zstd()
+    th, tw = chunk
+
+    def decode(data: bytes) -> np.ndarray:
+        raw = np.frombuffer(zstd.decode(data), dtype=np.uint8)
+        if raw.size != th * tw * 3:
+            raise ValueError(f"a zstd chunk decodes to {raw.size} bytes, expected {th * tw * 3}")
+        if interleaved:
+            return np.ascontiguousarray(raw.reshape(th, tw, 3).transpose(2, 0, 1))
+        return raw.reshape(3, th, tw).copy()
+
+    return decode
+
+
 def _inner_decoder(codecs: Any, chunk: tuple[int, int]) -> Callable[[bytes], np.ndarray] | None:
     """A decoder of one inner chunk for the codec chains ingest writes, or None."""
     from zarr.codecs import BytesCodec, TransposeCodec, ZstdCodec
@@ -471,31 +490,9 @@ def _inner_decoder(codecs: Any, chunk: tuple[int, int]) -> Callable[[bytes], np.
         and isinstance(codecs[1], BytesCodec)
         and isinstance(codecs[2], ZstdCodec)
     ):
-        import numcodecs
-
-        zstd = numcodecs.Zstd()
-        th, tw = chunk
-
-        def decode(data: bytes) -> np.ndarray:
-            hwc = np.frombuffer(zstd.decode(data), dtype=np.uint8)
-            if hwc.size != th * tw * 3:
-                raise ValueError(f"a zstd chunk decodes to {hwc.size} bytes, expected {th * tw * 3}")
-            return np.ascontiguousarray(hwc.reshape(th, tw, 3).transpose(2, 0, 1))
-
-        return decode
+        return _zstd_decoder(chunk, interleaved=True)
     if len(codecs) == 2 and isinstance(codecs[0], BytesCodec) and isinstance(codecs[1], ZstdCodec):
-        import numcodecs
-
-        zstd = numcodecs.Zstd()
-        th, tw = chunk
-
-        def decode_chw(data: bytes) -> np.ndarray:
-            chw = np.frombuffer(zstd.decode(data), dtype=np.uint8)
-            if chw.size != th * tw * 3:
-                raise ValueError(f"a zstd chunk decodes to {chw.size} bytes, expected {th * tw * 3}")
-            return chw.reshape(3, th, tw).copy()
-
-        return decode_chw
+        return _zstd_decoder(chunk, interleaved=False)
     return None
 
 
