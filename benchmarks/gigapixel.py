@@ -132,7 +132,9 @@ def measure(kind: str, store: str, config: str, tile: int, threads: int, sets: l
     from workers.chunks import local_chunk_reader
 
     chunk_files = local_chunk_reader(st.levels[0])  # the stored bytes of each inner chunk, sharded or not
-    out["level0_bytes_selected"] = sum(len(chunk_files.encoded(cy, cx) or b"") for cy, cx in touched)
+    out["level0_bytes_selected"] = (  # None: a layout only zarr reads (not one ingest writes)
+        None if chunk_files is None else sum(len(chunk_files.encoded(cy, cx) or b"") for cy, cx in touched)
+    )
     out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return out
 
@@ -193,7 +195,7 @@ def main(argv=None) -> int:
                 f"| {int(size) ** 2 / 1e9:.2f} GP ({size}²) | {any_r.get('grid_cells', '-')} | "
                 f"{'x'.join(map(str, any_r.get('lowres_hw', [])))} | {tile} | {f(tr, 'step_seconds', '{:.2f}')} | "
                 f"{f(tr, 'peak_rss_mb', '{:.0f}')} | {f(sc, 'score_seconds', '{:.2f}')} | {f(sc, 'peak_rss_mb', '{:.0f}')} | "
-                f"{any_r.get('lowres_level_bytes', 0) / 1e6:.1f} | {any_r.get('level0_bytes_selected', 0) / 1e3:.0f} | "
+                f"{any_r.get('lowres_level_bytes', 0) / 1e6:.1f} | {(any_r.get('level0_bytes_selected') or 0) / 1e3:.0f} | "
                 f"{e['store_bytes'] / 1e6:.0f} |"
             )
     out = Path(a.json) if a.json else work / "gigapixel.json"

@@ -139,15 +139,10 @@ def encode_shard(chunks: dict[tuple[int, int], bytes], n: int | tuple[int, int])
 def decode_shard(data: bytes, n: int) -> dict[tuple[int, int], bytes]:
     """The inverse of :func:`encode_shard`: the encoded inner chunks ``{(cy, cx): bytes}`` of a shard object of
     ``n x n`` chunks (checksum of the index checked; ValueError when it does not match)."""
-    import google_crc32c
-
     size = n * n * 16
     if len(data) < size + 4:
         raise ValueError(f"a shard of {n}x{n} chunks needs at least {size + 4} bytes, got {len(data)}")
-    ib, crc = data[-size - 4 : -4], data[-4:]
-    if np.uint32(google_crc32c.value(ib)).astype("<u4").tobytes() != crc:
-        raise ValueError("shard index checksum mismatch (a damaged or truncated shard)")
-    index = np.frombuffer(ib, dtype="<u8").reshape(n, n, 2)
+    index = _parse_shard_index(data[-size - 4 :], (n, n))
     return {
         (cy, cx): data[int(o) : int(o) + int(ln)]
         for cy in range(n)
@@ -155,6 +150,18 @@ def decode_shard(data: bytes, n: int) -> dict[tuple[int, int], bytes]:
         for o, ln in [index[cy, cx]]
         if o != _MAX_U64
     }
+
+
+def _parse_shard_index(tail: bytes, n: tuple[int, int]) -> np.ndarray:
+    """The ``[ny, nx, 2]`` (offset, length) index of a shard of ``n = (ny, nx)`` chunks from the shard's last
+    ``ny * nx * 16 + 4`` bytes (the little-endian index and its crc32c); ValueError when the checksum does not match."""
+    import google_crc32c
+
+    size = n[0] * n[1] * 16
+    ib, crc = tail[:size], tail[size:]
+    if len(tail) != size + 4 or np.uint32(google_crc32c.value(ib)).astype("<u4").tobytes() != crc:
+        raise ValueError("shard index checksum mismatch (a damaged or truncated shard)")
+    return np.frombuffer(ib, dtype="<u8").reshape(n[0], n[1], 2)
 
 
 class ChunkWriter:
@@ -403,12 +410,11 @@ class LocalChunkReader:
                 raise ValueError(f"shard {path} holds {stamp[0]} bytes, fewer than its index needs ({size + 4})")
             with open(path, "rb") as fh:
                 fh.seek(stamp[0] - size - 4)
-                raw = fh.read(size + 4)
-            import google_crc32c
-
-            if len(raw) != size + 4 or np.uint32(google_crc32c.value(raw[:size])).astype("<u4").tobytes() != raw[size:]:
-                raise ValueError(f"shard {path}: index checksum mismatch (a damaged or truncated shard)")
-            index = np.frombuffer(raw[:size], dtype="<u8").reshape(n[0], n[1], 2)
+                tail = fh.read(size + 4)
+            try:
+                index = _parse_shard_index(tail, n)
+            except ValueError as exc:
+                raise ValueError(f"shard {path}: {exc}") from None
         with self._lock:
             self._index[key] = (stamp, index)
         return index
