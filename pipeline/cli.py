@@ -12,11 +12,9 @@ import argparse
 import importlib
 import logging
 import os
-import signal
 import sys
-import threading
 
-from pipeline import __version__
+from pipeline import __version__, interrupt
 
 __all__ = ["main", "build_parser", "COMMANDS"]
 
@@ -63,17 +61,11 @@ def build_parser(load_commands: tuple[str, ...] | None = None) -> argparse.Argum
     return parser
 
 
-def _terminate(signum, frame) -> None:
-    """SIGTERM (``kill``, ``ray job stop``, a scheduler) ends a command like Ctrl-C: its ``finally`` blocks run,
-    so an MLflow run is marked FAILED and the rows written so far are flushed, instead of a silent death."""
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     _setup_environment()
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, _terminate)
+    # SIGTERM (``kill``, ``ray job stop``, a scheduler) ends a command like Ctrl-C: its ``finally`` blocks run
+    interrupt.install()
     command = next((a for a in argv if a in COMMANDS), None)
     parser = build_parser(load_commands=(command,) if command else ())
     args = parser.parse_args(argv)

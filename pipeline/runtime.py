@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pipeline import interrupt
+
 __all__ = ["REPO_ROOT", "init_ray", "ActorPool", "Done", "wait_done"]
 
 log = logging.getLogger(__name__)
@@ -53,6 +55,7 @@ def init_ray(
         )
     if address or os.environ.get("RAY_ADDRESS"):
         ray.init(address=address, log_to_driver=True)
+        interrupt.reinstall()
         return True
     kwargs: dict[str, Any] = {}
     if object_store_memory is not None:
@@ -65,6 +68,7 @@ def init_ray(
         runtime_env={"env_vars": {"PYTHONPATH": REPO_ROOT, **(env_vars or {})}},
         **kwargs,
     )
+    interrupt.reinstall()  # ray.init replaced our SIGTERM handler with sys.exit(15)
     try:
         from pipeline.reaper import start_reaper
 
@@ -196,8 +200,10 @@ def wait_done(*pools: ActorPool, timeout: float | None = None) -> list[Done]:
     """Wait until a call of any of ``pools`` finishes (or ``timeout`` seconds); the finished calls."""
     import ray
 
+    interrupt.check()  # a SIGTERM whose KeyboardInterrupt a library swallowed still ends the command
     owner = {ref: p for p in pools for ref in p._in_flight}
     if not owner:
         return []
     ready, _ = ray.wait(list(owner), num_returns=1, timeout=timeout)
+    interrupt.check()
     return [owner[ref]._finish(ref) for ref in ready]

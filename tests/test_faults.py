@@ -446,8 +446,12 @@ def test_sigterm_ends_the_mlflow_run_as_failed(data, tmp_path):
     assert run is not None, "the scoring run never started"
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
-    # 130: our handler (KeyboardInterrupt); 15: Ray's driver handler (sys.exit(15)) once ray.init ran
-    assert proc.returncode in (130, 15), err[-2000:]
+    # 130: our handler (KeyboardInterrupt, pipeline.interrupt); 15: Ray's driver handler (sys.exit(15)) if the
+    # signal lands inside ray.init before we re-install ours; -2: CPython ends a process by SIGINT (the shell
+    # shows 130, as for Ctrl-C) when the KeyboardInterrupt passed through code run by exec(<string>) (dataclass,
+    # namedtuple and SQLAlchemy set-up during an import), even though our handler caught it: the finally blocks
+    # still ran, which the FAILED status below checks
+    assert proc.returncode in (130, 15, -signal.SIGINT), err[-2000:]
     assert client.get_run(run.info.run_id).info.status == "FAILED"
 
 
