@@ -15,8 +15,9 @@ All take ``features[B, K, D]``, ``positions[B, K, 2]`` (patch centres, level-0 `
 * ``attention_mil`` — attention-based deep MIL pooling of Ilse et al. 2018: ``a = softmax_k(w^T tanh(V h_k))``
   or the gated variant ``w^T (tanh(V h_k) * sigmoid(U h_k))``; ``z = sum_k a_k h_k``; linear head. With
   ``attention="sigmoid"`` the weights are ``sigmoid(s_k) / sum_j sigmoid(s_j)`` of the same logits ``s_k``.
-* ``transformer`` — a CLS token plus one token per patch (feature projection + a Fourier encoding of the
-  patch position), a few pre-norm self-attention layers, linear head on the CLS token.
+* ``transformer`` — one token per patch (feature projection + an optional Fourier encoding of the patch
+  position), a few pre-norm self-attention layers, a linear head on the mean of the encoded tokens (``readout
+  "mean"``), the mean of the tokens' logits (``"logit_mean"``) or a CLS token (``"cls"``).
 
 Except ``mean`` (where weights define the estimator), weights are applied by scaling each feature by
 ``K * w_k`` before pooling, so uniform weights ``1/K`` leave features unchanged.
@@ -34,6 +35,7 @@ from torch import nn
 
 __all__ = [
     "AGGREGATORS",
+    "READOUTS",
     "MeanAggregator",
     "MaxAggregator",
     "VoteAggregator",
@@ -44,6 +46,7 @@ __all__ = [
 ]
 
 AGGREGATORS = ("mean", "max", "vote", "attention_mil", "transformer")
+READOUTS = ("mean", "logit_mean", "residual", "cls")  # of the transformer aggregator
 
 
 def _check(features: torch.Tensor, positions: torch.Tensor | None, weights: torch.Tensor | None) -> None:
@@ -180,8 +183,13 @@ class TransformerAggregator(nn.Module):
         dropout: dropout inside the encoder and before the head.
         readout: ``"mean"`` (default): the mean of the encoded patch tokens (the encoder layers are residual,
             so at initialisation this is close to the mean aggregator and the interactions are learnt on top;
-            measured to train the scorer where the CLS readout did not, see ``benchmarks/RESULTS.md``), or
-            ``"cls"``: a learnt CLS token.
+            measured to train the scorer where the CLS readout did not, see ``benchmarks/RESULTS.md``);
+            ``"logit_mean"``: every encoded token is classified (final norm + head) and the bag's logits are the
+            mean of the tokens' logits, so a bag's prediction is the average of its patches' votes (after they
+            have seen each other) and a bag of one patch is that patch's own vote, as with the mean aggregator;
+            ``"residual"``: the mean aggregator (a linear head on the mean of the input features) plus the
+            ``"mean"`` readout through a zero-initialised head, so the aggregator starts as the mean aggregator
+            and learns the interactions between patches on top of it; or ``"cls"``: a learnt CLS token.
     """
 
     def __init__(
@@ -197,8 +205,8 @@ class TransformerAggregator(nn.Module):
         readout: str = "mean",
     ):
         super().__init__()
-        if readout not in ("mean", "cls"):
-            raise ValueError(f"transformer readout must be 'mean' or 'cls', got {readout!r}")
+        if readout not in READOUTS:
+            raise ValueError(f"transformer readout must be one of {list(READOUTS)}, got {readout!r}")
         self.readout = readout
         if hidden % heads:
             raise ValueError(f"aggregator hidden ({hidden}) must be a multiple of heads ({heads})")
@@ -215,6 +223,11 @@ class TransformerAggregator(nn.Module):
         self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
         self.norm = nn.LayerNorm(hidden)
         self.head = nn.Sequential(nn.Dropout(dropout), nn.Linear(hidden, num_classes))
+        self.skip = None
+        if readout == "residual":
+            self.skip = nn.Sequential(nn.Dropout(dropout), nn.Linear(dim, num_classes))
+            nn.init.zeros_(self.head[1].weight)
+            nn.init.zeros_(self.head[1].bias)
 
     def forward(
         self, features: torch.Tensor, positions: torch.Tensor | None = None, weights: torch.Tensor | None = None
@@ -227,6 +240,10 @@ class TransformerAggregator(nn.Module):
             h = h + self.pos(fourier_position_encoding(positions.to(h.dtype), self.num_frequencies))
         if self.readout == "mean":
             return self.head(self.norm(self.encoder(h).mean(1)))
+        if self.readout == "logit_mean":
+            return self.head(self.norm(self.encoder(h))).mean(1)
+        if self.readout == "residual":
+            return self.skip(_scale(features, weights).mean(1)) + self.head(self.norm(self.encoder(h).mean(1)))
         tokens = torch.cat([self.cls.expand(h.shape[0], -1, -1).to(h.dtype), h], dim=1)
         out = self.encoder(tokens)
         return self.head(self.norm(out[:, 0]))

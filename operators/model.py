@@ -28,7 +28,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from operators.aggregators import AGGREGATORS, build_aggregator
+from operators.aggregators import AGGREGATORS, READOUTS, build_aggregator
 from operators.errors import ConfigError
 from operators.evidence import evidence_rank_loss, instance_confidence, instance_loss
 from operators.resnet import ResNet, ResNetConfig
@@ -215,7 +215,11 @@ class ModelConfig:
             four-class objects task the misread slides put 0.34-0.45 of the attention on the one object of
             another kind, benchmarks/RESULTS.md).
         transformer_layers, transformer_heads: transformer aggregator size.
-        transformer_readout: ``"mean"`` of the encoded patch tokens (default) or a ``"cls"`` token.
+        transformer_readout: ``"mean"`` of the encoded patch tokens (default), ``"logit_mean"`` (the mean of
+            the encoded tokens' logits: a bag's prediction is the average of its patches' votes, and a bag of one
+            is that patch's own vote, as the evidence and neutral losses assume), ``"residual"`` (the mean
+            aggregator plus the ``"mean"`` readout through a zero-initialised head: it starts as the mean
+            aggregator and learns the interactions on top) or a ``"cls"`` token.
         num_classes: C (>= 2).
         dropout: dropout in the aggregator.
         mpp: microns per pixel of store level 0 the model was trained at (``foveate train`` sets it to the median
@@ -279,7 +283,7 @@ class ModelConfig:
     transformer_layers: int = 2
     transformer_heads: int = 4
     position_frequencies: int = 8
-    transformer_readout: Literal["mean", "cls"] = "mean"
+    transformer_readout: Literal["mean", "logit_mean", "residual", "cls"] = "mean"
     num_classes: int = 2
     dropout: float = 0.0
     mpp: float | None = None
@@ -434,8 +438,10 @@ class ModelConfig:
             and 0 < self.evidence_gamma <= 1
         ):
             raise ConfigError(f"model.evidence_gamma must be a number in (0, 1], got {self.evidence_gamma!r}")
-        if self.transformer_readout not in ("mean", "cls"):
-            raise ConfigError(f"model.transformer_readout must be 'mean' or 'cls', got {self.transformer_readout!r}")
+        if self.transformer_readout not in READOUTS:
+            raise ConfigError(
+                f"model.transformer_readout must be one of {list(READOUTS)}, got {self.transformer_readout!r}"
+            )
         for name, hi in (("color_jitter", 1.0), ("patch_jitter", 0.5), ("selection_grad", 1.0)):
             num_in(name, 0.0, hi)
         if not (isinstance(self.candidate_dropout, (int, float)) and 0.0 <= self.candidate_dropout < 1.0):

@@ -412,6 +412,16 @@ def test_transformer_readout_config():
         )
     )
     assert cls.aggregator.readout == "cls"
+    votes = ModelConfig(
+        **{
+            **SMALL,
+            "aggregator": "transformer",
+            "aggregator_hidden": 16,
+            "transformer_heads": 2,
+            "transformer_readout": "logit_mean",
+        }
+    )
+    assert FoveateModel(votes).aggregator.readout == "logit_mean"
     with pytest.raises(ValueError, match="transformer_readout"):
         ModelConfig(**{**SMALL, "transformer_readout": "max"})
 

@@ -120,7 +120,7 @@ def test_aggregator_permutation(name):
         torch.testing.assert_close(agg(f, pos[:, perm]), agg(f, pos))
 
 
-@pytest.mark.parametrize("readout", ["mean", "cls"])
+@pytest.mark.parametrize("readout", ["mean", "logit_mean", "cls"])
 def test_transformer_readouts_are_permutation_invariant(readout):
     torch.manual_seed(1)
     agg = build_aggregator("transformer", 12, 2, hidden=16, layers=1, heads=2, readout=readout).double().eval()
@@ -131,6 +131,13 @@ def test_transformer_readouts_are_permutation_invariant(readout):
     if readout == "mean":  # the mean of the encoded tokens, through the final norm and head
         h = agg.inp(f) + agg.pos(fourier_position_encoding(pos, agg.num_frequencies))
         torch.testing.assert_close(agg(f, pos), agg.head(agg.norm(agg.encoder(h).mean(1))))
+    if readout == "logit_mean":  # the mean of the tokens' own logits; a bag of one = that token's logits
+        h = agg.inp(f) + agg.pos(fourier_position_encoding(pos, agg.num_frequencies))
+        per_token = agg.head(agg.norm(agg.encoder(h)))  # [B, K, C]
+        torch.testing.assert_close(agg(f, pos), per_token.mean(1))
+        one = agg(f[:, :1], pos[:, :1])
+        h1 = agg.inp(f[:, :1]) + agg.pos(fourier_position_encoding(pos[:, :1], agg.num_frequencies))
+        torch.testing.assert_close(one, agg.head(agg.norm(agg.encoder(h1)))[:, 0])
     with pytest.raises(ValueError, match="readout"):
         build_aggregator("transformer", 12, 2, hidden=16, heads=2, readout="max")
 
@@ -275,3 +282,22 @@ def test_cap_support_renormalises_and_gradcheck():
     assert torch.autograd.gradcheck(lambda t: cap_support(t, 3)[1], (x,))
     with pytest.raises(ValueError, match="max_support"):
         cap_support(y, 0)
+
+
+def test_transformer_residual_readout_starts_as_the_mean_aggregator_and_learns_on_top():
+    from operators.aggregators import MeanAggregator
+
+    torch.manual_seed(4)
+    agg = build_aggregator("transformer", 12, 3, hidden=16, layers=1, heads=2, num_frequencies=0, readout="residual")
+    agg = agg.double()
+    mean = MeanAggregator(12, 3).double()
+    mean.head.load_state_dict(agg.skip.state_dict())
+    f = torch.randn(2, 5, 12, dtype=torch.float64)
+    w = torch.softmax(torch.randn(2, 5, dtype=torch.float64), 1)
+    torch.testing.assert_close(agg(f), mean(f), rtol=0, atol=1e-14)  # the zero-initialised head adds nothing
+    torch.testing.assert_close(agg(f, weights=w), mean(f, weights=w), rtol=0, atol=1e-14)
+    agg(f).logsumexp(1).sum().backward()
+    assert agg.head[1].weight.grad.abs().sum() > 0  # the transformer path gets a gradient from the first step
+    torch.manual_seed(5)
+    agg.head[1].weight.data.normal_()
+    assert (agg(f) - mean(f)).abs().max() > 1e-3  # and then changes the output
