@@ -46,7 +46,7 @@ __all__ = [
 ]
 
 AGGREGATORS = ("mean", "max", "vote", "attention_mil", "transformer")
-READOUTS = ("mean", "logit_mean", "residual", "cls")  # of the transformer aggregator
+READOUTS = ("mean", "logit_mean", "cls")  # of the transformer aggregator
 
 
 def _check(features: torch.Tensor, positions: torch.Tensor | None, weights: torch.Tensor | None) -> None:
@@ -65,6 +65,13 @@ def _scale(features: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor
     if weights is None:
         return features
     return features * (weights * features.shape[1]).unsqueeze(-1).to(features.dtype)
+
+
+def _mean_skip(head: nn.Sequential, dim: int, num_classes: int, dropout: float) -> nn.Module:
+    """The mean aggregator's head for ``mean_skip``; zero-initialises the last linear layer of ``head``."""
+    nn.init.zeros_(head[-1].weight)
+    nn.init.zeros_(head[-1].bias)
+    return nn.Sequential(nn.Dropout(dropout), nn.Linear(dim, num_classes))
 
 
 class _LinearHeadAggregator(nn.Module):
@@ -122,6 +129,9 @@ class AttentionMILAggregator(nn.Module):
     ``attention``: ``"softmax"`` (the paper) or ``"sigmoid"``: weights ``sigmoid(s_k) / sum_j sigmoid(s_j)`` of the
     attention logits ``s_k``, saturating gates under which the patches the attention is sure of weigh about the
     same (a majority of informative patches outweighs a minority); both are uniform when the logits are equal.
+
+    ``mean_skip``: add the mean aggregator and zero-initialise the attention path's head (it starts as the mean
+    aggregator; the attention-weighted logits are learnt on top).
     """
 
     def __init__(
@@ -133,6 +143,7 @@ class AttentionMILAggregator(nn.Module):
         gated: bool = True,
         dropout: float = 0.0,
         attention: str = "softmax",
+        mean_skip: bool = False,
     ):
         super().__init__()
         if attention not in ("softmax", "sigmoid"):
@@ -142,6 +153,7 @@ class AttentionMILAggregator(nn.Module):
         self.U = nn.Linear(dim, hidden) if gated else None
         self.w = nn.Linear(hidden, 1)
         self.head = nn.Sequential(nn.Dropout(dropout), nn.Linear(dim, num_classes))
+        self.skip = _mean_skip(self.head, dim, num_classes, dropout) if mean_skip else None
         self.last_attention: torch.Tensor | None = None
 
     def forward(
@@ -159,7 +171,8 @@ class AttentionMILAggregator(nn.Module):
         else:
             att = torch.softmax(logit, dim=1)
         self.last_attention = att.detach()
-        return self.head((att.unsqueeze(-1) * h).sum(1))
+        out = self.head((att.unsqueeze(-1) * h).sum(1))
+        return out if self.skip is None else out + self.skip(h.mean(1))
 
 
 def fourier_position_encoding(positions: torch.Tensor, num_frequencies: int) -> torch.Tensor:
@@ -187,9 +200,10 @@ class TransformerAggregator(nn.Module):
             ``"logit_mean"``: every encoded token is classified (final norm + head) and the bag's logits are the
             mean of the tokens' logits, so a bag's prediction is the average of its patches' votes (after they
             have seen each other) and a bag of one patch is that patch's own vote, as with the mean aggregator;
-            ``"residual"``: the mean aggregator (a linear head on the mean of the input features) plus the
-            ``"mean"`` readout through a zero-initialised head, so the aggregator starts as the mean aggregator
-            and learns the interactions between patches on top of it; or ``"cls"``: a learnt CLS token.
+            or ``"cls"``: a learnt CLS token.
+        mean_skip: add the mean aggregator (a linear head on the mean of the input features) and zero-initialise
+            this aggregator's own head, so it starts as the mean aggregator and learns the interactions between
+            patches on top of it.
     """
 
     def __init__(
@@ -203,6 +217,7 @@ class TransformerAggregator(nn.Module):
         num_frequencies: int = 8,
         dropout: float = 0.0,
         readout: str = "mean",
+        mean_skip: bool = False,
     ):
         super().__init__()
         if readout not in READOUTS:
@@ -223,11 +238,7 @@ class TransformerAggregator(nn.Module):
         self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
         self.norm = nn.LayerNorm(hidden)
         self.head = nn.Sequential(nn.Dropout(dropout), nn.Linear(hidden, num_classes))
-        self.skip = None
-        if readout == "residual":
-            self.skip = nn.Sequential(nn.Dropout(dropout), nn.Linear(dim, num_classes))
-            nn.init.zeros_(self.head[1].weight)
-            nn.init.zeros_(self.head[1].bias)
+        self.skip = _mean_skip(self.head, dim, num_classes, dropout) if mean_skip else None
 
     def forward(
         self, features: torch.Tensor, positions: torch.Tensor | None = None, weights: torch.Tensor | None = None
@@ -239,14 +250,13 @@ class TransformerAggregator(nn.Module):
                 raise ValueError("the transformer aggregator with a position encoding needs positions [B, K, 2]")
             h = h + self.pos(fourier_position_encoding(positions.to(h.dtype), self.num_frequencies))
         if self.readout == "mean":
-            return self.head(self.norm(self.encoder(h).mean(1)))
-        if self.readout == "logit_mean":
-            return self.head(self.norm(self.encoder(h))).mean(1)
-        if self.readout == "residual":
-            return self.skip(_scale(features, weights).mean(1)) + self.head(self.norm(self.encoder(h).mean(1)))
-        tokens = torch.cat([self.cls.expand(h.shape[0], -1, -1).to(h.dtype), h], dim=1)
-        out = self.encoder(tokens)
-        return self.head(self.norm(out[:, 0]))
+            out = self.head(self.norm(self.encoder(h).mean(1)))
+        elif self.readout == "logit_mean":
+            out = self.head(self.norm(self.encoder(h))).mean(1)
+        else:
+            tokens = torch.cat([self.cls.expand(h.shape[0], -1, -1).to(h.dtype), h], dim=1)
+            out = self.head(self.norm(self.encoder(tokens)[:, 0]))
+        return out if self.skip is None else out + self.skip(_scale(features, weights).mean(1))
 
 
 def build_aggregator(
@@ -262,8 +272,11 @@ def build_aggregator(
     dropout: float = 0.0,
     readout: str = "mean",
     mil_attention: str = "softmax",
+    mean_skip: bool = False,
 ) -> nn.Module:
     """The aggregator called ``name`` (one of :data:`AGGREGATORS`)."""
+    if mean_skip and name in ("mean", "max", "vote"):
+        raise ValueError(f"mean_skip applies to the attention_mil and transformer aggregators, not {name!r}")
     if name == "mean":
         return MeanAggregator(dim, num_classes, dropout=dropout)
     if name == "max":
@@ -272,7 +285,7 @@ def build_aggregator(
         return VoteAggregator(dim, num_classes, dropout=dropout)
     if name == "attention_mil":
         return AttentionMILAggregator(
-            dim, num_classes, hidden=hidden, gated=gated, dropout=dropout, attention=mil_attention
+            dim, num_classes, hidden=hidden, gated=gated, dropout=dropout, attention=mil_attention, mean_skip=mean_skip
         )
     if name == "transformer":
         return TransformerAggregator(
@@ -284,5 +297,6 @@ def build_aggregator(
             num_frequencies=num_frequencies,
             dropout=dropout,
             readout=readout,
+            mean_skip=mean_skip,
         )
     raise ValueError(f"aggregator must be one of {list(AGGREGATORS)}, got {name!r}")

@@ -217,9 +217,10 @@ class ModelConfig:
         transformer_layers, transformer_heads: transformer aggregator size.
         transformer_readout: ``"mean"`` of the encoded patch tokens (default), ``"logit_mean"`` (the mean of
             the encoded tokens' logits: a bag's prediction is the average of its patches' votes, and a bag of one
-            is that patch's own vote, as the evidence and neutral losses assume), ``"residual"`` (the mean
-            aggregator plus the ``"mean"`` readout through a zero-initialised head: it starts as the mean
-            aggregator and learns the interactions on top) or a ``"cls"`` token.
+            is that patch's own vote, as the evidence and neutral losses assume) or a ``"cls"`` token.
+        mean_skip: attention-MIL and transformer only: the mean aggregator (a linear head on the mean of the
+            patch features) plus the aggregator, whose own head is zero-initialised, so training starts from the
+            mean aggregator and learns attention / interactions on top of it (four-class objects, RESULTS.md).
         num_classes: C (>= 2).
         dropout: dropout in the aggregator.
         mpp: microns per pixel of store level 0 the model was trained at (``foveate train`` sets it to the median
@@ -283,7 +284,8 @@ class ModelConfig:
     transformer_layers: int = 2
     transformer_heads: int = 4
     position_frequencies: int = 8
-    transformer_readout: Literal["mean", "logit_mean", "residual", "cls"] = "mean"
+    transformer_readout: Literal["mean", "logit_mean", "cls"] = "mean"
+    mean_skip: bool = False
     num_classes: int = 2
     dropout: float = 0.0
     mpp: float | None = None
@@ -441,6 +443,13 @@ class ModelConfig:
         if self.transformer_readout not in READOUTS:
             raise ConfigError(
                 f"model.transformer_readout must be one of {list(READOUTS)}, got {self.transformer_readout!r}"
+            )
+        if not isinstance(self.mean_skip, bool):
+            raise ConfigError(f"model.mean_skip must be true or false, got {self.mean_skip!r}")
+        if self.mean_skip and self.aggregator not in ("attention_mil", "transformer"):
+            raise ConfigError(
+                "model.mean_skip applies to the attention_mil and transformer aggregators (the others have no "
+                f"head of their own to add the mean aggregator to); got aggregator={self.aggregator!r}"
             )
         for name, hi in (("color_jitter", 1.0), ("patch_jitter", 0.5), ("selection_grad", 1.0)):
             num_in(name, 0.0, hi)
@@ -653,6 +662,7 @@ class FoveateModel(nn.Module):
             num_frequencies=cfg.position_frequencies,
             dropout=cfg.dropout,
             readout=cfg.transformer_readout,
+            mean_skip=cfg.mean_skip,
         )
         # created only when used, so models without the evidence losses keep their parameters (and seeds)
         self.instance_head = nn.Linear(cfg.features.feature_dim, cfg.num_classes) if cfg.instance_weight > 0 else None

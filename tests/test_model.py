@@ -422,6 +422,10 @@ def test_transformer_readout_config():
         }
     )
     assert FoveateModel(votes).aggregator.readout == "logit_mean"
+    skip = ModelConfig(**{**SMALL, "aggregator": "attention_mil", "aggregator_hidden": 16, "mean_skip": True})
+    assert FoveateModel(skip).aggregator.skip is not None
+    with pytest.raises(ValueError, match="mean_skip applies to the attention_mil and transformer"):
+        ModelConfig(**{**SMALL, "aggregator": "mean", "mean_skip": True})
     with pytest.raises(ValueError, match="transformer_readout"):
         ModelConfig(**{**SMALL, "transformer_readout": "max"})
 

@@ -284,12 +284,12 @@ def test_cap_support_renormalises_and_gradcheck():
         cap_support(y, 0)
 
 
-def test_transformer_residual_readout_starts_as_the_mean_aggregator_and_learns_on_top():
+@pytest.mark.parametrize("name", ["transformer", "attention_mil"])
+def test_mean_skip_starts_as_the_mean_aggregator_and_learns_on_top(name):
     from operators.aggregators import MeanAggregator
 
     torch.manual_seed(4)
-    agg = build_aggregator("transformer", 12, 3, hidden=16, layers=1, heads=2, num_frequencies=0, readout="residual")
-    agg = agg.double()
+    agg = build_aggregator(name, 12, 3, hidden=16, layers=1, heads=2, num_frequencies=0, mean_skip=True).double()
     mean = MeanAggregator(12, 3).double()
     mean.head.load_state_dict(agg.skip.state_dict())
     f = torch.randn(2, 5, 12, dtype=torch.float64)
@@ -297,7 +297,9 @@ def test_transformer_residual_readout_starts_as_the_mean_aggregator_and_learns_o
     torch.testing.assert_close(agg(f), mean(f), rtol=0, atol=1e-14)  # the zero-initialised head adds nothing
     torch.testing.assert_close(agg(f, weights=w), mean(f, weights=w), rtol=0, atol=1e-14)
     agg(f).logsumexp(1).sum().backward()
-    assert agg.head[1].weight.grad.abs().sum() > 0  # the transformer path gets a gradient from the first step
+    assert agg.head[1].weight.grad.abs().sum() > 0  # the aggregator's own path gets a gradient from the first step
     torch.manual_seed(5)
     agg.head[1].weight.data.normal_()
     assert (agg(f) - mean(f)).abs().max() > 1e-3  # and then changes the output
+    with pytest.raises(ValueError, match="mean_skip applies"):
+        build_aggregator("mean", 12, 3, mean_skip=True)
