@@ -36,6 +36,7 @@ from torch import nn
 __all__ = [
     "AGGREGATORS",
     "READOUTS",
+    "MEAN_SKIP_AGGREGATORS",
     "MeanAggregator",
     "MaxAggregator",
     "VoteAggregator",
@@ -47,6 +48,7 @@ __all__ = [
 
 AGGREGATORS = ("mean", "max", "vote", "attention_mil", "transformer")
 READOUTS = ("mean", "logit_mean", "cls")  # of the transformer aggregator
+MEAN_SKIP_AGGREGATORS = ("attention_mil", "transformer")  # those with a head of their own to add the mean to
 
 
 def _check(features: torch.Tensor, positions: torch.Tensor | None, weights: torch.Tensor | None) -> None:
@@ -244,7 +246,8 @@ class TransformerAggregator(nn.Module):
         self, features: torch.Tensor, positions: torch.Tensor | None = None, weights: torch.Tensor | None = None
     ) -> torch.Tensor:
         _check(features, positions, weights)
-        h = self.inp(_scale(features, weights))
+        scaled = _scale(features, weights)
+        h = self.inp(scaled)
         if self.pos is not None:
             if positions is None:
                 raise ValueError("the transformer aggregator with a position encoding needs positions [B, K, 2]")
@@ -256,7 +259,7 @@ class TransformerAggregator(nn.Module):
         else:
             tokens = torch.cat([self.cls.expand(h.shape[0], -1, -1).to(h.dtype), h], dim=1)
             out = self.head(self.norm(self.encoder(tokens)[:, 0]))
-        return out if self.skip is None else out + self.skip(_scale(features, weights).mean(1))
+        return out if self.skip is None else out + self.skip(scaled.mean(1))
 
 
 def build_aggregator(
@@ -275,8 +278,8 @@ def build_aggregator(
     mean_skip: bool = False,
 ) -> nn.Module:
     """The aggregator called ``name`` (one of :data:`AGGREGATORS`)."""
-    if mean_skip and name in ("mean", "max", "vote"):
-        raise ValueError(f"mean_skip applies to the attention_mil and transformer aggregators, not {name!r}")
+    if mean_skip and name in AGGREGATORS and name not in MEAN_SKIP_AGGREGATORS:
+        raise ValueError(f"mean_skip applies to the {' and '.join(MEAN_SKIP_AGGREGATORS)} aggregators, not {name!r}")
     if name == "mean":
         return MeanAggregator(dim, num_classes, dropout=dropout)
     if name == "max":

@@ -28,7 +28,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from operators.aggregators import AGGREGATORS, READOUTS, build_aggregator
+from operators.aggregators import AGGREGATORS, MEAN_SKIP_AGGREGATORS, READOUTS, build_aggregator
 from operators.errors import ConfigError
 from operators.evidence import evidence_rank_loss, instance_confidence, instance_loss
 from operators.resnet import ResNet, ResNetConfig
@@ -351,8 +351,9 @@ class ModelConfig:
         pos_int("position_frequencies", 0)
         pos_int("num_classes", 2)
         pos_int("mask_extra", 0)
-        if not isinstance(self.mask_sampling, bool):
-            raise ConfigError(f"model.mask_sampling must be true or false, got {self.mask_sampling!r}")
+        for name in ("mask_sampling", "mean_skip"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"model.{name} must be true or false, got {getattr(self, name)!r}")
         if self.attention_weights not in ("estimator", "normalised"):
             raise ConfigError(
                 f"model.attention_weights must be 'estimator' or 'normalised', got {self.attention_weights!r}"
@@ -444,12 +445,10 @@ class ModelConfig:
             raise ConfigError(
                 f"model.transformer_readout must be one of {list(READOUTS)}, got {self.transformer_readout!r}"
             )
-        if not isinstance(self.mean_skip, bool):
-            raise ConfigError(f"model.mean_skip must be true or false, got {self.mean_skip!r}")
-        if self.mean_skip and self.aggregator not in ("attention_mil", "transformer"):
+        if self.mean_skip and self.aggregator not in MEAN_SKIP_AGGREGATORS:
             raise ConfigError(
-                "model.mean_skip applies to the attention_mil and transformer aggregators (the others have no "
-                f"head of their own to add the mean aggregator to); got aggregator={self.aggregator!r}"
+                f"model.mean_skip applies to the {' and '.join(MEAN_SKIP_AGGREGATORS)} aggregators (the others have "
+                f"no head of their own to add the mean aggregator to); got aggregator={self.aggregator!r}"
             )
         for name, hi in (("color_jitter", 1.0), ("patch_jitter", 0.5), ("selection_grad", 1.0)):
             num_in(name, 0.0, hi)
