@@ -757,7 +757,8 @@ def main(argv: list[str] | None = None) -> int:
         def one(job):
             config, seed = job
             stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
-            name = f"{task.key}-{config}-s{seed}-{stamp}"
+            # the pid: two benchmarks started in the same second (other --set overrides) get their own run folders
+            name = f"{task.key}-{config}-s{seed}-{stamp}-{os.getpid()}"
             row: dict[str, Any] = {
                 "task": task.name,
                 "config": config,

@@ -106,7 +106,16 @@ class ModelConfig:
             (the bag's expected value is the attention-weighted mean over *all* cells, so the mass the attention
             leaves on the many filler cells is in it). ``"normalised"``: the drawn cells' attention renormalised
             to sum to one (self-normalised, biased, lower variance): the cells the attention is sure of carry the
-            bag, as the renormalised attention does at inference.
+            bag, as the renormalised attention does at inference. ``"uniform"``: every drawn cell weighs ``1/K``
+            in training (forward value; the gradient to the attention is that of the paper's with-replacement
+            estimator, ``a_j / sg(a_j) / K``) and every hard top-k cell ``1/K`` at inference, as the mean
+            aggregator weighs the top-k: the estimator's weights put most of the bag on the first drawn cell (the
+            one the attention is surest of), so a label carried by the majority of a few objects was read from one
+            object (objects family, ``benchmarks/RESULTS.md``, session 30). ``"inclusion"``: each drawn cell (training)
+            or hard top-k cell (inference) weighs its probability of being drawn at least once in K draws from the
+            attention, ``pi = 1 - (1 - a)^K``, normalised over the bag: cells the attention is sure of weigh about
+            the same (``pi`` saturates at 1), cells drawn by chance little (the certainty gates of SOFT / LapSum,
+            ``gates``, for attention sampling).
         explore_temperature: SOFT top-k and LapSum in training read the top-k cells of
             ``s / T + Gumbel`` (``T`` this value; K cells drawn without replacement from ``softmax(s / T)``) instead
             of the hard top-k, and gate them with their mask values; 0 (default) reads the hard top-k. Without it
@@ -253,7 +262,7 @@ class ModelConfig:
     explore_temperature: float = 0.0
     mask_extra: int = 0
     gates: Literal["mask", "hard", "certainty"] = "mask"
-    attention_weights: Literal["estimator", "normalised"] = "estimator"
+    attention_weights: Literal["estimator", "normalised", "uniform", "inclusion"] = "estimator"
     mask_sampling: bool = False
     candidate_dropout: float = 0.0
     selection_grad: float = 1.0
@@ -354,9 +363,10 @@ class ModelConfig:
         for name in ("mask_sampling", "mean_skip"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"model.{name} must be true or false, got {getattr(self, name)!r}")
-        if self.attention_weights not in ("estimator", "normalised"):
+        if self.attention_weights not in ("estimator", "normalised", "uniform", "inclusion"):
             raise ConfigError(
-                f"model.attention_weights must be 'estimator' or 'normalised', got {self.attention_weights!r}"
+                "model.attention_weights must be 'estimator', 'normalised', 'uniform' or 'inclusion', "
+                f"got {self.attention_weights!r}"
             )
         if self.gates not in ("mask", "hard", "certainty"):
             raise ConfigError(f"model.gates must be one of 'mask', 'hard', 'certainty', got {self.gates!r}")
@@ -631,6 +641,13 @@ class ModelOutput:
     info: dict[str, float] = field(default_factory=dict)
 
 
+def _inclusion_weights(att: torch.Tensor, k: int) -> torch.Tensor:
+    """``[B, K]`` attention of the bag's cells -> ``pi / sum pi`` with ``pi = 1 - (1 - a)^K``, the probability of
+    each cell being drawn at least once in K draws (``attention_weights: inclusion``)."""
+    pi = -torch.expm1(k * torch.log1p(-att.clamp(max=1.0 - torch.finfo(att.dtype).eps)))
+    return pi / pi.sum(1, keepdim=True).clamp_min(torch.finfo(att.dtype).tiny)
+
+
 class FoveateModel(nn.Module):
     """Scorer CNN + selection + ResNet features + aggregator (see the module docstring for the stages).
 
@@ -859,10 +876,20 @@ class FoveateModel(nn.Module):
                 if cfg.attention_weights == "normalised":  # self-normalised: the drawn cells' attention, summing to 1
                     w = att.gather(1, idx)
                     w = w / w.sum(1, keepdim=True)
+                elif cfg.attention_weights == "uniform":  # 1/K each; the with-replacement estimator's gradient
+                    la = torch.log_softmax(sc / cfg.attention_temperature, dim=1).gather(1, idx)  # a / sg(a), in logs
+                    w = (1.0 + (la - la.detach())) / k
+                elif cfg.attention_weights == "inclusion":
+                    w = _inclusion_weights(att.gather(1, idx), k)
             else:
                 idx = topk.hard_topk(sc, k)
-                w = att.gather(1, idx)
-                w = w / w.sum(1, keepdim=True)
+                if cfg.attention_weights == "uniform":
+                    w = sc.new_full((1, k), 1.0 / k)
+                elif cfg.attention_weights == "inclusion":
+                    w = _inclusion_weights(att.gather(1, idx), k)
+                else:
+                    w = att.gather(1, idx)
+                    w = w / w.sum(1, keepdim=True)
             return Selection(cidx[idx].unsqueeze(-1), ones, w, {"attention_entropy": ent})
         if cfg.selector == "perturbed" and training:
             y = topk.perturbed_topk(

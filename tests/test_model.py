@@ -517,3 +517,50 @@ def test_attention_weights_normalised_are_the_drawn_cells_attention_summing_to_o
     assert float(s.grad.abs().sum()) > 0  # differentiable wrt the scores
     with pytest.raises(ValueError, match="attention_weights"):
         ModelConfig(**{**base, "attention_weights": "unbiased"})
+
+
+def test_attention_weights_uniform_weigh_each_drawn_cell_one_kth_with_the_estimators_gradient():
+    from operators.attention_sampling import attention_sample
+
+    base = {**SMALL, "selector": "attention", "attention_temperature": 0.1}
+    model = FoveateModel(ModelConfig(**{**base, "attention_weights": "uniform"})).double()
+    k = model.cfg.k
+    scores = torch.rand(1, 20, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    s = scores.clone().requires_grad_(True)
+    sel = model.select(s, training=True, generator=torch.Generator().manual_seed(5))
+    att = torch.softmax(scores / 0.1, dim=1)
+    idx, _ = attention_sample(att, k, replace=False, generator=torch.Generator().manual_seed(5))
+    assert torch.equal(sel.indices[0, :, 0], idx[0])  # the same draws as the estimator
+    torch.testing.assert_close(sel.slot_weights.detach(), torch.full((1, k), 1.0 / k, dtype=torch.float64))
+    # gradient: d w_j / d s = (1 / K) d log a_j / d s (the with-replacement estimator's a / sg(a) / K)
+    c = torch.randn(k, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    (sel.slot_weights[0] * c).sum().backward()
+    s2 = scores.clone().requires_grad_(True)
+    (torch.log_softmax(s2 / 0.1, dim=1)[0, idx[0]] * c / k).sum().backward()
+    torch.testing.assert_close(s.grad, s2.grad, rtol=1e-12, atol=1e-12)
+    # inference: the plain mean of the hard top-k
+    hard = model.select(scores, training=False)
+    assert torch.equal(hard.indices[0, :, 0].sort().values, scores[0].topk(k).indices.sort().values)
+    torch.testing.assert_close(hard.slot_weights, torch.full((1, k), 1.0 / k, dtype=torch.float64))
+
+
+def test_attention_weights_inclusion_are_the_normalised_probabilities_of_being_drawn_in_k_draws():
+    base = {**SMALL, "selector": "attention", "attention_temperature": 0.1}
+    model = FoveateModel(ModelConfig(**{**base, "attention_weights": "inclusion"})).double()
+    k = model.cfg.k
+    scores = torch.rand(1, 20, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    scores[0, 4] += 0.5  # one cell the attention is sure of
+    att = torch.softmax(scores / 0.1, dim=1)
+    for training in (True, False):
+        s = scores.clone().requires_grad_(True)
+        sel = model.select(s, training=training, generator=torch.Generator().manual_seed(5))
+        a = att[0, sel.indices[0, :, 0]]
+        pi = 1 - (1 - a) ** k  # drawn at least once in k draws with replacement
+        torch.testing.assert_close(sel.slot_weights[0].detach(), pi / pi.sum(), rtol=1e-12, atol=1e-12)
+        assert float(sel.slot_weights[0].detach().sum()) == pytest.approx(1.0)
+        sel.slot_weights[0, 0].backward()
+        assert float(s.grad.abs().sum()) > 0  # differentiable wrt the scores
+    hard = model.select(scores, training=False)
+    assert 4 in hard.indices[0, :, 0].tolist()
+    w = dict(zip(hard.indices[0, :, 0].tolist(), hard.slot_weights[0].tolist()))
+    assert w[4] == max(w.values())  # the sure cell weighs most, but at most 1 / (its share of pi)
