@@ -109,9 +109,10 @@ class ModelConfig:
             bag, as the renormalised attention does at inference. ``"uniform"``: every drawn cell weighs ``1/K``
             in training (forward value; the gradient to the attention is that of the paper's with-replacement
             estimator, ``a_j / sg(a_j) / K``) and every hard top-k cell ``1/K`` at inference, as the mean
-            aggregator weighs the top-k: the estimator's weights put most of the bag on the first drawn cell (the
-            one the attention is surest of), so a label carried by the majority of a few objects was read from one
-            object (objects family, ``benchmarks/RESULTS.md``, session 30). ``"inclusion"``: each drawn cell (training)
+            aggregator weighs the top-k; with ``replace=True`` training is then exactly the paper's
+            with-replacement estimator (four-class objects 3 of 5 seeds against 0 of 1 shipped, binary no better;
+            without replacement no better than the estimator: ``benchmarks/RESULTS.md``, session 30; what mattered
+            was how the bag is drawn, not its weights). ``"inclusion"``: each drawn cell (training)
             or hard top-k cell (inference) weighs its probability of being drawn at least once in K draws from the
             attention, ``pi = 1 - (1 - a)^K``, normalised over the bag: cells the attention is sure of weigh about
             the same (``pi`` saturates at 1), cells drawn by chance little (the certainty gates of SOFT / LapSum,

@@ -499,38 +499,36 @@ def test_certainty_gates_weigh_read_cells_by_their_inclusion_certainty_in_traini
     assert float(unsure.slot_weights.sum()) == pytest.approx(1.0) and int((unsure.slot_weights > 0).sum()) == k
 
 
-def test_attention_weights_normalised_are_the_drawn_cells_attention_summing_to_one():
+def _attention_training_draw(weights: str):
+    """A float64 attention-sampling model with ``attention_weights=weights``, a training selection of random
+    scores (T = 0.1), and the estimator's own draw with the same generator seed (the same cells)."""
     from operators.attention_sampling import attention_sample
 
-    base = {**SMALL, "selector": "attention", "attention_temperature": 0.1}
-    model = FoveateModel(ModelConfig(**{**base, "attention_weights": "normalised"})).double()
-    k = model.cfg.k
+    model = FoveateModel(
+        ModelConfig(**{**SMALL, "selector": "attention", "attention_temperature": 0.1, "attention_weights": weights})
+    ).double()
     scores = torch.rand(1, 20, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
     s = scores.clone().requires_grad_(True)
     sel = model.select(s, training=True, generator=torch.Generator().manual_seed(5))
     att = torch.softmax(scores / 0.1, dim=1)
-    idx, _ = attention_sample(att, k, replace=False, generator=torch.Generator().manual_seed(5))
+    idx, _ = attention_sample(att, model.cfg.k, replace=False, generator=torch.Generator().manual_seed(5))
     assert torch.equal(sel.indices[0, :, 0], idx[0])  # the same draws as the estimator
+    return model, scores, s, sel, att, idx
+
+
+def test_attention_weights_normalised_are_the_drawn_cells_attention_summing_to_one():
+    model, scores, s, sel, att, idx = _attention_training_draw("normalised")
     want = att[0, idx[0]] / att[0, idx[0]].sum()
     torch.testing.assert_close(sel.slot_weights[0].detach(), want, rtol=1e-12, atol=1e-12)
     sel.slot_weights[0, 0].backward()
     assert float(s.grad.abs().sum()) > 0  # differentiable wrt the scores
     with pytest.raises(ValueError, match="attention_weights"):
-        ModelConfig(**{**base, "attention_weights": "unbiased"})
+        ModelConfig(**{**SMALL, "selector": "attention", "attention_weights": "unbiased"})
 
 
 def test_attention_weights_uniform_weigh_each_drawn_cell_one_kth_with_the_estimators_gradient():
-    from operators.attention_sampling import attention_sample
-
-    base = {**SMALL, "selector": "attention", "attention_temperature": 0.1}
-    model = FoveateModel(ModelConfig(**{**base, "attention_weights": "uniform"})).double()
+    model, scores, s, sel, _, idx = _attention_training_draw("uniform")
     k = model.cfg.k
-    scores = torch.rand(1, 20, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
-    s = scores.clone().requires_grad_(True)
-    sel = model.select(s, training=True, generator=torch.Generator().manual_seed(5))
-    att = torch.softmax(scores / 0.1, dim=1)
-    idx, _ = attention_sample(att, k, replace=False, generator=torch.Generator().manual_seed(5))
-    assert torch.equal(sel.indices[0, :, 0], idx[0])  # the same draws as the estimator
     torch.testing.assert_close(sel.slot_weights.detach(), torch.full((1, k), 1.0 / k, dtype=torch.float64))
     # gradient: d w_j / d s = (1 / K) d log a_j / d s (the with-replacement estimator's a / sg(a) / K)
     c = torch.randn(k, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
