@@ -33,7 +33,8 @@ import torch
 def step_cost(store: str, model_cfg, chunk: int) -> dict[str, float]:
     """One all-tiles training step on one slide: seconds to read its tissue tiles, seconds of forward + backward
     + optimiser step, the tile count."""
-    from operators.resnet import ResNet
+    from accuracy import TilesMean  # the all-tiles baseline of benchmarks/accuracy.py
+
     from workers.patches import prepare_slide
 
     t0 = time.perf_counter()
@@ -43,9 +44,9 @@ def step_cost(store: str, model_cfg, chunk: int) -> dict[str, float]:
     read_s = time.perf_counter() - t0
 
     torch.manual_seed(0)
-    features = ResNet(model_cfg.features)
-    head = torch.nn.Linear(model_cfg.features.feature_dim, 2)
-    opt = torch.optim.AdamW([*features.parameters(), *head.parameters()], lr=1e-3)
+    model = TilesMean(model_cfg.features)
+    features, head = model.features, model.head
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     t1 = time.perf_counter()
     with torch.no_grad():  # pass 1: the pooled features (no activations kept)
         pooled = sum(features(p.float().div_(255.0)).sum(0) for p in pieces) / len(cells)
