@@ -105,8 +105,11 @@ def _run(cmd: list[str], log: Path) -> None:
         raise RuntimeError(f"{' '.join(cmd[:4])} ... exited with {rc}; see {log}")
 
 
-def prepare_data(task: Task, workdir: Path, seed: int = 0) -> Path:
-    """synth + ingest once; returns the stores folder. A completed dataset has a ``READY`` marker."""
+def prepare_data(task: Task, workdir: Path, seed: int = 0, synth_jobs: int = 1) -> Path:
+    """synth + ingest once; returns the stores folder. A completed dataset has a ``READY`` marker.
+
+    ``synth_jobs``: ``foveate synth --jobs`` (slides written at once; the bytes do not depend on it).
+    """
     d = workdir / "data" / task.key
     slides, stores = d / "slides", d / "stores"
     if (d / "READY").is_file():
@@ -129,6 +132,8 @@ def prepare_data(task: Task, workdir: Path, seed: int = 0) -> Path:
             "tiff",
             "--seed",
             str(seed),
+            "--jobs",
+            str(synth_jobs),
         ]
         if task.family == "objects":
             cmd += ["--task", "objects", "--classes", str(task.classes)]
@@ -614,6 +619,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workdir", default=str(ROOT / "benchmarks" / "_work" / "robustness"))
     p.add_argument("--jobs", type=int, default=1, help="trainings at once (default 1)")
     p.add_argument(
+        "--synth-jobs", type=int, default=1, help="slides foveate synth writes at once when making data (default 1)"
+    )
+    p.add_argument(
         "--oracle", action="store_true", help="also train the first config's feature network on oracle patches"
     )
     p.add_argument("--no-train", action="store_true", help="skip the selection-model runs (e.g. only --oracle)")
@@ -703,7 +711,7 @@ def main(argv: list[str] | None = None) -> int:
 
     started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     for task in tasks:
-        stores = prepare_data(task, workdir, args.data_seed)
+        stores = prepare_data(task, workdir, args.data_seed, args.synth_jobs)
         data_info[task.name] = json.loads((stores.parent / "READY").read_text())
         split = load_split(configs[0], stores, overrides)
         from pipeline.config import load_config

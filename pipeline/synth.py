@@ -55,6 +55,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="fraction of label-1 slides, exact up to rounding (default 0.5; checker only: "
         "the objects task has balanced classes)",
     )
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="slides written at once, one process each (default 1); the bytes do not depend on it",
+    )
     parser.add_argument("--tile-size", type=int, default=256, help="JPEG tile side, multiple of 16 (default 256)")
     parser.add_argument("--mpp", type=float, default=0.25, help="microns per pixel at level 0 (default 0.25)")
     parser.add_argument("--quality", type=int, default=90, help="JPEG quality 1..100 (default 90)")
@@ -88,6 +94,7 @@ def run(args: argparse.Namespace) -> int:
             on_total=bar.set_total,
             task=task,
             classes=classes,
+            jobs=args.jobs,
         )
     finally:
         bar.close()

@@ -711,6 +711,7 @@ def synth_archive(
     on_total: Callable[[int], None] | None = None,
     task: str = "checker",
     classes: int = 2,
+    jobs: int = 1,
 ):
     """Write ``count`` synthetic slides into ``out_dir`` plus ``labels.csv`` (columns ``path,label``).
 
@@ -734,6 +735,9 @@ def synth_archive(
             order shuffled by ``seed``), ``positive_fraction`` is ignored and ``label`` holds the class
             *name* (the majority kind, e.g. ``horizontal``).
         classes: number of classes of the ``objects`` task, in [2, 5] (2 for ``checker``).
+        jobs: slides written at once, each in its own process (1..256; default 1: in this process). The bytes
+            do not depend on it (every slide has its own seed); with ``jobs > 1`` ``progress`` is called once
+            per slide, when it is complete, with all of its tiles.
 
     Returns:
         pandas.DataFrame with columns ``path`` (absolute, str) and ``label`` (int; the class name for
@@ -759,6 +763,7 @@ def synth_archive(
     quality = _check_int("quality", quality, 1, 100)
     if isinstance(mpp, bool) or not isinstance(mpp, (int, float)) or not (0 < float(mpp) <= 100):
         raise ValueError(f"mpp must be a number in (0, 100], got {mpp!r}")
+    jobs = _check_int("jobs", jobs, 1, 256)
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -783,12 +788,10 @@ def synth_archive(
 
     if on_total is not None:
         on_total(int(sum(n_tiles(int(w), int(h)) for w, h in zip(widths, heights))))
-    rows = []
-    for i in range(count):
-        name = f"synth_{i:05d}{EXTENSIONS[fmts[i]]}"
-        cb = (lambda n, _name=name: progress(n, _name)) if progress is not None else None
-        info = write_synthetic_slide(
-            out / name,
+
+    def slide_kwargs(i: int) -> dict[str, Any]:
+        return dict(
+            path=out / f"synth_{i:05d}{EXTENSIONS[fmts[i]]}",
             width=int(widths[i]),
             height=int(heights[i]),
             label=int(labels[i]),
@@ -797,14 +800,47 @@ def synth_archive(
             tile_size=tile_size,
             mpp=float(mpp),
             quality=quality,
-            progress=cb,
             task=task,
             classes=classes,
         )
+
+    def row(i: int, info: dict[str, Any]) -> dict[str, Any]:
         log.debug(
-            "wrote %s (%dx%d, label %s) in %.1fs", name, info["width"], info["height"], info["label"], info["seconds"]
+            "wrote %s (%dx%d, label %s) in %.1fs",
+            Path(info["path"]).name,
+            info["width"],
+            info["height"],
+            info["label"],
+            info["seconds"],
         )
-        rows.append({"path": info["path"], "label": int(labels[i]) if names is None else names[int(labels[i])]})
+        return {"path": info["path"], "label": int(labels[i]) if names is None else names[int(labels[i])]}
+
+    rows: list[dict[str, Any]] = []
+    if jobs == 1 or count == 1:
+        for i in range(count):
+            kw = slide_kwargs(i)
+            name = kw["path"].name
+            cb = (lambda n, _name=name: progress(n, _name)) if progress is not None else None
+            rows.append(row(i, write_synthetic_slide(progress=cb, **kw)))
+    else:
+        import concurrent.futures as cf
+        import multiprocessing as mp
+
+        # spawn: a forked child would inherit the caller's threads' locks (progress bars, loggers)
+        with cf.ProcessPoolExecutor(max_workers=min(jobs, count), mp_context=mp.get_context("spawn")) as pool:
+            futures = {pool.submit(write_synthetic_slide, **slide_kwargs(i)): i for i in range(count)}
+            infos: dict[int, dict[str, Any]] = {}
+            try:
+                for fut in cf.as_completed(futures):
+                    i = futures[fut]
+                    infos[i] = fut.result()
+                    if progress is not None:
+                        progress(n_tiles(int(widths[i]), int(heights[i])), Path(infos[i]["path"]).name)
+            except BaseException:
+                for f in futures:
+                    f.cancel()
+                raise
+        rows = [row(i, infos[i]) for i in range(count)]
     df = pd.DataFrame(rows, columns=["path", "label"])
     df.to_csv(out / "labels.csv", index=False)
     return df

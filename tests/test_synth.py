@@ -196,6 +196,27 @@ def test_archive_labels_and_csv(tmp_path):
         assert s.dimensions == (side["width"], side["height"])
 
 
+def test_archive_jobs_write_the_same_bytes(tmp_path):
+    """--jobs 2 (one process per slide) writes the same files and labels.csv rows as one process."""
+    kw = dict(count=3, size="2000:2100", fmt="mixed", seed=5, positive_fraction=0.5)
+    seen: list[tuple[int, str]] = []
+    df1 = synth_archive(tmp_path / "one", **kw)
+    df2 = synth_archive(tmp_path / "two", jobs=2, progress=lambda n, name: seen.append((n, name)), **kw)
+    assert list(df1["label"]) == list(df2["label"])
+    assert [Path(p).name for p in df1["path"]] == [Path(p).name for p in df2["path"]]
+    for p1, p2 in zip(df1["path"], df2["path"]):
+        assert Path(p1).read_bytes() == Path(p2).read_bytes()
+        assert (
+            json.loads(sidecar_path(p1).read_text())["structures"]
+            == json.loads(sidecar_path(p2).read_text())["structures"]
+        )
+    # progress: once per slide, with all of its tiles
+    assert sorted(name for _, name in seen) == [Path(p).name for p in df2["path"]]
+    assert all(n > 0 for n, _ in seen)
+    with pytest.raises(ValueError, match=r"jobs must be in \[1, 256\], got 0"):
+        synth_archive(tmp_path / "bad", count=1, size=2000, jobs=0)
+
+
 def test_cli(tmp_path, capsys):
     out = tmp_path / "cli"
     assert cli_main(["synth", str(out), "--count", "2", "--size", "2000", "--format", "tiff", "--seed", "1"]) == 0
