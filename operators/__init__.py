@@ -7,7 +7,7 @@ from operators.aggregators import (
     TransformerAggregator,
     build_aggregator,
 )
-from operators.attention_sampling import AttentionSampler, attention_entropy, attention_sample
+from operators.attention_sampling import AttentionSampler, attention_entropy, attention_sample, slot_mode_sample
 from operators.lapsum import LapSumTopK, lapsum_topk
 from operators.model import FoveateModel, ModelConfig, ModelOutput, Selection, SlideGeometry
 from operators.nms import MISTLoss, mist_loss, nms_topk, render_gaussian_heatmap
@@ -47,6 +47,7 @@ __all__ = [
     "TopKCrossEntropyLoss",
     "attention_entropy",
     "attention_sample",
+    "slot_mode_sample",
     "hard_topk",
     "lapsum_topk",
     "mask_sample",

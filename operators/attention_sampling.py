@@ -21,7 +21,7 @@ from torch import nn
 
 from operators._checks import check_bool, check_k, check_positive_int, check_scores
 
-__all__ = ["attention_sample", "attention_entropy", "gumbel_noise", "AttentionSampler"]
+__all__ = ["attention_sample", "attention_entropy", "gumbel_noise", "slot_mode_sample", "AttentionSampler"]
 
 
 def _check_attention(attention: object, name: str = "attention") -> torch.Tensor:
@@ -161,6 +161,44 @@ def attention_sample(
     later = torch.arange(k - 1, -1, -1, device=a.device, dtype=a.dtype)  # k - j for j = 1..k
     weights = (remaining * _safe_ratio(a_s) + later * a_s) / k
     return idx, weights
+
+
+def slot_mode_sample(
+    logits: torch.Tensor,
+    k: int,
+    *,
+    num_samples: int,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """K cells drawn as the slot modes of ``num_samples`` Gumbel-top-k draws from ``softmax(logits)``.
+
+    Each draw takes K cells without replacement from the attention ``softmax(logits)`` (Gumbel-top-k) and lists
+    them in increasing cell index (the slots of Cordonnier et al.'s perturbed top-k indicators); slot ``j`` of the
+    result is the cell found most often in slot ``j`` over the draws (ties: the smallest index). This is the bag
+    the perturbed top-k with ``max_support = 1`` reads, with the draws of attention sampling: the cells the
+    attention is sure of are in every draw and keep their slots, filler cells that change from draw to draw
+    seldom win one, so each confident cell gets about one slot and the bag is not one object drawn K times (as a
+    with-replacement draw at a low temperature) nor K - 3 filler cells (as one draw without replacement).
+    The indices are not differentiable; pair them with weights that carry the attention's gradient.
+
+    Args:
+        logits: ``[B, N]`` float, finite: the attention's logits (e.g. ``scores / T``).
+        k: cells per bag, ``1 <= k <= N``.
+        num_samples: Gumbel-top-k draws, ``>= 1`` (1: one draw without replacement, in index order).
+        generator: optional ``torch.Generator`` for the Gumbel noise.
+
+    Returns:
+        ``[B, k]`` long cell indices (a cell may fill several slots).
+    """
+    logits = check_scores(logits, "logits", ndim=2)
+    b, n = logits.shape
+    k = check_k(k, n, "k")
+    num_samples = check_positive_int(num_samples, "num_samples")
+    _check_generator(generator, logits.device)
+    g = gumbel_noise((num_samples, b, n), generator=generator, device=logits.device, dtype=logits.dtype)
+    draws = torch.topk(logits.detach().unsqueeze(0) + g, k, dim=-1).indices  # [M, B, k]
+    slots = torch.sort(draws, dim=-1).values  # slots in increasing cell index
+    return torch.mode(slots, dim=0).values  # [B, k]: the most frequent cell per slot, ties to the smallest
 
 
 def attention_entropy(attention: torch.Tensor) -> torch.Tensor:

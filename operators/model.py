@@ -117,6 +117,13 @@ class ModelConfig:
             attention, ``pi = 1 - (1 - a)^K``, normalised over the bag: cells the attention is sure of weigh about
             the same (``pi`` saturates at 1), cells drawn by chance little (the certainty gates of SOFT / LapSum,
             ``gates``, for attention sampling).
+        attention_draw: how attention sampling draws its K training cells. ``"sample"`` (default): one draw from
+            the attention (with or without replacement, ``replace``). ``"slot_modes"``: the slot modes of
+            ``num_samples`` Gumbel-top-k draws (:func:`operators.attention_sampling.slot_mode_sample`: per slot
+            the cell found there most often; the bag the perturbed top-k reads with ``max_support: 1``), each
+            weighing 1/K with the with-replacement estimator's gradient; needs ``attention_weights: uniform``.
+            One draw repeats the object the attention is surest of (with replacement) or fills most of the bag
+            with filler (without); the slot modes give each confident cell about one slot.
         explore_temperature: SOFT top-k and LapSum in training read the top-k cells of
             ``s / T + Gumbel`` (``T`` this value; K cells drawn without replacement from ``softmax(s / T)``) instead
             of the hard top-k, and gate them with their mask values; 0 (default) reads the hard top-k. Without it
@@ -264,6 +271,7 @@ class ModelConfig:
     mask_extra: int = 0
     gates: Literal["mask", "hard", "certainty"] = "mask"
     attention_weights: Literal["estimator", "normalised", "uniform", "inclusion"] = "estimator"
+    attention_draw: Literal["sample", "slot_modes"] = "sample"
     mask_sampling: bool = False
     candidate_dropout: float = 0.0
     selection_grad: float = 1.0
@@ -368,6 +376,13 @@ class ModelConfig:
             raise ConfigError(
                 "model.attention_weights must be 'estimator', 'normalised', 'uniform' or 'inclusion', "
                 f"got {self.attention_weights!r}"
+            )
+        if self.attention_draw not in ("sample", "slot_modes"):
+            raise ConfigError(f"model.attention_draw must be 'sample' or 'slot_modes', got {self.attention_draw!r}")
+        if self.attention_draw == "slot_modes" and self.attention_weights != "uniform":
+            raise ConfigError(
+                "model.attention_draw: slot_modes gives each bag cell weight 1/K; it needs model.attention_weights: "
+                f"uniform, got {self.attention_weights!r}"
             )
         if self.gates not in ("mask", "hard", "certainty"):
             raise ConfigError(f"model.gates must be one of 'mask', 'hard', 'certainty', got {self.gates!r}")
@@ -868,11 +883,16 @@ class FoveateModel(nn.Module):
         k = cfg.k
         ones = sc.new_ones((1, k, 1))
         if cfg.selector == "attention":
-            from operators.attention_sampling import attention_entropy, attention_sample
+            from operators.attention_sampling import attention_entropy, attention_sample, slot_mode_sample
 
             att = torch.softmax(sc / cfg.attention_temperature, dim=1)  # [1, Nc]
             ent = attention_entropy(att)
-            if training:
+            if training and cfg.attention_draw == "slot_modes":  # the perturbed top-k's bag, attention's draws
+                logits = sc / cfg.attention_temperature
+                idx = slot_mode_sample(logits, k, num_samples=cfg.num_samples, generator=generator)
+                la = torch.log_softmax(logits, dim=1).gather(1, idx)
+                w = (1.0 + (la - la.detach())) / k
+            elif training:
                 idx, w = attention_sample(att, k, replace=cfg.replace, generator=generator)
                 if cfg.attention_weights == "normalised":  # self-normalised: the drawn cells' attention, summing to 1
                     w = att.gather(1, idx)

@@ -13,7 +13,8 @@ import math
 import pytest
 import torch
 
-from operators import AttentionSampler, attention_entropy, attention_sample
+from operators import AttentionSampler, attention_entropy, attention_sample, slot_mode_sample
+from operators.attention_sampling import gumbel_noise
 
 A0 = torch.tensor([0.42, 0.23, 0.15, 0.12, 0.05, 0.03], dtype=torch.float64)
 F0 = torch.tensor([1.5, -2.0, 0.7, 3.0, -1.0, 4.0], dtype=torch.float64)
@@ -194,3 +195,36 @@ def test_cuda_unbiased_and_generator():
         assert abs(float(_z(est, (A0 * F0).sum()))) < 5
     with pytest.raises(ValueError, match="generator"):
         attention_sample(a, 3, replace=True, generator=torch.Generator())
+
+
+def test_slot_mode_sample_is_the_per_slot_mode_of_gumbel_top_k_draws():
+    """Against a plain loop over the same Gumbel draws: per draw the top k of logits + noise in index order,
+    per slot the most frequent cell (ties: the smallest)."""
+    from collections import Counter
+
+    b, n, k, m = 3, 12, 4, 25
+    logits = torch.randn(b, n, generator=torch.Generator().manual_seed(1), dtype=torch.float64) * 2
+    got = slot_mode_sample(logits, k, num_samples=m, generator=torch.Generator().manual_seed(7))
+    g = gumbel_noise((m, b, n), generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    for bi in range(b):
+        slots = [sorted(torch.topk(logits[bi] + g[d, bi], k).indices.tolist()) for d in range(m)]
+        for j in range(k):
+            counts = Counter(s[j] for s in slots)
+            top = max(counts.values())
+            assert int(got[bi, j]) == min(c for c, v in counts.items() if v == top)
+    assert got.dtype == torch.long and got.shape == (b, k)
+
+
+def test_slot_mode_sample_keeps_the_sure_cells_and_is_the_top_k_at_a_low_temperature():
+    logits = torch.zeros(1, 30, dtype=torch.float64)
+    logits[0, [3, 11, 27]] = 8.0  # three cells the attention is sure of, 27 filler cells
+    got = slot_mode_sample(logits, 3, num_samples=64, generator=torch.Generator().manual_seed(0))
+    assert got[0].tolist() == [3, 11, 27]
+    # one draw at a very low temperature is the hard top-k, in index order
+    s = torch.rand(2, 40, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    got = slot_mode_sample(s / 1e-9, 5, num_samples=1, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(got, s.topk(5, dim=1).indices.sort(dim=1).values)
+    with pytest.raises(ValueError, match="k"):
+        slot_mode_sample(s, 41, num_samples=4)
+    with pytest.raises(ValueError, match="num_samples"):
+        slot_mode_sample(s, 3, num_samples=0)

@@ -542,6 +542,31 @@ def test_attention_weights_uniform_weigh_each_drawn_cell_one_kth_with_the_estima
     torch.testing.assert_close(hard.slot_weights, torch.full((1, k), 1.0 / k, dtype=torch.float64))
 
 
+def test_attention_draw_slot_modes_reads_the_slot_modes_with_uniform_weights_and_the_estimators_gradient():
+    from operators.attention_sampling import slot_mode_sample
+
+    cfg = {**SMALL, "selector": "attention", "attention_temperature": 0.1, "attention_weights": "uniform"}
+    model = FoveateModel(ModelConfig(**{**cfg, "attention_draw": "slot_modes", "num_samples": 16})).double()
+    k = model.cfg.k
+    scores = torch.rand(1, 20, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    s = scores.clone().requires_grad_(True)
+    sel = model.select(s, training=True, generator=torch.Generator().manual_seed(5))
+    idx = slot_mode_sample(scores / 0.1, k, num_samples=16, generator=torch.Generator().manual_seed(5))
+    assert torch.equal(sel.indices[0, :, 0], idx[0])
+    torch.testing.assert_close(sel.slot_weights.detach(), torch.full((1, k), 1.0 / k, dtype=torch.float64))
+    c = torch.randn(k, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    (sel.slot_weights[0] * c).sum().backward()
+    s2 = scores.clone().requires_grad_(True)
+    (torch.log_softmax(s2 / 0.1, dim=1)[0, idx[0]] * c / k).sum().backward()
+    torch.testing.assert_close(s.grad, s2.grad, rtol=1e-12, atol=1e-12)
+    hard = model.select(scores, training=False)  # inference: the hard top-k's plain mean
+    assert torch.equal(hard.indices[0, :, 0].sort().values, scores[0].topk(k).indices.sort().values)
+    with pytest.raises(ValueError, match="attention_weights: uniform"):
+        ModelConfig(**{**cfg, "attention_weights": "estimator", "attention_draw": "slot_modes"})
+    with pytest.raises(ValueError, match="attention_draw"):
+        ModelConfig(**{**cfg, "attention_draw": "modes"})
+
+
 def test_attention_weights_inclusion_are_the_normalised_probabilities_of_being_drawn_in_k_draws():
     base = {**SMALL, "selector": "attention", "attention_temperature": 0.1}
     model = FoveateModel(ModelConfig(**{**base, "attention_weights": "inclusion"})).double()
