@@ -174,12 +174,14 @@ def slot_mode_sample(
 
     Each draw takes K cells without replacement from the attention ``softmax(logits)`` (Gumbel-top-k) and lists
     them in increasing cell index (the slots of Cordonnier et al.'s perturbed top-k indicators); slot ``j`` of the
-    result is the cell found most often in slot ``j`` over the draws (ties: the smallest index). This is the bag
-    the perturbed top-k with ``max_support = 1`` reads, with the draws of attention sampling: the cells the
-    attention is sure of are in every draw and keep their slots, filler cells that change from draw to draw
-    seldom win one, so each confident cell gets about one slot and the bag is not one object drawn K times (as a
-    with-replacement draw at a low temperature) nor K - 3 filler cells (as one draw without replacement).
-    The indices are not differentiable; pair them with weights that carry the attention's gradient.
+    result is the cell found most often in slot ``j`` over the draws (ties: ``torch.mode``'s pick, the smallest
+    index on the CPU). This is the bag the perturbed top-k with ``max_support = 1`` reads, with the draws of
+    attention sampling: the cells the attention is sure of are in every draw and keep their slots, filler cells
+    that change from draw to draw seldom win one, so each confident cell gets about one slot and the bag is not
+    one object drawn K times (as a with-replacement draw at a low temperature) nor K - 3 filler cells (as one
+    draw without replacement).
+    The indices are not differentiable; pair them with weights that carry the attention's gradient. Memory: the
+    ``num_samples x B x N`` noise, as the perturbed top-k's.
 
     Args:
         logits: ``[B, N]`` float, finite: the attention's logits (e.g. ``scores / T``).
@@ -198,7 +200,7 @@ def slot_mode_sample(
     g = gumbel_noise((num_samples, b, n), generator=generator, device=logits.device, dtype=logits.dtype)
     draws = torch.topk(logits.detach().unsqueeze(0) + g, k, dim=-1).indices  # [M, B, k]
     slots = torch.sort(draws, dim=-1).values  # slots in increasing cell index
-    return torch.mode(slots, dim=0).values  # [B, k]: the most frequent cell per slot, ties to the smallest
+    return torch.mode(slots, dim=0).values  # [B, k]: the most frequent cell per slot
 
 
 def attention_entropy(attention: torch.Tensor) -> torch.Tensor:
