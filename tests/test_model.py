@@ -526,20 +526,24 @@ def test_attention_weights_normalised_are_the_drawn_cells_attention_summing_to_o
         ModelConfig(**{**SMALL, "selector": "attention", "attention_weights": "unbiased"})
 
 
-def test_attention_weights_uniform_weigh_each_drawn_cell_one_kth_with_the_estimators_gradient():
-    model, scores, s, sel, _, idx = _attention_training_draw("uniform")
+def _check_uniform_weights(model, scores, s, sel, idx) -> None:
+    """Training: 1/K per drawn cell (``idx``) with the gradient (1 / K) d log a_j / d s (the with-replacement
+    estimator's a / sg(a) / K) at T = 0.1; inference: the plain mean of the hard top-k."""
     k = model.cfg.k
     torch.testing.assert_close(sel.slot_weights.detach(), torch.full((1, k), 1.0 / k, dtype=torch.float64))
-    # gradient: d w_j / d s = (1 / K) d log a_j / d s (the with-replacement estimator's a / sg(a) / K)
     c = torch.randn(k, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
     (sel.slot_weights[0] * c).sum().backward()
     s2 = scores.clone().requires_grad_(True)
     (torch.log_softmax(s2 / 0.1, dim=1)[0, idx[0]] * c / k).sum().backward()
     torch.testing.assert_close(s.grad, s2.grad, rtol=1e-12, atol=1e-12)
-    # inference: the plain mean of the hard top-k
     hard = model.select(scores, training=False)
     assert torch.equal(hard.indices[0, :, 0].sort().values, scores[0].topk(k).indices.sort().values)
     torch.testing.assert_close(hard.slot_weights, torch.full((1, k), 1.0 / k, dtype=torch.float64))
+
+
+def test_attention_weights_uniform_weigh_each_drawn_cell_one_kth_with_the_estimators_gradient():
+    model, scores, s, sel, _, idx = _attention_training_draw("uniform")
+    _check_uniform_weights(model, scores, s, sel, idx)
 
 
 def test_attention_draw_slot_modes_reads_the_slot_modes_with_uniform_weights_and_the_estimators_gradient():
@@ -553,14 +557,7 @@ def test_attention_draw_slot_modes_reads_the_slot_modes_with_uniform_weights_and
     sel = model.select(s, training=True, generator=torch.Generator().manual_seed(5))
     idx = slot_mode_sample(scores / 0.1, k, num_samples=16, generator=torch.Generator().manual_seed(5))
     assert torch.equal(sel.indices[0, :, 0], idx[0])
-    torch.testing.assert_close(sel.slot_weights.detach(), torch.full((1, k), 1.0 / k, dtype=torch.float64))
-    c = torch.randn(k, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
-    (sel.slot_weights[0] * c).sum().backward()
-    s2 = scores.clone().requires_grad_(True)
-    (torch.log_softmax(s2 / 0.1, dim=1)[0, idx[0]] * c / k).sum().backward()
-    torch.testing.assert_close(s.grad, s2.grad, rtol=1e-12, atol=1e-12)
-    hard = model.select(scores, training=False)  # inference: the hard top-k's plain mean
-    assert torch.equal(hard.indices[0, :, 0].sort().values, scores[0].topk(k).indices.sort().values)
+    _check_uniform_weights(model, scores, s, sel, idx)
     with pytest.raises(ValueError, match="attention_weights: uniform"):
         ModelConfig(**{**cfg, "attention_weights": "estimator", "attention_draw": "slot_modes"})
     with pytest.raises(ValueError, match="attention_draw"):
