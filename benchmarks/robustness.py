@@ -1,7 +1,8 @@
 """Benchmark: how reliably do the selection models learn where to look? Seeds x selector configs x tasks.
 
 For every task the data is made once (``foveate synth`` -> ``foveate ingest``, cached under
-``WORKDIR/data/<task>-<count>x<size>/`` and reused when complete), then for every config in ``configs/``
+``WORKDIR/data/<task>-<count>x<size>/`` and reused when complete; ``--synth-jobs N`` writes N slides at once),
+then for every config in ``configs/``
 (default: every training config there except ``demo`` and ``runtime_env``) and every training seed one
 ``foveate train`` runs in a subprocess (:func:`run_training`; swap it for an in-process trainer later). The
 "validation" split of ``foveate train`` (stratified, ``data.val_fraction``, ``data.seed``) is the held-out
