@@ -885,20 +885,19 @@ class FoveateModel(nn.Module):
         if cfg.selector == "attention":
             from operators.attention_sampling import attention_entropy, attention_sample, slot_mode_sample
 
-            att = torch.softmax(sc / cfg.attention_temperature, dim=1)  # [1, Nc]
+            logits = sc / cfg.attention_temperature
+            att = torch.softmax(logits, dim=1)  # [1, Nc]
             ent = attention_entropy(att)
-            if training and cfg.attention_draw == "slot_modes":  # the perturbed top-k's bag, attention's draws
-                logits = sc / cfg.attention_temperature
-                idx = slot_mode_sample(logits, k, num_samples=cfg.num_samples, generator=generator)
-                la = torch.log_softmax(logits, dim=1).gather(1, idx)
-                w = (1.0 + (la - la.detach())) / k
-            elif training:
-                idx, w = attention_sample(att, k, replace=cfg.replace, generator=generator)
+            if training:
+                if cfg.attention_draw == "slot_modes":  # the perturbed top-k's bag; weights: uniform (config check)
+                    idx = slot_mode_sample(logits, k, num_samples=cfg.num_samples, generator=generator)
+                else:
+                    idx, w = attention_sample(att, k, replace=cfg.replace, generator=generator)
                 if cfg.attention_weights == "normalised":  # self-normalised: the drawn cells' attention, summing to 1
                     w = att.gather(1, idx)
                     w = w / w.sum(1, keepdim=True)
                 elif cfg.attention_weights == "uniform":  # 1/K each; the with-replacement estimator's gradient
-                    la = torch.log_softmax(sc / cfg.attention_temperature, dim=1).gather(1, idx)  # a / sg(a), in logs
+                    la = torch.log_softmax(logits, dim=1).gather(1, idx)  # a / sg(a), in logs
                     w = (1.0 + (la - la.detach())) / k
                 elif cfg.attention_weights == "inclusion":
                     w = _inclusion_weights(att.gather(1, idx), k)
