@@ -837,8 +837,7 @@ def synth_archive(
                     if progress is not None:
                         progress(n_tiles(int(widths[i]), int(heights[i])), Path(infos[i]["path"]).name)
             except BaseException:
-                for f in futures:
-                    f.cancel()
+                pool.shutdown(cancel_futures=True)  # slides not yet started are not written
                 raise
         rows = [row(i, infos[i]) for i in range(count)]
     df = pd.DataFrame(rows, columns=["path", "label"])
