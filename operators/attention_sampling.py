@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from operators._checks import check_bool, check_k, check_positive_int, check_scores
+from operators.topk import slot_modes
 
 __all__ = ["attention_sample", "attention_entropy", "gumbel_noise", "slot_mode_sample", "AttentionSampler"]
 
@@ -199,8 +200,7 @@ def slot_mode_sample(
     _check_generator(generator, logits.device)
     g = gumbel_noise((num_samples, b, n), generator=generator, device=logits.device, dtype=logits.dtype)
     draws = torch.topk(logits.detach().unsqueeze(0) + g, k, dim=-1).indices  # [M, B, k]
-    slots = torch.sort(draws, dim=-1).values  # slots in increasing cell index
-    return torch.mode(slots, dim=0).values  # [B, k]: the most frequent cell per slot
+    return slot_modes(draws.transpose(0, 1))  # [B, k]: the most frequent cell per slot
 
 
 def attention_entropy(attention: torch.Tensor) -> torch.Tensor:

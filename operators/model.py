@@ -124,6 +124,16 @@ class ModelConfig:
             weighing 1/K with the with-replacement estimator's gradient; needs ``attention_weights: uniform``.
             One draw repeats the object the attention is surest of (with replacement) or fills most of the bag
             with filler (without); the slot modes give each confident cell about one slot.
+        soft_draw: which k cells SOFT top-k and LapSum read as the training bag. ``"topk"`` (default): the k
+            largest scores (plus the ``mask_extra`` cells below them), weighed by ``gates``. ``"slot_modes"``: the
+            perturbed top-k's bag (:func:`operators.topk.perturbed_slot_modes`: per slot the cell found there most
+            often over ``num_samples`` top-k draws of ``scores + sigma * Z``, ``sigma`` as for the perturbed top-k,
+            with its schedule), each slot weighing ``1/k`` in the forward pass with the soft mask's gradient
+            (``mask / k`` at the cell, straight-through); the ``mask_extra`` cells below the top-k are still read
+            for the evidence losses, at weight 0 in the bag. The certain cells fill the bag (some twice), the
+            filler near the threshold seldom gets a slot: a deterministic bag keeps a slide's same filler cells
+            every epoch, which the classifier fits (session 27's four-class stall). Inference is unchanged (the
+            hard top-k, weighed by ``gates``).
         explore_temperature: SOFT top-k and LapSum in training read the top-k cells of
             ``s / T + Gumbel`` (``T`` this value; K cells drawn without replacement from ``softmax(s / T)``) instead
             of the hard top-k, and gate them with their mask values; 0 (default) reads the hard top-k. Without it
@@ -272,6 +282,7 @@ class ModelConfig:
     gates: Literal["mask", "hard", "certainty"] = "mask"
     attention_weights: Literal["estimator", "normalised", "uniform", "inclusion"] = "estimator"
     attention_draw: Literal["sample", "slot_modes"] = "sample"
+    soft_draw: Literal["topk", "slot_modes"] = "topk"
     mask_sampling: bool = False
     candidate_dropout: float = 0.0
     selection_grad: float = 1.0
@@ -383,6 +394,14 @@ class ModelConfig:
             raise ConfigError(
                 "model.attention_draw: slot_modes gives each bag cell weight 1/K; it needs model.attention_weights: "
                 f"uniform, got {self.attention_weights!r}"
+            )
+        if self.soft_draw not in ("topk", "slot_modes"):
+            raise ConfigError(f"model.soft_draw must be 'topk' or 'slot_modes', got {self.soft_draw!r}")
+        if self.soft_draw == "slot_modes" and (self.mask_sampling or self.explore_temperature > 0):
+            raise ConfigError(
+                "model.soft_draw: slot_modes draws the k cells SOFT/LapSum read in training; it cannot be combined "
+                f"with model.mask_sampling (got {self.mask_sampling}) or model.explore_temperature (got "
+                f"{self.explore_temperature}): set those to false / 0"
             )
         if self.gates not in ("mask", "hard", "certainty"):
             raise ConfigError(f"model.gates must be one of 'mask', 'hard', 'certainty', got {self.gates!r}")
@@ -924,6 +943,17 @@ class FoveateModel(nn.Module):
             return Selection(cidx[idx], w, None, {"kept_mass": mass})
         keys = sc.detach()  # what ranks the read cells (training with explore_temperature: + Gumbel noise)
         mask = None
+        if training and cfg.soft_draw == "slot_modes" and cfg.selector in ("sinkhorn", "lapsum") and sc.shape[1] > k:
+            # the perturbed top-k's bag (per slot its most frequent cell over the noisy draws), 1/k per slot with
+            # the mask's gradient; the num_read - k cells ranked below the top-k are read at weight 0 (evidence)
+            mask = self._soft_mask(sc)
+            bag = topk.perturbed_slot_modes(sc, k, num_samples=cfg.num_samples, sigma=sigma, generator=generator)
+            below = torch.topk(keys, num_read, dim=1).indices[:, k:]
+            idx = torch.cat([bag, below], dim=1)
+            m = mask.gather(1, idx) / k
+            fwd = torch.cat([m.new_full((1, k), 1.0 / k), m.new_zeros((1, num_read - k))], dim=1)
+            ones = sc.new_ones((1, num_read, 1))
+            return Selection(cidx[idx].unsqueeze(-1), ones, fwd + (m - m.detach()), {})
         if training and cfg.mask_sampling and cfg.selector in ("sinkhorn", "lapsum") and sc.shape[1] > k:
             # read k cells drawn with inclusion probabilities = the soft mask: the cells it holds at 1 always,
             # the mass it spreads near its threshold shared out at random (operators.topk.mask_sample)

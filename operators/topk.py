@@ -32,7 +32,7 @@ from torch import nn
 
 from operators._checks import check_bool, check_k, check_nonneg, check_positive_int, check_scores, check_tensor
 
-__all__ = ["hard_topk", "mask_sample", "perturbed_topk", "PerturbedTopK"]
+__all__ = ["hard_topk", "mask_sample", "perturbed_slot_modes", "perturbed_topk", "slot_modes", "PerturbedTopK"]
 
 #: Largest number of noise elements (B * samples * N) drawn at once: above it the samples are drawn and
 #: processed in chunks of at most this many elements (the noise convention of the module docstring).
@@ -101,6 +101,74 @@ def mask_sample(mask: torch.Tensor, k: int, *, generator: torch.Generator | None
     points = u + torch.arange(k, device=m.device, dtype=torch.float64)[None]
     pos = torch.searchsorted(c, points, right=True).clamp_max(n - 1)
     return order.gather(1, pos).sort(dim=1).values
+
+
+def slot_modes(draws: torch.Tensor) -> torch.Tensor:
+    """The slot modes of several top-k draws: ``draws[B, M, k]`` (each draw's k distinct cells, any order) ->
+    ``[B, k]`` long.
+
+    Each draw lists its cells in increasing index (the slots of the perturbed top-k's indicators); slot ``j`` of
+    the result is the cell found most often in slot ``j`` over the ``M`` draws (ties: ``torch.mode``'s pick, the
+    smallest index on the CPU). A cell may fill several slots.
+    """
+    if not isinstance(draws, torch.Tensor) or draws.dim() != 3 or draws.dtype != torch.long:
+        raise ValueError(f"draws must be a long tensor [B, M, k], got {getattr(draws, 'shape', type(draws))}")
+    return torch.mode(torch.sort(draws, dim=-1).values, dim=1).values
+
+
+def perturbed_slot_modes(
+    scores: torch.Tensor,
+    k: int,
+    *,
+    num_samples: int,
+    sigma: float,
+    generator: torch.Generator | None = None,
+    noise: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The cells the perturbed top-k reads with one cell per slot: per slot, its most frequent cell.
+
+    With the noise of :func:`perturbed_topk`, slot ``j`` of the result is the argmax over cells of
+    ``perturbed_topk(scores, k, ...)[:, j, :]`` (the slot's empirical distribution; ties: the smallest index on
+    the CPU), computed without the ``[B, k, N]`` indicators: the top-k of each perturbed row
+    ``scores + sigma * Z[:, s]`` in increasing index, then :func:`slot_modes`. The cells the scores rank far
+    above the rest are in every sample and keep their slots; cells near the threshold change from sample to
+    sample and seldom win one, so the confident cells fill the bag (some twice) and the filler is mostly left
+    out. Not differentiable (indices).
+
+    Args:
+        scores: ``[B, N]`` finite floating scores.
+        k: cells per row, ``1 <= k <= N``.
+        num_samples: perturbations ``n >= 1``.
+        sigma: noise standard deviation ``>= 0`` (0: every sample is the hard top-k).
+        generator: RNG for the noise (``perturbed_topk``'s noise convention, chunk by chunk).
+        noise: optional ``[B, num_samples, N]`` standard-normal noise to use instead of drawing it.
+
+    Returns:
+        ``LongTensor[B, k]``. Memory: one noise chunk (``_NOISE_CHUNK_ELEMENTS``) plus ``B x n x k`` indices.
+    """
+    check_scores(scores, "scores")
+    bsz, n = scores.shape
+    k = check_k(k, n)
+    num_samples = check_positive_int(num_samples, "num_samples")
+    sigma = check_nonneg(sigma, "sigma")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
+    if noise is not None:
+        check_tensor(noise, "noise")
+        if tuple(noise.shape) != (bsz, num_samples, n):
+            raise ValueError(
+                f"noise must have shape [B, num_samples, N] = {(bsz, num_samples, n)}, got {tuple(noise.shape)}"
+            )
+    s = scores.detach()
+    draws = []
+    with torch.no_grad():
+        for lo, hi in _sample_chunks(bsz, num_samples, n):
+            if noise is not None:
+                z = noise[:, lo:hi].to(dtype=s.dtype, device=s.device)
+            else:
+                z = torch.randn((bsz, hi - lo, n), generator=generator, dtype=s.dtype, device=s.device)
+            draws.append(torch.topk(s[:, None, :] + sigma * z, k, dim=-1).indices)
+    return slot_modes(torch.cat(draws, dim=1))
 
 
 def _sample_chunks(batch: int, num_samples: int, n: int) -> list[tuple[int, int]]:

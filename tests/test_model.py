@@ -584,3 +584,53 @@ def test_attention_weights_inclusion_are_the_normalised_probabilities_of_being_d
     assert 4 in hard.indices[0, :, 0].tolist()
     w = dict(zip(hard.indices[0, :, 0].tolist(), hard.slot_weights[0].tolist()))
     assert w[4] == max(w.values())  # the sure cell weighs most, but at most 1 / (its share of pi)
+
+
+@pytest.mark.parametrize("selector", ["lapsum", "sinkhorn"])
+def test_soft_draw_slot_modes_reads_the_perturbed_bag_at_one_kth_with_the_mask_gradient(selector):
+    from operators.topk import perturbed_slot_modes
+
+    base = {**SMALL, "selector": selector, "alpha": 0.1, "epsilon": 0.05, "mask_extra": 3, "gates": "certainty"}
+    model = FoveateModel(ModelConfig(**{**base, "soft_draw": "slot_modes", "num_samples": 16})).double()
+    plain = FoveateModel(ModelConfig(**{**base, "gates": "hard"})).double()
+    k = model.cfg.k
+    g = torch.Generator().manual_seed(2)
+    scores = torch.rand(2, 20, generator=g, dtype=torch.float64)
+    scores[1, :4] = float("-inf")
+    w = torch.randn(2, k + 3, generator=g, dtype=torch.float64)
+    s = scores.clone().requires_grad_(True)
+    sel = model.select(s, training=True, sigma=0.1, generator=torch.Generator().manual_seed(7))
+    assert tuple(sel.indices.shape) == (2, k + 3, 1)
+    gen = torch.Generator().manual_seed(7)  # the same draws, row by row, on the compacted rows
+    for b in range(2):
+        cand = torch.nonzero(torch.isfinite(scores[b])).flatten()
+        sc = scores[b, cand][None]
+        bag = cand[perturbed_slot_modes(sc, k, num_samples=16, sigma=0.1, generator=gen)[0]]
+        below = cand[sc[0].topk(k + 3).indices[k:]]  # the 3 cells ranked below the top-k
+        assert torch.equal(sel.indices[b, :, 0], torch.cat([bag, below]))
+    want = torch.cat([torch.full((2, k), 1.0 / k), torch.zeros(2, 3)], dim=1).double()
+    torch.testing.assert_close(sel.slot_weights.detach(), want, rtol=0, atol=0)
+    # backward: the soft mask's gradient at the read cells, / k (the plain config's straight-through gates, summed
+    # over the same cells)
+    (sel.slot_weights * w).sum().backward()
+    s2 = scores.clone().requires_grad_(True)
+    want_grad = torch.zeros_like(scores)
+    for b in range(2):
+        cand = torch.nonzero(torch.isfinite(scores[b])).flatten()
+        sc = s2[b, cand][None]
+        mask = model._soft_mask(sc)[0]
+        pos = {int(c): i for i, c in enumerate(cand)}
+        read = [pos[int(c)] for c in sel.indices[b, :, 0]]
+        want_grad += torch.autograd.grad((mask[read] / k * w[b]).sum(), s2)[0]
+    torch.testing.assert_close(s.grad, want_grad, rtol=1e-12, atol=1e-12)
+    assert float(s.grad.abs().sum()) > 0
+    # sigma 0: the bag is the hard top-k
+    sel0 = model.select(scores, training=True, sigma=0.0)
+    assert torch.equal(sel0.indices[:, :k, 0], scores.topk(k, dim=1).indices.sort(dim=1).values)
+    # inference: the hard top-k, as without the option
+    assert torch.equal(model.select(scores, training=False).indices, plain.select(scores, training=False).indices)
+    for bad in ({"mask_sampling": True, "mask_extra": 0}, {"explore_temperature": 0.1}):
+        with pytest.raises(ValueError, match="soft_draw"):
+            ModelConfig(**{**base, "soft_draw": "slot_modes", **bad})
+    with pytest.raises(ValueError, match="soft_draw"):
+        ModelConfig(**{**base, "soft_draw": "modes"})

@@ -293,3 +293,54 @@ def test_mask_sample_draws_k_distinct_cells_with_the_mask_as_inclusion_probabili
         mask_sample(hard, 5)
     with pytest.raises(ValueError, match="k"):
         mask_sample(hard, 11)
+
+
+def test_perturbed_slot_modes_are_the_modes_of_the_perturbed_topk_slots():
+    """Against the perturbed top-k's own indicators with the same noise (each slot's cell is one of its most
+    frequent) and against a plain loop (per sample the top k of scores + sigma z in index order, per slot the
+    most frequent cell, ties: the smallest)."""
+    from collections import Counter
+
+    from operators.topk import perturbed_slot_modes
+
+    b, n, k, m, sigma = 3, 15, 4, 33, 0.2
+    scores = torch.rand(b, n, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    z = torch.randn(b, m, n, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    got = perturbed_slot_modes(scores, k, num_samples=m, sigma=sigma, noise=z)
+    assert got.dtype == torch.long and got.shape == (b, k)
+    y = perturbed_topk(scores, k, num_samples=m, sigma=sigma, noise=z)  # [B, k, N]
+    assert torch.equal(y.gather(2, got[..., None])[..., 0], y.max(-1).values)
+    for bi in range(b):
+        slots = [sorted(torch.topk(scores[bi] + sigma * z[bi, s], k).indices.tolist()) for s in range(m)]
+        for j in range(k):
+            counts = Counter(sl[j] for sl in slots)
+            top = max(counts.values())
+            assert int(got[bi, j]) == min(c for c, v in counts.items() if v == top)
+    # the same draws from a generator as perturbed_topk's noise convention (one chunk here)
+    g1 = torch.Generator().manual_seed(9)
+    z9 = torch.randn((b, m, n), generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+    assert torch.equal(
+        perturbed_slot_modes(scores, k, num_samples=m, sigma=sigma, generator=g1),
+        perturbed_slot_modes(scores, k, num_samples=m, sigma=sigma, noise=z9),
+    )
+
+
+def test_perturbed_slot_modes_fill_the_bag_with_the_sure_cells_and_are_the_top_k_without_noise():
+    from operators.topk import perturbed_slot_modes
+
+    scores = torch.full((1, 40), 0.5, dtype=torch.float64)
+    scores[0, 5:40] += torch.linspace(-0.02, 0.02, 35, dtype=torch.float64)  # a flat run of filler
+    scores[0, [2, 9, 30]] = 1.0  # three cells far above it
+    got = perturbed_slot_modes(scores, 6, num_samples=64, sigma=0.05, generator=torch.Generator().manual_seed(0))
+    assert {2, 9, 30} <= set(got[0].tolist())
+    assert len(set(got[0].tolist())) < 6  # the filler seldom wins a slot: sure cells fill several
+    s = torch.rand(2, 30, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    assert torch.equal(
+        perturbed_slot_modes(s, 5, num_samples=3, sigma=0.0), s.topk(5, dim=1).indices.sort(dim=1).values
+    )
+    with pytest.raises(ValueError, match="k"):
+        perturbed_slot_modes(s, 31, num_samples=4, sigma=0.1)
+    with pytest.raises(ValueError, match="sigma"):
+        perturbed_slot_modes(s, 3, num_samples=4, sigma=-1.0)
+    with pytest.raises(ValueError, match="noise"):
+        perturbed_slot_modes(s, 3, num_samples=4, sigma=0.1, noise=torch.zeros(2, 3, 30))
