@@ -165,6 +165,12 @@ class ModelConfig:
             grid cells (:meth:`FoveateModel.local_maxima`), in training and at inference, so the K patches land on
             K different structures instead of several cells of the same one (a slide with fewer than ``k``
             local maxima selects among all its cells). 0 (default): off.
+        nms_ties: what :meth:`FoveateModel.local_maxima` does with tied maxima (local maxima within ``r`` of each
+            other have equal scores). ``"keep"`` (default): every tied cell is kept. ``"first"``: among kept cells,
+            a cell is dropped when a kept cell of smaller index lies in its window, so a structure yields one
+            cell. On an overlapping grid (``stride < patch_size``) the scorer's per-cell max-pool gives the cells
+            that share the structure's low-resolution maximum the same score, and with ``"keep"`` they fill
+            the K slots with one structure.
         patch_jitter: in training, every full-resolution read window (selected, exploration and rare cells)
             is shifted by a random offset of up to this fraction of ``patch_size`` in x and y (random-crop
             augmentation: the same structures, never the same pixels twice, so the classifier cannot memorise
@@ -288,6 +294,7 @@ class ModelConfig:
     selection_grad: float = 1.0
     patch_jitter: float = 0.0
     nms_radius: int = 0
+    nms_ties: Literal["keep", "first"] = "keep"
     color_jitter: float = 0.0
     explore_cells: int = 0
     explore_strata: int = 0
@@ -428,6 +435,8 @@ class ModelConfig:
                 f"{self.neutral_pool}"
             )
         pos_int("nms_radius", 0)
+        if self.nms_ties not in ("keep", "first"):
+            raise ConfigError(f"model.nms_ties must be 'keep' or 'first', got {self.nms_ties!r}")
         if self.stride is not None:
             pos_int("stride")
         if self.scorer_downsample is not None and not (
@@ -796,7 +805,7 @@ class FoveateModel(nn.Module):
             grid_shape: ``(Gh, Gw)``.
 
         Returns:
-            ``[B, N]``: ``scores`` where a cell is a local maximum (ties keep every tied cell), ``-inf``
+            ``[B, N]``: ``scores`` where a cell is a local maximum (ties: ``cfg.nms_ties``), ``-inf``
             elsewhere; a row with fewer than ``k`` local maxima is returned unchanged. ``scores`` itself when
             ``nms_radius == 0``. Differentiable wrt the kept scores.
         """
@@ -810,6 +819,12 @@ class FoveateModel(nn.Module):
             grid = scores.detach().view(-1, 1, gh, gw)
             mx = torch.nn.functional.max_pool2d(grid, 2 * r + 1, stride=1, padding=r).view_as(scores)
             keep = torch.isfinite(scores) & (scores.detach() >= mx)
+            if self.cfg.nms_ties == "first":
+                # kept cells within r of each other are tied; keep the one of smallest index in each window
+                idx = torch.arange(gh * gw, device=scores.device, dtype=torch.float64).expand_as(keep)
+                prio = torch.where(keep, -idx, torch.full_like(idx, float("-inf"))).reshape(-1, 1, gh, gw)
+                best = torch.nn.functional.max_pool2d(prio, 2 * r + 1, stride=1, padding=r).view_as(keep)
+                keep = keep & (-idx >= best)
             enough = keep.sum(1, keepdim=True) >= self.cfg.k
             keep = torch.where(enough, keep, torch.isfinite(scores))
         return torch.where(keep, scores, torch.full_like(scores, float("-inf")))

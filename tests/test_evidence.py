@@ -469,6 +469,49 @@ def test_local_maxima_keeps_window_maxima_falls_back_when_too_few_and_passes_gra
         model.local_maxima(s, (5, 5))
 
 
+def test_local_maxima_first_ties_keep_one_cell_per_tied_window():
+    with pytest.raises(ConfigError, match="nms_ties"):
+        ModelConfig(nms_ties="last")
+    # a 2x2 plateau of tied maxima (as an overlapping grid's max-pooled cells of one structure give) and a single
+    # peak: "keep" keeps all five, "first" the plateau's first cell and the peak
+    g = torch.full((5, 6), float("-inf"), dtype=torch.float64)
+    g[0:4, 0:4] = 0.1
+    g[1:3, 1:3] = 0.9
+    g[4, 5] = 0.7
+    keep = FoveateModel(ModelConfig(k=2, nms_radius=1)).double().local_maxima(g.flatten()[None], (5, 6))
+    first = FoveateModel(ModelConfig(k=2, nms_radius=1, nms_ties="first")).double()
+    out = first.local_maxima(g.flatten()[None], (5, 6)).view(5, 6)
+    assert int(torch.isfinite(keep).sum()) == 5
+    assert torch.isfinite(out).nonzero().tolist() == [[1, 1], [4, 5]]
+    # random integer scores (many ties), radius 1 and 2: a local maximum is kept iff no local maximum of smaller
+    # index lies in its window (brute force)
+    gen = torch.Generator().manual_seed(3)
+    for r in (1, 2):
+        model = FoveateModel(ModelConfig(k=1, nms_radius=r, nms_ties="first")).double()
+        for _ in range(5):
+            h, w = 7, 9
+            sc = torch.randint(0, 3, (h, w), generator=gen).double()
+            sc[0, 0] = float("-inf")
+            got = model.local_maxima(sc.flatten()[None], (h, w)).view(h, w)
+            lm = torch.zeros(h, w, dtype=torch.bool)
+            for y in range(h):
+                for x in range(w):
+                    win = sc[max(y - r, 0) : y + r + 1, max(x - r, 0) : x + r + 1]
+                    lm[y, x] = bool(torch.isfinite(sc[y, x])) and bool(sc[y, x] >= win.max())
+            want = torch.full_like(sc, float("-inf"))
+            for y in range(h):
+                for x in range(w):
+                    earlier = [
+                        lm[yy, xx]
+                        for yy in range(max(y - r, 0), min(y + r + 1, h))
+                        for xx in range(max(x - r, 0), min(x + r + 1, w))
+                        if yy * w + xx < y * w + x
+                    ]
+                    if lm[y, x] and not any(earlier):
+                        want[y, x] = sc[y, x]
+            assert torch.equal(got, want)
+
+
 def test_neutral_loss_is_the_kl_from_uniform_zero_on_constant_rows_with_exact_gradients():
     g = torch.Generator().manual_seed(0)
     x = torch.randn(5, 3, generator=g, dtype=torch.float64, requires_grad=True)
