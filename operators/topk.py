@@ -103,6 +103,22 @@ def mask_sample(mask: torch.Tensor, k: int, *, generator: torch.Generator | None
     return order.gather(1, pos).sort(dim=1).values
 
 
+def _check_generator_and_noise(
+    scores: torch.Tensor, num_samples: int, generator: torch.Generator | None, noise: torch.Tensor | None
+) -> None:
+    """The perturbed top-k's ``generator`` (a ``torch.Generator`` on the scores' device, or None) and ``noise``
+    (None or ``[B, num_samples, N]``) arguments."""
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
+    if generator is not None and torch.device(generator.device).type != scores.device.type:
+        raise ValueError(f"generator must be on scores.device ({scores.device}), got a generator on {generator.device}")
+    if noise is not None:
+        check_tensor(noise, "noise")
+        want = (scores.shape[0], num_samples, scores.shape[1])
+        if tuple(noise.shape) != want:
+            raise ValueError(f"noise must have shape [B, num_samples, N] = {want}, got {tuple(noise.shape)}")
+
+
 def slot_modes(draws: torch.Tensor) -> torch.Tensor:
     """The slot modes of several top-k draws: ``draws[B, M, k]`` (each draw's k distinct cells, any order) ->
     ``[B, k]`` long.
@@ -151,14 +167,7 @@ def perturbed_slot_modes(
     k = check_k(k, n)
     num_samples = check_positive_int(num_samples, "num_samples")
     sigma = check_nonneg(sigma, "sigma")
-    if generator is not None and not isinstance(generator, torch.Generator):
-        raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
-    if noise is not None:
-        check_tensor(noise, "noise")
-        if tuple(noise.shape) != (bsz, num_samples, n):
-            raise ValueError(
-                f"noise must have shape [B, num_samples, N] = {(bsz, num_samples, n)}, got {tuple(noise.shape)}"
-            )
+    _check_generator_and_noise(scores, num_samples, generator, noise)
     s = scores.detach()
     draws = []
     with torch.no_grad():
@@ -311,16 +320,8 @@ def perturbed_topk(
     num_samples = check_positive_int(num_samples, "num_samples")
     sigma = check_nonneg(sigma, "sigma")
     control_variate = check_bool(control_variate, "control_variate")
-    if generator is not None and not isinstance(generator, torch.Generator):
-        raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
-    if generator is not None and torch.device(generator.device).type != scores.device.type:
-        raise ValueError(f"generator must be on scores.device ({scores.device}), got a generator on {generator.device}")
+    _check_generator_and_noise(scores, num_samples, generator, noise)
     if noise is not None:
-        check_tensor(noise, "noise")
-        if tuple(noise.shape) != (bsz, num_samples, n):
-            raise ValueError(
-                f"noise must have shape [B, num_samples, N] = {(bsz, num_samples, n)}, got {tuple(noise.shape)}"
-            )
         noise = noise.to(dtype=scores.dtype, device=scores.device)
     elif sigma > 0 and generator is None:
         seed = int(torch.randint(0, 2**62, (1,)).item())
