@@ -617,3 +617,17 @@ def test_neutral_pool_is_drawn_and_read_once_per_slide_and_rare_per_step_takes_a
     assert part.info["cells_read"] == full.info["cells_read"] - 4
     # one ResNet batch per slide-step: the selected and exploration patches and 2 (not 6) rare cells
     assert sizes == [cfg.k + ecfg.explore_cells + 2] and "rare" in part.aux_losses
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
+def test_local_maxima_first_ties_on_cuda_match_the_cpu():
+    gen = torch.Generator().manual_seed(4)
+    for r in (1, 2):
+        model = FoveateModel(ModelConfig(k=1, nms_radius=r, nms_ties="first"))
+        sc = torch.randint(0, 3, (3, 30 * 40), generator=gen).float()
+        sc[:, :7] = float("-inf")
+        cpu = model.local_maxima(sc, (30, 40))
+        gpu = model.cuda().local_maxima(sc.cuda(), (30, 40))
+        assert torch.equal(gpu.cpu(), cpu)
+        assert int(torch.isfinite(cpu).sum()) < int(torch.isfinite(sc).sum())  # ties were thinned

@@ -344,3 +344,22 @@ def test_perturbed_slot_modes_fill_the_bag_with_the_sure_cells_and_are_the_top_k
         perturbed_slot_modes(s, 3, num_samples=4, sigma=-1.0)
     with pytest.raises(ValueError, match="noise"):
         perturbed_slot_modes(s, 3, num_samples=4, sigma=0.1, noise=torch.zeros(2, 3, 30))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
+def test_perturbed_slot_modes_on_cuda_pick_a_mode_of_each_slot():
+    """On CUDA (where ``torch.mode`` may break ties differently) each chosen cell is still a most frequent cell of
+    its slot in the perturbed top-k's indicators with the same noise, computed on the CPU; a CUDA generator works."""
+    from operators.topk import perturbed_slot_modes
+
+    b, n, k, m, sigma = 3, 40, 5, 64, 0.2
+    scores = torch.rand(b, n, generator=_gen(31), dtype=DT)
+    z = torch.randn(b, m, n, generator=_gen(32), dtype=DT)
+    got = perturbed_slot_modes(scores.cuda(), k, num_samples=m, sigma=sigma, noise=z.cuda())
+    assert got.is_cuda and got.shape == (b, k)
+    y = perturbed_topk(scores, k, num_samples=m, sigma=sigma, noise=z)  # [B, k, N] on the CPU
+    assert torch.equal(y.gather(2, got.cpu()[..., None])[..., 0], y.max(-1).values)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    idx = perturbed_slot_modes(scores.cuda(), k, num_samples=m, sigma=0.0, generator=gen)
+    assert torch.equal(idx.cpu(), scores.topk(k, dim=1).indices.sort(dim=1).values)  # sigma 0: the hard top-k
