@@ -18,7 +18,7 @@ wait $DATA || { echo "data failed" >> "$OUT/data.log"; exit 1; }
 echo "data done at $(( $(date +%s) - T0 ))s" >> "$OUT/data.log"
 REM=$(( LIMIT - ($(date +%s) - T0) ))
 for S in $SEEDS; do
-  ( timeout "$REM" $PY benchmarks/selection_hits.py --config perturbed_mean --stores $D/stores --epochs $EPOCHS \
+  ( timeout "$REM" $PY benchmarks/selection_hits.py --config ${CONFIG:-perturbed_mean} --stores $D/stores --epochs $EPOCHS \
       --device $DEVICE --set seed=$S --set model.stride=32 --set model.nms_ties=first 2>&1 \
       | sed -u "s/^/[s$S] /" >> "$OUT/train.log" ) &
 done
