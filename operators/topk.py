@@ -27,6 +27,8 @@ your own.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 from torch import nn
 
@@ -168,21 +170,43 @@ def perturbed_slot_modes(
     num_samples = check_positive_int(num_samples, "num_samples")
     sigma = check_nonneg(sigma, "sigma")
     _check_generator_and_noise(scores, num_samples, generator, noise)
-    s = scores.detach()
-    draws = []
     with torch.no_grad():
-        for lo, hi in _sample_chunks(bsz, num_samples, n):
-            if noise is not None:
-                z = noise[:, lo:hi].to(dtype=s.dtype, device=s.device)
-            else:
-                z = torch.randn((bsz, hi - lo, n), generator=generator, dtype=s.dtype, device=s.device)
-            draws.append(torch.topk(s[:, None, :] + sigma * z, k, dim=-1).indices)
+        draws = [idx for _, _, _, idx in _noisy_topk_chunks(scores.detach(), k, num_samples, sigma, generator, noise)]
     return slot_modes(torch.cat(draws, dim=1))
 
 
 def _sample_chunks(batch: int, num_samples: int, n: int) -> list[tuple[int, int]]:
     per = max(1, _NOISE_CHUNK_ELEMENTS // max(1, batch * n))
     return [(s, min(num_samples, s + per)) for s in range(0, num_samples, per)]
+
+
+def _noisy_topk_chunks(
+    scores: torch.Tensor,
+    k: int,
+    num_samples: int,
+    sigma: float,
+    generator: torch.Generator | None,
+    noise: torch.Tensor | None,
+) -> Iterator[tuple[int, int, torch.Tensor, torch.Tensor]]:
+    """The perturbed top-k's draws, one noise chunk at a time (arguments already validated; ``scores`` detached).
+
+    Yields ``(lo, hi, z, idx)``: samples ``lo:hi``, their standard-normal noise ``z[B, hi - lo, N]`` in the
+    scores' dtype (``noise`` as given, in one chunk; else drawn from ``generator`` chunk by chunk,
+    ``_sample_chunks``: the noise convention) and ``idx[B, hi - lo, k]``, the top-k cells of each perturbed row
+    ``scores + sigma * z`` in increasing index. One perturbed-scores buffer serves every chunk of one size.
+    """
+    bsz, n = scores.shape
+    chunks = [(0, num_samples)] if noise is not None else _sample_chunks(bsz, num_samples, n)
+    buf = None
+    for lo, hi in chunks:
+        if noise is not None:
+            z = noise.to(dtype=scores.dtype, device=scores.device)
+        else:
+            z = torch.randn((bsz, hi - lo, n), generator=generator, dtype=scores.dtype, device=scores.device)
+        if buf is None or buf.shape != z.shape:
+            buf = torch.empty_like(z)
+        torch.add(scores.unsqueeze(1), z, alpha=sigma, out=buf)  # perturbed scores
+        yield lo, hi, z, torch.topk(buf, k, dim=-1, sorted=False).indices.sort(dim=-1).values
 
 
 def _clone_generator(state: torch.Tensor, device: torch.device) -> torch.Generator:
@@ -208,34 +232,18 @@ class _PerturbedTopK(torch.autograd.Function):
             ctx.mode = "zero"
             return out
 
-        s_det = scores.detach()
-        if noise is not None:
-            chunks = [(0, num_samples)]
-            ctx.mode = "stored"
-            stored = [noise]
-        else:
-            chunks = _sample_chunks(bsz, num_samples, n)
-            nbytes = bsz * num_samples * n * scores.element_size()
-            ctx.mode = "stored" if nbytes <= _STORE_NOISE_MAX_BYTES else "regen"
-            stored = []
-            if ctx.mode == "regen":
-                ctx.gen_state = generator.get_state()
-                ctx.gen_device = generator.device
+        nbytes = bsz * num_samples * n * scores.element_size()
+        ctx.mode = "stored" if noise is not None or nbytes <= _STORE_NOISE_MAX_BYTES else "regen"
+        if ctx.mode == "regen":
+            ctx.gen_state = generator.get_state()
+            ctx.gen_device = generator.device
         idx_all = torch.empty((bsz, num_samples, k), dtype=torch.long, device=scores.device)
-        buf = None
-        for lo, hi in chunks:
-            if noise is not None:
-                z = noise
-            else:
-                z = torch.randn((bsz, hi - lo, n), generator=generator, dtype=scores.dtype, device=scores.device)
-                if ctx.mode == "stored":
-                    stored.append(z)
-            if buf is None or buf.shape != z.shape:
-                buf = torch.empty_like(z)
-            torch.add(s_det.unsqueeze(1), z, alpha=sigma, out=buf)  # perturbed scores
-            idx = torch.topk(buf, k, dim=-1, sorted=False).indices.sort(dim=-1).values  # [B, c, k]
-            idx_all[:, lo:hi] = idx
-        del buf
+        stored, chunks = [], []
+        for lo, hi, z, idx in _noisy_topk_chunks(scores.detach(), k, num_samples, sigma, generator, noise):
+            idx_all[:, lo:hi] = idx  # [B, c, k]
+            chunks.append((lo, hi))
+            if ctx.mode == "stored":
+                stored.append(z)
         ctx.chunks = chunks
         idx_t = idx_all.transpose(1, 2)  # [B, k, n]
         out.scatter_add_(2, idx_t, torch.ones((1, 1, 1), dtype=out.dtype, device=out.device).expand(idx_t.shape))
