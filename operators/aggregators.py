@@ -47,7 +47,7 @@ __all__ = [
 ]
 
 AGGREGATORS = ("mean", "max", "vote", "attention_mil", "transformer")
-READOUTS = ("mean", "logit_mean", "cls")  # of the transformer aggregator
+READOUTS = ("mean", "logit_mean", "cls", "gate")  # of the transformer aggregator
 MEAN_SKIP_AGGREGATORS = ("attention_mil", "transformer")  # those with a head of their own to add the mean to
 
 
@@ -202,7 +202,11 @@ class TransformerAggregator(nn.Module):
             ``"logit_mean"``: every encoded token is classified (final norm + head) and the bag's logits are the
             mean of the tokens' logits, so a bag's prediction is the average of its patches' votes (after they
             have seen each other) and a bag of one patch is that patch's own vote, as with the mean aggregator;
-            or ``"cls"``: a learnt CLS token.
+            ``"cls"``: a learnt CLS token; or ``"gate"``: the encoded tokens only decide how much each patch
+            counts — a linear map of each normed token gives a gate logit ``s_k``, and the bag is the attention-MIL
+            pooling ``sum_k a_k f_k`` of the patch *features* with ``a_k = sigmoid(s_k) / sum_j sigmoid(s_j)``,
+            classified by a linear head (attention-MIL whose attention sees the other patches; the classifier
+            stays linear in the features). ``last_attention`` holds ``a``.
         mean_skip: add the mean aggregator (a linear head on the mean of the input features) and zero-initialise
             this aggregator's own head, so it starts as the mean aggregator and learns the interactions between
             patches on top of it.
@@ -239,8 +243,10 @@ class TransformerAggregator(nn.Module):
         )
         self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
         self.norm = nn.LayerNorm(hidden)
-        self.head = nn.Sequential(nn.Dropout(dropout), nn.Linear(hidden, num_classes))
+        self.gate = nn.Linear(hidden, 1) if readout == "gate" else None
+        self.head = nn.Sequential(nn.Dropout(dropout), nn.Linear(dim if readout == "gate" else hidden, num_classes))
         self.skip = _mean_skip(self.head, dim, num_classes, dropout) if mean_skip else None
+        self.last_attention: torch.Tensor | None = None
 
     def forward(
         self, features: torch.Tensor, positions: torch.Tensor | None = None, weights: torch.Tensor | None = None
@@ -254,6 +260,11 @@ class TransformerAggregator(nn.Module):
             h = h + self.pos(fourier_position_encoding(positions.to(h.dtype), self.num_frequencies))
         if self.readout == "mean":
             out = self.head(self.norm(self.encoder(h).mean(1)))
+        elif self.readout == "gate":
+            gate = torch.sigmoid(self.gate(self.norm(self.encoder(h))).squeeze(-1))  # [B, K]
+            att = gate / gate.sum(1, keepdim=True)
+            self.last_attention = att.detach()
+            out = self.head((att.unsqueeze(-1) * scaled).sum(1))
         elif self.readout == "logit_mean":
             out = self.head(self.norm(self.encoder(h))).mean(1)
         else:

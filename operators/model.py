@@ -250,7 +250,9 @@ class ModelConfig:
         transformer_layers, transformer_heads: transformer aggregator size.
         transformer_readout: ``"mean"`` of the encoded patch tokens (default), ``"logit_mean"`` (the mean of
             the encoded tokens' logits: a bag's prediction is the average of its patches' votes, and a bag of one
-            is that patch's own vote, as the evidence and neutral losses assume) or a ``"cls"`` token.
+            is that patch's own vote, as the evidence and neutral losses assume), a ``"cls"`` token, or ``"gate"``:
+            the encoded tokens give sigmoid attention gates and a linear head classifies the gated mean of the
+            patch features (attention-MIL whose attention sees the other patches).
         mean_skip: attention-MIL and transformer only: the mean aggregator (a linear head on the mean of the
             patch features) plus the aggregator, whose own head is zero-initialised, so training starts from the
             mean aggregator and learns attention / interactions on top of it (four-class objects, RESULTS.md).
@@ -320,7 +322,7 @@ class ModelConfig:
     transformer_layers: int = 2
     transformer_heads: int = 4
     position_frequencies: int = 8
-    transformer_readout: Literal["mean", "logit_mean", "cls"] = "mean"
+    transformer_readout: Literal["mean", "logit_mean", "cls", "gate"] = "mean"
     mean_skip: bool = False
     num_classes: int = 2
     dropout: float = 0.0

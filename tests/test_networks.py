@@ -120,7 +120,7 @@ def test_aggregator_permutation(name):
         torch.testing.assert_close(agg(f, pos[:, perm]), agg(f, pos))
 
 
-@pytest.mark.parametrize("readout", ["mean", "logit_mean", "cls"])
+@pytest.mark.parametrize("readout", ["mean", "logit_mean", "cls", "gate"])
 def test_transformer_readouts_are_permutation_invariant(readout):
     torch.manual_seed(1)
     agg = build_aggregator("transformer", 12, 2, hidden=16, layers=1, heads=2, readout=readout).double().eval()
@@ -138,6 +138,15 @@ def test_transformer_readouts_are_permutation_invariant(readout):
         one = agg(f[:, :1], pos[:, :1])
         h1 = agg.inp(f[:, :1]) + agg.pos(fourier_position_encoding(pos[:, :1], agg.num_frequencies))
         torch.testing.assert_close(one, agg.head(agg.norm(agg.encoder(h1)))[:, 0])
+    if readout == "gate":  # token gates pool the input features (not the tokens); a linear head classifies them
+        h = agg.inp(f) + agg.pos(fourier_position_encoding(pos, agg.num_frequencies))
+        gate = torch.sigmoid(agg.gate(agg.norm(agg.encoder(h))))  # [B, K, 1]
+        att = gate / gate.sum(1, keepdim=True)
+        torch.testing.assert_close(agg(f, pos), agg.head((att * f).sum(1)))
+        torch.testing.assert_close(agg.last_attention, att[..., 0])
+        torch.testing.assert_close(agg.last_attention.sum(1), torch.ones(3, dtype=torch.float64))
+        one = agg(f[:, :1], pos[:, :1])  # a bag of one: that patch's features through the linear head
+        torch.testing.assert_close(one, agg.head(f[:, 0]))
     with pytest.raises(ValueError, match="readout"):
         build_aggregator("transformer", 12, 2, hidden=16, heads=2, readout="max")
 
@@ -284,12 +293,14 @@ def test_cap_support_renormalises_and_gradcheck():
         cap_support(y, 0)
 
 
-@pytest.mark.parametrize("name", ["transformer", "attention_mil"])
-def test_mean_skip_starts_as_the_mean_aggregator_and_learns_on_top(name):
+@pytest.mark.parametrize("name,readout", [("transformer", "mean"), ("transformer", "gate"), ("attention_mil", "mean")])
+def test_mean_skip_starts_as_the_mean_aggregator_and_learns_on_top(name, readout):
     from operators.aggregators import MeanAggregator
 
     torch.manual_seed(4)
-    agg = build_aggregator(name, 12, 3, hidden=16, layers=1, heads=2, num_frequencies=0, mean_skip=True).double()
+    agg = build_aggregator(
+        name, 12, 3, hidden=16, layers=1, heads=2, num_frequencies=0, mean_skip=True, readout=readout
+    ).double()
     mean = MeanAggregator(12, 3).double()
     mean.head.load_state_dict(agg.skip.state_dict())
     f = torch.randn(2, 5, 12, dtype=torch.float64)
