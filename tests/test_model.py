@@ -422,6 +422,19 @@ def test_transformer_readout_config():
         }
     )
     assert FoveateModel(votes).aggregator.readout == "logit_mean"
+    gate = ModelConfig(
+        **{
+            **SMALL,
+            "aggregator": "transformer",
+            "aggregator_hidden": 8,
+            "transformer_heads": 2,
+            "transformer_readout": "gate",
+            "mean_skip": True,
+        }
+    )
+    agg = FoveateModel(gate).aggregator
+    assert agg.readout == "gate" and agg.gate.in_features == 8
+    assert agg.head[-1].in_features == SMALL["features"].feature_dim  # the head classifies the patch features
     skip = ModelConfig(**{**SMALL, "aggregator": "attention_mil", "aggregator_hidden": 16, "mean_skip": True})
     assert FoveateModel(skip).aggregator.skip is not None
     with pytest.raises(ValueError, match="mean_skip applies to the attention_mil and transformer"):
