@@ -166,6 +166,11 @@ def main() -> None:
         help="also the held-out accuracy with the training-time (soft/sampled) selection at sigma_start",
     )
     p.add_argument(
+        "--eval-last",
+        action="store_true",
+        help="evaluate (and print the line of) the last epoch only: the other epochs just train",
+    )
+    p.add_argument(
         "--save-model",
         metavar="FILE",
         help="also save the trained model (torch.save of {'cfg': model config, 'state': state_dict, 'train': "
@@ -221,6 +226,9 @@ def main() -> None:
 
         trainer.on_step = on_step
         ep = trainer.train_epoch(shard(tr, 0, 1, epoch=trainer.epoch, seed=cfg.data.seed))
+        if a.eval_last and trainer.epoch < cfg.optim.epochs:
+            print(f"ep {trainer.epoch:2d} trained ({time.time() - t0:.0f} s)", flush=True)
+            continue
         model = trainer.eval_model
         model.eval()
         res = {}
