@@ -82,7 +82,9 @@ def init_ray(
 class Done:
     """A finished call: its ``task`` (what was submitted with it), the pool and actor index, and either its
     ``value`` or its ``error``. ``actor_died``: the actor was lost (``RayActorError``); then ``retry`` says
-    whether the task has attempts left (``max_task_retries``)."""
+    whether the task has attempts left (``max_task_retries``), and ``superseded`` whether the pool had already
+    replaced (killed) that actor because another of its calls failed — the call died with its actor, not by
+    itself."""
 
     pool: ActorPool
     index: int
@@ -91,6 +93,7 @@ class Done:
     error: BaseException | None = None
     actor_died: bool = False
     retry: bool = False
+    superseded: bool = False
 
 
 @dataclass
@@ -178,7 +181,8 @@ class ActorPool:
                 log.warning("%s actor %d died (%s); replacing it", self.name, i, type(exc).__name__)
                 self.replace(i)
             n = self._attempts[id(task)] = self._attempts.get(id(task), 0) + 1
-            return Done(self, i, task, error=exc, actor_died=True, retry=n <= self.max_task_retries)
+            retry = n <= self.max_task_retries
+            return Done(self, i, task, error=exc, actor_died=True, retry=retry, superseded=not current)
         except Exception as exc:
             return Done(self, i, task, error=exc)
 

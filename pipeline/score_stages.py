@@ -162,10 +162,12 @@ def run_stages(
                 if done.error is not None:
                     if not isinstance(done.error, (RayError, GetTimeoutError)):
                         raise done.error
-                    if done.actor_died and done.retry and _unreachable(done.error):
+                    if done.actor_died and done.retry and (done.superseded or _unreachable(done.error)):
                         # the actor's node was lost (or could not be reached), not the slides' fault: the same call
                         # again on the replacement actor (Ray's own task retries can run out before a lost node
-                        # is noticed). An actor that dies by itself goes the usual way (split, then error rows).
+                        # is noticed). So is a call of an actor the pool had already replaced (killed) after
+                        # another of its calls failed: it died with its actor. An actor that dies by itself goes
+                        # the usual way (split, then error rows).
                         log.warning(
                             "%s call on %d slide(s) lost with its actor (attempt %d); resubmitting",
                             stage,
