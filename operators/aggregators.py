@@ -123,6 +123,12 @@ class VoteAggregator(_LinearHeadAggregator):
         return torch.logsumexp(logp + torch.log(w.clamp_min(torch.finfo(logp.dtype).tiny)).unsqueeze(-1), dim=1)
 
 
+def _sigmoid_attention(logit: torch.Tensor) -> torch.Tensor:
+    """Pooling weights ``sigmoid(s_k) / sum_j sigmoid(s_j)`` of attention logits ``s[B, K]`` -> ``[B, K]``."""
+    gate = torch.sigmoid(logit)
+    return gate / gate.sum(1, keepdim=True)
+
+
 class AttentionMILAggregator(nn.Module):
     """Attention-based deep MIL pooling (Ilse, Tomczak & Welling 2018), optionally gated.
 
@@ -168,8 +174,7 @@ class AttentionMILAggregator(nn.Module):
             a = a * torch.sigmoid(self.U(h))
         logit = self.w(a).squeeze(-1)  # [B, K]
         if self.attention == "sigmoid":
-            gate = torch.sigmoid(logit)
-            att = gate / gate.sum(1, keepdim=True)
+            att = _sigmoid_attention(logit)
         else:
             att = torch.softmax(logit, dim=1)
         self.last_attention = att.detach()
@@ -261,8 +266,7 @@ class TransformerAggregator(nn.Module):
         if self.readout == "mean":
             out = self.head(self.norm(self.encoder(h).mean(1)))
         elif self.readout == "gate":
-            gate = torch.sigmoid(self.gate(self.norm(self.encoder(h))).squeeze(-1))  # [B, K]
-            att = gate / gate.sum(1, keepdim=True)
+            att = _sigmoid_attention(self.gate(self.norm(self.encoder(h))).squeeze(-1))
             self.last_attention = att.detach()
             out = self.head((att.unsqueeze(-1) * scaled).sum(1))
         elif self.readout == "logit_mean":

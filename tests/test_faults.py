@@ -457,7 +457,7 @@ def test_sigterm_ends_the_mlflow_run_as_failed(data, tmp_path):
     _, err = proc.communicate(timeout=120)
     err = "".join(seen) + err
     # 130: our handler (KeyboardInterrupt, pipeline.interrupt); 15: Ray's driver handler (sys.exit(15)) if the
-    # signal lands inside ray.init before we re-install ours; -2: CPython ends a process by SIGINT (the shell
+    # signal lands inside ray.init before we re-install ours (kept accepted, though the wait above avoids it); -2: CPython ends a process by SIGINT (the shell
     # shows 130, as for Ctrl-C) when the KeyboardInterrupt passed through code run by exec(<string>) (dataclass,
     # namedtuple and SQLAlchemy set-up during an import), even though our handler caught it: the finally blocks
     # still ran, which the FAILED status below checks
