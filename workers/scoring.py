@@ -3,11 +3,12 @@
 * :class:`ScorerWorker` — loads the model, reads each slide's low-resolution view and tissue cells
   (``workers.patches.lowres_view``, uint8), runs the scorer and the hard top-k selection (on the GPU when there is
   one). Output per slide: a :class:`ScoredSlide` dict with the cell scores, the grid shape and the K chosen
-  cells (small: no pixels).
-* :class:`ClassifierWorker` — reads the chosen patches at full resolution from the store
-  (``workers.patches.PatchReader``: only the chunks they touch), runs the feature network and the aggregator
-  on the CPU for a batch of slides at once, and writes a heatmap PNG of the scores over the thumbnail. Output
-  per slide: a prediction row (see :data:`ROW_FIELDS`).
+  cells (small: no pixels), and the store's hand-off (``SlideStore.handoff``: its verified metadata, a few KB).
+* :class:`ClassifierWorker` — rebuilds the store from that hand-off (``SlideStore.from_handoff``: no request, so
+  each store is opened and verified once per scoring, one listing per level), reads the chosen patches at full
+  resolution from the store (``workers.patches.PatchReader``: only the chunks they touch), runs the feature
+  network and the aggregator on the CPU for a batch of slides at once, and writes a heatmap PNG of the scores
+  over the thumbnail. Output per slide: a prediction row (see :data:`ROW_FIELDS`).
 
 Coordinates (cells, ``patches`` boxes, heatmap outlines) are level-0 pixels; the frames: :mod:`workers.frames`.
 
@@ -107,6 +108,22 @@ def error_row(slide_id: str, store: str, error: str, *, model: str = "", seconds
     }
 
 
+def _store_of(item: Mapping[str, Any]):
+    """The slide store of a scorer output ``item``: rebuilt from the scorer's ``store_handoff`` (the store the
+    scorer opened and verified: no second open, listing or verification), else opened and verified here (items
+    without a verified hand-off)."""
+    from workers.store import SlideStore
+
+    handoff = item.get("store_handoff")
+    if not handoff or not handoff.get("verified"):
+        return SlideStore(item["store"])
+    if storage.normalize(handoff["location"]) != storage.normalize(item["store"]):
+        raise ValueError(
+            f"the scorer's store hand-off names {handoff['location']!r}, the slide's store is {item['store']!r}"
+        )
+    return SlideStore.from_handoff(handoff)
+
+
 def _set_threads(threads: int | None) -> None:
     if threads:
         torch.set_num_threads(int(threads))
@@ -160,6 +177,7 @@ class ScorerWorker:
                 "slot_weights": slot_w,
                 "seconds": time.perf_counter() - t0,
                 "device": str(self.device),
+                "store_handoff": store.handoff(),  # the classifier reads the store without opening it again
             }
         except Exception as exc:
             log.warning("scoring %s failed: %s", slide_id, _describe(exc))
@@ -228,9 +246,8 @@ class ClassifierWorker:
 
     def _prepare(self, item: Mapping[str, Any]):
         from workers.patches import PatchGrid, PatchReader, slide_geometry
-        from workers.store import SlideStore
 
-        store = SlideStore(item["store"])
+        store = _store_of(item)
         geo = slide_geometry(store, self.cfg)
         grid = PatchGrid.from_store(store, geo.patch_size, geo.stride)
         if tuple(grid.shape) != tuple(item["grid_shape"]):

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -193,7 +194,9 @@ class SlideStore:
         require_complete: raise ``ValueError`` for a store without its completion marker.
 
     ``location`` is the normalised path or URL (a string); ``path`` is a :class:`~pathlib.Path` for a local
-    store and the URL string otherwise.
+    store and the URL string otherwise. ``verified``: whether this open proved the store complete and whole
+    (``require_complete``). Opening costs one listing per level; another process that needs the same store again
+    rebuilds it from :meth:`handoff` with :meth:`from_handoff` instead (no request at all).
     """
 
     def __init__(self, path: str | Path, *, require_complete: bool = True):
@@ -226,6 +229,71 @@ class SlideStore:
             raise ValueError(f"{self.path} is not a foveate store (no 'foveate' attribute)")
         self.meta = StoreMeta.from_json(attrs["foveate"])
         self.levels = [self.group[str(i)] for i in range(len(self.meta.downsamples))]
+        self.verified = bool(require_complete)
+
+    # ------------------------------------------------------------------ hand-off
+    def handoff(self) -> dict[str, Any]:
+        """What another process needs to read this store without opening and verifying it again: a small
+        JSON-able dict (``location``, ``verified``, the group's and each image level's zarr metadata; a few KB).
+
+        The scoring stages use it: the scorer opens and verifies each store once and hands this on with the
+        slide, and the classifier rebuilds the store with :meth:`from_handoff` (no listing, no metadata read).
+        """
+        return {
+            "location": self.location,
+            "verified": self.verified,
+            "group": self.group.metadata.to_dict(),
+            "levels": [a.metadata.to_dict() for a in self.levels],
+        }
+
+    @classmethod
+    def from_handoff(cls, handoff: Mapping[str, Any]) -> SlideStore:
+        """The store that :meth:`handoff` described, rebuilt from its metadata without any request to the store
+        (no existence check, completion check, listing or metadata read: the pixels are read when asked for).
+
+        Args:
+            handoff: the dict :meth:`handoff` returned (in this or another process).
+
+        Raises:
+            TypeError: ``handoff`` is not a mapping.
+            ValueError: it lacks a key :meth:`handoff` writes, or its metadata is not a foveate store's.
+        """
+        from zarr.core.array import AsyncArray
+        from zarr.core.group import AsyncGroup
+        from zarr.storage import StorePath
+
+        if not isinstance(handoff, Mapping):
+            raise TypeError(f"handoff must be the dict SlideStore.handoff() returns, got {type(handoff).__name__}")
+        missing = [k for k in ("location", "verified", "group", "levels") if k not in handoff]
+        if missing:
+            raise ValueError(
+                f"handoff lacks {', '.join(missing)}; expected the dict SlideStore.handoff() returns (keys "
+                f"location, verified, group, levels), got keys {sorted(handoff)}"
+            )
+        out = cls.__new__(cls)
+        out.location = storage.normalize(handoff["location"])
+        out.path = storage.local_path(out.location) or out.location
+        out.store = storage.open_store(out.location, read_only=True)
+        register_codecs()
+        try:
+            group = zarr.Group(AsyncGroup.from_dict(StorePath(out.store, ""), dict(handoff["group"])))
+            levels = [
+                zarr.Array(AsyncArray.from_dict(StorePath(out.store, str(i)), dict(d)))
+                for i, d in enumerate(handoff["levels"])
+            ]
+            meta = StoreMeta.from_json(dict(group.attrs)["foveate"])
+        except Exception as exc:
+            raise ValueError(
+                f"handoff of {out.path}: not the metadata of a foveate store ({type(exc).__name__}: {exc})"
+            ) from exc
+        if len(levels) != len(meta.downsamples):
+            raise ValueError(
+                f"handoff of {out.path}: {len(levels)} level(s) of metadata for a store of "
+                f"{len(meta.downsamples)} level(s)"
+            )
+        out.group, out.meta, out.levels = group, meta, levels
+        out.verified = bool(handoff["verified"])
+        return out
 
     # ------------------------------------------------------------------ geometry
     @property
