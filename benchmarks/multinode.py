@@ -34,7 +34,8 @@ def main(argv: list[str] | None = None) -> int:
     import yaml
     from local_services import moto_s3
 
-    from operators.model import FoveateModel, ModelConfig
+    from operators.model import FoveateModel
+    from operators.model_config import ModelConfig
     from pipeline.config import from_dict
     from pipeline.model_io import save_checkpoint
 

@@ -51,7 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import yaml
 
-    from operators.model import FoveateModel, ModelConfig
+    from operators.model import FoveateModel
+    from operators.model_config import ModelConfig
     from pipeline.config import from_dict
     from pipeline.model_io import save_checkpoint
     from pipeline.score import score

@@ -69,7 +69,7 @@ def synthetic_image(size: int, seed: int = 0) -> np.ndarray:
 def model_config(k: int):
     import yaml
 
-    from operators.model import ModelConfig
+    from operators.model_config import ModelConfig
     from pipeline.config import from_dict
 
     data = yaml.safe_load((ROOT / "configs" / "perturbed_mean.yaml").read_text())["model"]

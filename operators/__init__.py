@@ -9,7 +9,8 @@ from operators.aggregators import (
 )
 from operators.attention_sampling import AttentionSampler, attention_entropy, attention_sample, slot_mode_sample
 from operators.lapsum import LapSumTopK, lapsum_topk
-from operators.model import FoveateModel, ModelConfig, ModelOutput, Selection, SlideGeometry
+from operators.model import FoveateModel, ModelOutput, Selection
+from operators.model_config import ModelConfig, SlideGeometry
 from operators.nms import MISTLoss, mist_loss, nms_topk, render_gaussian_heatmap
 from operators.resnet import ResNet, ResNetConfig
 from operators.scorer import ScorerCNN, ScorerConfig, cell_pool, minmax_normalise

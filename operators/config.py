@@ -2,13 +2,16 @@
 
 :func:`from_dict` builds a dataclass from a mapping (recursively, rejecting unknown keys and checking scalar
 types); :func:`to_dict` gives it back as plain data. Every config dataclass validates its own fields in
-``__post_init__`` and raises :class:`ConfigError`. ``pipeline.config`` adds YAML files and ``--set``
+``__post_init__`` and raises :class:`ConfigError`. A dataclass may define a classmethod
+``__config_upgrade__(data, where) -> (data, notes)`` that maps keys of earlier versions to today's before
+building (each note is logged as a warning). ``pipeline.config`` adds YAML files and ``--set``
 overrides on top.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import types
 import typing
 from collections.abc import Mapping
@@ -17,7 +20,9 @@ from typing import Any, TypeVar
 
 from operators.errors import ConfigError
 
-__all__ = ["ConfigError", "from_dict", "to_dict"]
+log = logging.getLogger(__name__)
+
+__all__ = ["ConfigError", "from_dict", "to_dict", "replace_path"]
 
 T = TypeVar("T")
 
@@ -91,6 +96,11 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
 def from_dict(cls: type[T], data: Mapping[str, Any] | None, *, _where: str = "") -> T:
     """Build the frozen dataclass ``cls`` from ``data``; unknown keys raise :class:`ConfigError`."""
     data = dict(data or {})
+    upgrade = getattr(cls, "__config_upgrade__", None)
+    if upgrade is not None:  # a config that renamed its keys maps the old ones (and says so, once per key)
+        data, notes = upgrade(data, _where)
+        for note in notes:
+            log.warning("%s", note)
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - set(fields))
@@ -124,3 +134,18 @@ def to_dict(cfg: Any) -> dict[str, Any]:
         return v
 
     return conv(cfg)
+
+
+def replace_path(cfg: T, key: str, value: Any) -> T:
+    """``cfg`` with the field at dotted ``key`` (e.g. ``"selection.k"``) set to ``value``; the sections on the
+    way are replaced too (frozen dataclasses), so each is validated again.
+
+    Raises:
+        ConfigError: ``key`` names no field.
+    """
+    head, _, rest = key.partition(".")
+    if not dataclasses.is_dataclass(cfg) or head not in {f.name for f in dataclasses.fields(cfg)}:
+        raise ConfigError(f"{type(cfg).__name__} has no config key {key!r}")
+    if not rest:
+        return dataclasses.replace(cfg, **{head: value})
+    return dataclasses.replace(cfg, **{head: replace_path(getattr(cfg, head), rest, value)})

@@ -55,10 +55,14 @@ def with_num_classes(model_config: Any, num_classes: int) -> Any:
 
 def build_model(model_config: Any):
     """A fresh ``FoveateModel`` from a ``ModelConfig`` or its plain-dict form."""
-    from operators.model import FoveateModel, ModelConfig
+    from operators.model import FoveateModel
+    from operators.model_config import ModelConfig
 
     if isinstance(model_config, Mapping):
-        model_config = from_dict(ModelConfig, model_config)
+        from operators.model_config import upgrade_flat_keys
+
+        # checkpoints written before the sectioned config hold every flat key: converted silently (exactly)
+        model_config = from_dict(ModelConfig, upgrade_flat_keys(model_config)[0])
     if not isinstance(model_config, ModelConfig):
         raise TypeError(f"model_config must be a ModelConfig or a mapping, got {type(model_config).__name__}")
     return FoveateModel(model_config), model_config

@@ -34,9 +34,9 @@ class ResNetConfig:
             downloaded.
     """
 
-    widths: tuple[int, ...] = (16, 32, 64, 128)
-    blocks: tuple[int, ...] = (1, 1, 1, 1)
-    feature_dim: int = 128
+    widths: tuple[int, ...] = (16, 32, 64)
+    blocks: tuple[int, ...] = (1, 1, 1)
+    feature_dim: int = 64
     norm: str = "group"
     frozen: bool = False
     weights: str | None = None

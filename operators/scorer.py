@@ -50,9 +50,9 @@ class ScorerConfig:
             the backward pass); 0 = always the whole view at once. Even, >= 32.
     """
 
-    channels: int = 32
+    channels: int = 16
     num_layers: int = 4
-    pool: str = "mean"
+    pool: str = "max"
     tile: int = 1024
 
     def __post_init__(self) -> None:

@@ -1,8 +1,8 @@
 """``foveate compare --experiment NAME``: a table of an MLflow experiment's training runs.
 
 One row per run: operator (the selector), K, aggregator, accuracy, AUC, train time, patches per second and
-peak memory, read from what ``foveate train`` logs (params: the flattened resolved config, ``model.selector``,
-``model.k``, ``model.aggregator``; metrics: ``val_accuracy``, ``val_auc``, ``train_seconds``,
+peak memory, read from what ``foveate train`` logs (params: the flattened resolved config, ``model.selection.selector``,
+``model.selection.k``, ``model.aggregator.kind``; metrics: ``val_accuracy``, ``val_auc``, ``train_seconds``,
 ``epoch_patches_per_second``, ``peak_memory_mb``; latest value of each). Runs from other tools (e.g. the
 benchmarks) may log ``operator``/``k``/``aggregator`` params and ``accuracy``/``auc``/... metrics instead;
 those are read as fallbacks. Batch-scoring runs (tag ``foveate.stage=score``) are left out.
@@ -37,9 +37,9 @@ log = logging.getLogger(__name__)
 
 # column -> (source, candidate names in order of preference)
 _PARAMS: dict[str, tuple[str, ...]] = {
-    "operator": ("model.selector", "operator", "selector", "model.operator"),
-    "k": ("model.k", "k", "K"),
-    "aggregator": ("model.aggregator", "aggregator"),
+    "operator": ("model.selection.selector", "model.selector", "operator", "selector", "model.operator"),
+    "k": ("model.selection.k", "model.k", "k", "K"),
+    "aggregator": ("model.aggregator.kind", "model.aggregator", "aggregator"),
 }
 _METRICS: dict[str, tuple[str, ...]] = {
     "accuracy": ("val_accuracy", "test_accuracy", "accuracy", "epoch_train_accuracy"),

@@ -131,14 +131,15 @@ def _check_grids(model_cfg, records, train: set[str] | None = None) -> list[floa
         except ConfigError as exc:
             raise ConfigError(f"slide {rec.slide_id}: {exc}") from None
         grid = PatchGrid.from_store(store, geo.patch_size, geo.stride)
-        if grid.num_cells < model_cfg.k:
+        if grid.num_cells < model_cfg.selection.k:
             size = (
-                f"model.patch_size {geo.patch_size}"
-                if model_cfg.patch_size_um is None
-                else f"model.patch_size_um {model_cfg.patch_size_um} = {geo.patch_size} px at mpp {geo.mpp:g}"
+                f"model.geometry.patch_size {geo.patch_size}"
+                if model_cfg.geometry.patch_size_um is None
+                else f"model.geometry.patch_size_um {model_cfg.geometry.patch_size_um} = {geo.patch_size} px at mpp "
+                f"{geo.mpp:g}"
             )
             raise ConfigError(
-                f"model.k: got {model_cfg.k}, must be <= the patch grid's cells of every slide; slide "
+                f"model.selection.k: got {model_cfg.selection.k}, must be <= the patch grid's cells of every slide; slide "
                 f"{rec.slide_id} ({store.dimensions[0]} x {store.dimensions[1]} px at {size}) has {grid.num_cells}"
             )
     return mpps
@@ -474,7 +475,7 @@ def _log_val_artifacts(model, model_cfg, records: list[SlideRecord], class_names
 
 # ---------------------------------------------------------------------------------------------- CLI
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_config_arguments(parser, "optim.epochs=2 --set model.k=8")
+    add_config_arguments(parser, "optim.epochs=2 --set model.selection.k=8")
     parser.add_argument("--workers", type=int, default=None, help="Ray Train workers (config key workers)")
     parser.add_argument(
         "--resume",

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from operators.errors import ConfigError
-from operators.model import ModelConfig
+from operators.model_config import ModelConfig
 from pipeline.data import DataConfig
 from workers.trainer import OptimConfig, ScheduleConfig
 

@@ -13,8 +13,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from flat_model_config import flat_config
 
-from operators.model import FoveateModel, ModelConfig
+from operators.model import FoveateModel
 from operators.resnet import ResNetConfig
 from operators.scorer import ScorerConfig
 from workers.patches import forward_slide
@@ -88,7 +89,7 @@ def _hit_rate(model, task) -> float:
 @pytest.mark.parametrize("selector", ["perturbed", "attention", "lapsum", "sinkhorn"])
 def test_training_moves_the_top_k_onto_the_informative_cells(task, selector):
     torch.set_num_threads(1)
-    cfg = ModelConfig(
+    cfg = flat_config(
         patch_size=PATCH,
         k=4,
         selector=selector,
@@ -100,7 +101,7 @@ def test_training_moves_the_top_k_onto_the_informative_cells(task, selector):
         explore_strata=8,
         instance_weight=1.0,
         rank_weight=0.1,
-        scorer=ScorerConfig(channels=8, num_layers=3),
+        scorer=ScorerConfig(channels=8, num_layers=3, pool="mean"),
         features=ResNetConfig(widths=(8, 16, 32), blocks=(1, 1, 1), feature_dim=32),
     )
     torch.manual_seed(0)

@@ -8,10 +8,12 @@ import math
 import numpy as np
 import pytest
 import torch
+from flat_model_config import flat_config, flat_replace
 
 from operators.errors import ConfigError
 from operators.evidence import evidence_rank_loss, instance_confidence, instance_loss, neutral_loss
-from operators.model import FoveateModel, ModelConfig
+from operators.model import FoveateModel
+from operators.model_config import ModelConfig
 from operators.resnet import ResNetConfig
 from operators.scorer import ScorerConfig
 from workers.patches import _explore_cells, cell_strata, forward_slide
@@ -80,13 +82,13 @@ def test_instance_confidence_and_loss_reference():
 
 def test_config_validates_evidence_fields():
     with pytest.raises(ConfigError, match="instance_weight"):
-        ModelConfig(rank_weight=0.1)
+        flat_config(rank_weight=0.1)
     with pytest.raises(ConfigError, match="explore_cells"):
-        ModelConfig(explore_cells=-1)
+        flat_config(explore_cells=-1)
     with pytest.raises(ValueError, match="rank_temperature"):  # ConfigError is a ValueError
-        ModelConfig(instance_weight=1.0, rank_temperature=0.0)
-    assert FoveateModel(ModelConfig()).instance_head is None  # off by default: same parameters as before
-    assert FoveateModel(ModelConfig(instance_weight=1.0)).instance_head is not None
+        flat_config(instance_weight=1.0, rank_temperature=0.0)
+    assert FoveateModel(flat_config()).instance_head is None  # off by default: same parameters as before
+    assert FoveateModel(flat_config(instance_weight=1.0)).instance_head is not None
 
 
 def _image() -> np.ndarray:
@@ -127,12 +129,12 @@ def _image_store(tmp_path):
 
 def _small_config(**extra) -> ModelConfig:
     """A small model on :func:`_image`'s 8 x 8 grid of 64 px cells."""
-    return ModelConfig(
+    return flat_config(
         patch_size=64,
         scorer_downsample=8.0,
         k=4,
         num_samples=16,
-        scorer=ScorerConfig(channels=8),
+        scorer=ScorerConfig(channels=8, pool="mean"),
         features=ResNetConfig(widths=(8, 16), blocks=(1, 1), feature_dim=16),
         **extra,
     )
@@ -175,9 +177,9 @@ def test_rare_cells_are_the_smallest_strata_and_the_rare_bag_trains_the_classifi
     assert len(set(more.tolist())) == 10 and dark <= set(more.tolist()) <= inner
     assert rare_cells(lowres, mask, 100, 4).numel() == 36 and rare_cells(lowres, mask, 0, 4).numel() == 0
     with pytest.raises(ConfigError, match="rare_cells"):
-        ModelConfig(rare_cells=4)  # needs the evidence losses
+        flat_config(rare_cells=4)  # needs the evidence losses
     with pytest.raises(ConfigError, match="rare_weight"):
-        ModelConfig(instance_weight=1.0, rare_cells=4, rare_weight=float("nan"))
+        flat_config(instance_weight=1.0, rare_cells=4, rare_weight=float("nan"))
 
     store = _image_store(tmp_path)
     cfg = _evidence_config(rare_cells=2, rare_strata=4)
@@ -211,11 +213,11 @@ def test_per_module_clipping_keeps_the_classifier_update_when_the_scorer_gradien
 
     with pytest.raises(ValueError, match="optim.clip"):
         OptimConfig(clip="layerwise")
-    cfg = ModelConfig(
+    cfg = flat_config(
         patch_size=64,
         scorer_downsample=8.0,
         k=2,
-        scorer=ScorerConfig(channels=8),
+        scorer=ScorerConfig(channels=8, pool="mean"),
         features=ResNetConfig(widths=(8,), blocks=(1,), feature_dim=8),
     )
     grads = {}
@@ -247,7 +249,7 @@ def test_label_evidence_ranks_read_cells_by_the_classifiers_probability_of_the_s
     """evidence="label": the rank targets are softmax(aggregator(cell as a bag of one))[label], which for the mean
     aggregator is the linear head on that cell's features; the bag's attention (heatmaps) is left alone."""
     with pytest.raises(ConfigError, match="evidence"):
-        ModelConfig(instance_weight=1.0, rank_weight=0.1, evidence="labels")
+        flat_config(instance_weight=1.0, rank_weight=0.1, evidence="labels")
     torch.manual_seed(0)
     for aggregator in ("mean", "attention_mil"):
         cfg = _evidence_config(aggregator=aggregator, evidence="label")
@@ -266,13 +268,13 @@ def test_label_evidence_ranks_read_cells_by_the_classifiers_probability_of_the_s
         ev = torch.softmax(single, 1)[:, 1]
         if aggregator == "mean":  # a bag of one through the mean aggregator is the head on that cell
             assert torch.allclose(single, model.aggregator.head(feats), atol=1e-12)
-        ref = evidence_rank_loss(scores, ev, temperature=cfg.rank_temperature)
-        assert float(losses["rank"]) == pytest.approx(cfg.rank_weight * float(ref), rel=1e-12)
+        ref = evidence_rank_loss(scores, ev, temperature=cfg.evidence.rank_temperature)
+        assert float(losses["rank"]) == pytest.approx(cfg.evidence.rank_weight * float(ref), rel=1e-12)
         assert info["label_evidence"] == pytest.approx(float(ev.mean()), rel=1e-12)
         # the other label reverses the targets: cells ranked by p(label 0) = 1 - p(label 1)
         losses0, _ = model.evidence_losses(feats, scores, 0, pos)
-        ref0 = evidence_rank_loss(scores, 1 - ev, temperature=cfg.rank_temperature)
-        assert float(losses0["rank"]) == pytest.approx(cfg.rank_weight * float(ref0), rel=1e-12)
+        ref0 = evidence_rank_loss(scores, 1 - ev, temperature=cfg.evidence.rank_temperature)
+        assert float(losses0["rank"]) == pytest.approx(cfg.evidence.rank_weight * float(ref0), rel=1e-12)
         losses["rank"].backward()
         assert scores.grad.abs().sum() > 0
 
@@ -282,7 +284,7 @@ def test_evidence_gamma_makes_the_label_target_concave():
     is high on some slides and low on the others ranks below one with the same mean everywhere)."""
     for bad in (0.0, -0.5, 1.5, float("nan"), "0.5"):
         with pytest.raises(ConfigError, match="evidence_gamma"):
-            ModelConfig(instance_weight=1.0, rank_weight=0.1, evidence="label", evidence_gamma=bad)
+            flat_config(instance_weight=1.0, rank_weight=0.1, evidence="label", evidence_gamma=bad)
     torch.manual_seed(0)
     cfg = _evidence_config(evidence="label", evidence_gamma=0.5)
     model = FoveateModel(cfg).double()
@@ -291,19 +293,19 @@ def test_evidence_gamma_makes_the_label_target_concave():
     losses, info = model.evidence_losses(feats, scores, 1)
     with torch.no_grad():
         ev = torch.softmax(model.aggregator.head(feats), 1)[:, 1] ** 0.5
-    ref = evidence_rank_loss(scores, ev, temperature=cfg.rank_temperature)
-    assert float(losses["rank"]) == pytest.approx(cfg.rank_weight * float(ref), rel=1e-12)
+    ref = evidence_rank_loss(scores, ev, temperature=cfg.evidence.rank_temperature)
+    assert float(losses["rank"]) == pytest.approx(cfg.evidence.rank_weight * float(ref), rel=1e-12)
     assert info["label_evidence"] == pytest.approx(float(ev.mean()), rel=1e-12)
 
 
 def test_selection_grad_scales_the_selection_gradient_to_the_scorer_and_not_the_values():
-    with pytest.raises(ConfigError, match="selection_grad"):
-        ModelConfig(selection_grad=1.5)
+    with pytest.raises(ConfigError, match="scorer_grad"):
+        flat_config(selection_grad=1.5)
     scores = torch.rand(2, 30, dtype=torch.float64)
     scores[0, :3] = float("-inf")
     grads, outs = {}, {}
     for w in (1.0, 0.25, 0.0):
-        model = FoveateModel(ModelConfig(k=4, num_samples=32, selection_grad=w)).double()
+        model = FoveateModel(flat_config(k=4, num_samples=32, selection_grad=w)).double()
         s = scores.clone().requires_grad_(True)
         sel = model.select(s, training=True, sigma=0.1, generator=torch.Generator().manual_seed(3))
         loss = (sel.weights * torch.arange(sel.weights.numel(), dtype=torch.float64).view_as(sel.weights)).sum()
@@ -372,7 +374,7 @@ def test_color_jitter_patches_is_a_per_patch_per_channel_affine_map_clamped_to_u
             assert torch.allclose(y[i, c], a * x[i, c] + b, atol=1e-12)
             assert 0.8 - 1e-12 <= float(a) <= 1.2 + 1e-12 and abs(float(b)) <= 0.1 + 1e-12
     with pytest.raises(ConfigError, match="color_jitter"):
-        ModelConfig(color_jitter=-0.1)
+        flat_config(color_jitter=-0.1)
 
 
 def test_trainer_passes_the_scheduled_rarity_share_and_forward_slide_mixes_it_in(tmp_path):
@@ -437,8 +439,8 @@ def test_rare_scale_weights_the_rare_bag_and_zero_skips_it(tmp_path):
 
 def test_local_maxima_keeps_window_maxima_falls_back_when_too_few_and_passes_gradients():
     with pytest.raises(ConfigError, match="nms_radius"):
-        ModelConfig(nms_radius=-1)
-    model = FoveateModel(ModelConfig(k=2, nms_radius=1)).double()
+        flat_config(nms_radius=-1)
+    model = FoveateModel(flat_config(k=2, nms_radius=1)).double()
     g = torch.tensor(
         [
             [0.1, 0.9, 0.8, 0.0, 0.2],
@@ -462,24 +464,24 @@ def test_local_maxima_keeps_window_maxima_falls_back_when_too_few_and_passes_gra
     out[torch.isfinite(out)].sum().backward()
     assert torch.equal(s.grad.view(4, 5) != 0, torch.isfinite(want))
     # fewer than k maxima: the row is left as it is
-    few = FoveateModel(ModelConfig(k=4, nms_radius=1)).double()
+    few = FoveateModel(flat_config(k=4, nms_radius=1)).double()
     assert torch.equal(few.local_maxima(g.flatten()[None], (4, 5)), g.flatten()[None])
-    assert FoveateModel(ModelConfig(k=2)).local_maxima(s, (4, 5)) is s  # off by default
+    assert FoveateModel(flat_config(k=2)).local_maxima(s, (4, 5)) is s  # off by default
     with pytest.raises(ValueError, match="grid"):
         model.local_maxima(s, (5, 5))
 
 
 def test_local_maxima_first_ties_keep_one_cell_per_tied_window():
     with pytest.raises(ConfigError, match="nms_ties"):
-        ModelConfig(nms_ties="last")
+        flat_config(nms_ties="last")
     # a 2x2 plateau of tied maxima (as an overlapping grid's max-pooled cells of one structure give) and a single
     # peak: "keep" keeps all five, "first" the plateau's first cell and the peak
     g = torch.full((5, 6), float("-inf"), dtype=torch.float64)
     g[0:4, 0:4] = 0.1
     g[1:3, 1:3] = 0.9
     g[4, 5] = 0.7
-    keep = FoveateModel(ModelConfig(k=2, nms_radius=1)).double().local_maxima(g.flatten()[None], (5, 6))
-    first = FoveateModel(ModelConfig(k=2, nms_radius=1, nms_ties="first")).double()
+    keep = FoveateModel(flat_config(k=2, nms_radius=1)).double().local_maxima(g.flatten()[None], (5, 6))
+    first = FoveateModel(flat_config(k=2, nms_radius=1, nms_ties="first")).double()
     out = first.local_maxima(g.flatten()[None], (5, 6)).view(5, 6)
     assert int(torch.isfinite(keep).sum()) == 5
     assert torch.isfinite(out).nonzero().tolist() == [[1, 1], [4, 5]]
@@ -487,7 +489,7 @@ def test_local_maxima_first_ties_keep_one_cell_per_tied_window():
     # index lies in its window (brute force)
     gen = torch.Generator().manual_seed(3)
     for r in (1, 2):
-        model = FoveateModel(ModelConfig(k=1, nms_radius=r, nms_ties="first")).double()
+        model = FoveateModel(flat_config(k=1, nms_radius=r, nms_ties="first")).double()
         for _ in range(5):
             h, w = 7, 9
             sc = torch.randint(0, 3, (h, w), generator=gen).double()
@@ -536,9 +538,9 @@ def test_neutral_loss_is_the_kl_from_uniform_zero_on_constant_rows_with_exact_gr
 
 def test_neutral_cells_pull_random_cells_predictions_to_uniform_in_training_only(tmp_path):
     with pytest.raises(ConfigError, match="neutral_cells"):
-        ModelConfig(neutral_cells=-1)
+        flat_config(neutral_cells=-1)
     with pytest.raises(ConfigError, match="neutral_weight"):
-        ModelConfig(neutral_cells=2, neutral_weight=-1.0)
+        flat_config(neutral_cells=2, neutral_weight=-1.0)
     store = _image_store(tmp_path)
     torch.manual_seed(0)
     # without the evidence losses too: the neutral term needs only the aggregator
@@ -550,7 +552,7 @@ def test_neutral_cells_pull_random_cells_predictions_to_uniform_in_training_only
     assert set(out.aux_losses) == {"neutral"}
     torch.manual_seed(0)  # the same initial model without the neutral cells: the same selection
     base = forward_slide(
-        FoveateModel(ModelConfig(**{**cfg.__dict__, "neutral_cells": 0})),
+        FoveateModel(flat_replace(cfg, neutral_cells=0)),
         store,
         training=True,
         sigma=0.1,
@@ -571,60 +573,12 @@ def test_neutral_cells_pull_random_cells_predictions_to_uniform_in_training_only
         assert "neutral" not in forward_slide(model, store, training=True, sigma=0.1).aux_losses  # no target
 
 
-def test_neutral_pool_is_drawn_and_read_once_per_slide_and_rare_per_step_takes_a_subset(tmp_path):
-    from workers.patches import clear_cache, prepare_slide
-
-    with pytest.raises(ConfigError, match="neutral_pool"):
-        ModelConfig(neutral_cells=4, neutral_pool=3)
-    with pytest.raises(ConfigError, match="rare_per_step"):
-        ModelConfig(rare_cells=2, rare_per_step=3, instance_weight=1.0)
-    store = _image_store(tmp_path)
-    clear_cache()
-    torch.manual_seed(0)
-    cfg = _small_config(neutral_cells=3, neutral_pool=12)
-    model = FoveateModel(cfg)
-    si = prepare_slide(store, cfg)
-    calls = []
-    real_read = si.reader.read
-    si.reader.read = lambda cells, offsets=None: (calls.append(cells.tolist()), real_read(cells, offsets))[1]
-    gen = torch.Generator().manual_seed(0)
-    forward_slide(model, store, training=True, sigma=0.1, generator=gen, target=1)
-    size, pool, pix = si.neutral
-    assert size == pool.numel() == 12 and len(set(pool.tolist())) == 12
-    assert bool(si.cell_mask.flatten()[pool].all())  # tissue cells
-    assert torch.equal(pix, real_read(pool)) and pool.tolist() in calls  # read once, in one call
-    calls.clear()
-    out = forward_slide(model, store, training=True, sigma=0.1, generator=gen, target=1)
-    assert len(calls) == 1 and len(calls[0]) <= cfg.k * cfg.max_support  # the next step: the selected patches only
-    assert "neutral" in out.aux_losses and si.neutral[1] is pool  # the same pool
-    # rare_per_step: a new subset of the rare bag each step, the features of that many patches only
-    ecfg = _evidence_config(rare_cells=6, rare_strata=8, rare_per_step=2)
-    torch.manual_seed(1)
-    emodel = FoveateModel(ecfg)
-    sizes = []
-    real_embed = emodel.embed
-    emodel.embed = lambda x: (sizes.append(x.shape[0]), real_embed(x))[1]
-    torch.manual_seed(1)  # the same initial model with the whole bag
-    full = forward_slide(
-        FoveateModel(_evidence_config(rare_cells=6, rare_strata=8)),
-        store,
-        training=True,
-        sigma=0.1,
-        generator=torch.Generator().manual_seed(0),
-        target=1,
-    )
-    part = forward_slide(emodel, store, training=True, sigma=0.1, generator=torch.Generator().manual_seed(0), target=1)
-    assert part.info["cells_read"] == full.info["cells_read"] - 4
-    # one ResNet batch per slide-step: the selected and exploration patches and 2 (not 6) rare cells
-    assert sizes == [cfg.k + ecfg.explore_cells + 2] and "rare" in part.aux_losses
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.gpu
 def test_local_maxima_first_ties_on_cuda_match_the_cpu():
     gen = torch.Generator().manual_seed(4)
     for r in (1, 2):
-        model = FoveateModel(ModelConfig(k=1, nms_radius=r, nms_ties="first"))
+        model = FoveateModel(flat_config(k=1, nms_radius=r, nms_ties="first"))
         sc = torch.randint(0, 3, (3, 30 * 40), generator=gen).float()
         sc[:, :7] = float("-inf")
         cpu = model.local_maxima(sc, (30, 40))

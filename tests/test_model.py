@@ -7,12 +7,13 @@ import logging
 import numpy as np
 import pytest
 import torch
+from flat_model_config import flat_config
 
-from operators.model import SELECTORS, FoveateModel, ModelConfig
+from operators.model import FoveateModel
+from operators.model_config import SELECTORS
 from operators.resnet import ResNetConfig
 from operators.scorer import ScorerConfig
 from operators.topk import hard_topk
-from pipeline.config import ConfigError, from_dict, to_dict
 from workers.patches import forward_slide, prepare_slide
 from workers.store import write_store_from_array
 
@@ -24,7 +25,7 @@ SMALL = dict(
     k=4,
     num_samples=32,
     sigma=0.1,
-    scorer=ScorerConfig(channels=8),
+    scorer=ScorerConfig(channels=8, pool="mean"),
     features=ResNetConfig(widths=(8, 16), blocks=(1, 1), feature_dim=16),
     aggregator_hidden=16,
 )
@@ -57,36 +58,9 @@ def blank_store(tmp_path_factory):
     )
 
 
-def test_config_defaults_and_yaml_roundtrip():
-    cfg = ModelConfig()
-    assert cfg.stride_l0 == cfg.patch_size == 128 and cfg.selector == "perturbed" and cfg.k == 8
-    FoveateModel(cfg)
-    d = {
-        "k": 4,
-        "selector": "attention",
-        "stride": 96,
-        "features": {"widths": [8, 16], "blocks": [1, 1], "frozen": True},
-        "scorer": {"channels": 8},
-        "aggregator": "transformer",
-    }
-    c2 = from_dict(ModelConfig, d)
-    assert c2.features.widths == (8, 16) and c2.features.frozen and c2.stride_l0 == 96
-    assert from_dict(ModelConfig, to_dict(c2)) == c2
-    with pytest.raises(ConfigError, match="unknown config key"):
-        from_dict(ModelConfig, {"kk": 3})
-    with pytest.raises(ConfigError, match="selector"):
-        from_dict(ModelConfig, {"selector": "topk"})
-    with pytest.raises(ValueError, match=r"model\.k must be an int >= 1, got 0"):
-        ModelConfig(k=0)
-    with pytest.raises(ValueError, match="model.num_classes"):
-        ModelConfig(num_classes=1)
-    with pytest.raises(ValueError, match="transformer_heads"):
-        ModelConfig(aggregator="transformer", aggregator_hidden=30, transformer_heads=4)
-
-
 def test_score_masks_non_tissue_and_normalises():
     torch.manual_seed(0)
-    model = FoveateModel(ModelConfig(**SMALL))
+    model = FoveateModel(flat_config(**SMALL))
     lowres = torch.rand(2, 3, 40, 48)
     mask = torch.zeros(2, 5, 6, dtype=torch.bool)
     mask[0, 1:4, 2:5] = True
@@ -106,7 +80,7 @@ def test_score_masks_non_tissue_and_normalises():
 
 
 def test_score_fallback_on_empty_mask(caplog):
-    model = FoveateModel(ModelConfig(**SMALL))
+    model = FoveateModel(flat_config(**SMALL))
     mask = torch.zeros(1, 5, 6, dtype=torch.bool)
     mask[0, 0, :3] = True  # 3 < k = 4 tissue cells
     with caplog.at_level(logging.WARNING, logger="operators.scorer"):
@@ -116,7 +90,7 @@ def test_score_fallback_on_empty_mask(caplog):
 
 
 def test_fallback_on_blank_slide(blank_store, caplog):
-    model = FoveateModel(ModelConfig(**SMALL)).eval()
+    model = FoveateModel(flat_config(**SMALL)).eval()
     with caplog.at_level(logging.WARNING, logger="operators.scorer"):
         out = forward_slide(model, blank_store, training=False)
     assert int(prepare_slide(blank_store, model.cfg).cell_mask.sum()) == 0
@@ -127,14 +101,14 @@ def test_fallback_on_blank_slide(blank_store, caplog):
 
 @pytest.mark.parametrize("selector", SELECTORS)
 def test_select_shapes_and_inference_is_hard_topk(selector):
-    cfg = ModelConfig(**{**SMALL, "selector": selector, "max_support": 3})
+    cfg = flat_config(**{**SMALL, "selector": selector, "max_support": 3})
     model = FoveateModel(cfg)
     g = torch.Generator().manual_seed(3)
     scores = torch.rand(2, 20, generator=g)
     scores[0, :5] = float("-inf")
     sel = model.select(scores, training=True, generator=g)  # every selector is implemented: no skip
-    k = cfg.k
-    s_expected = cfg.max_support if selector == "perturbed" else 1
+    k = cfg.selection.k
+    s_expected = cfg.selection.perturbed.max_support if selector == "perturbed" else 1
     assert tuple(sel.indices.shape) == (2, k, s_expected) == tuple(sel.weights.shape)
     torch.testing.assert_close(sel.weights.sum(-1), torch.ones(2, k))
     assert torch.isfinite(scores.gather(1, sel.indices.flatten(1))).all()
@@ -159,7 +133,7 @@ def test_select_shapes_and_inference_is_hard_topk(selector):
 
 @pytest.mark.parametrize("selector", SELECTORS)
 def test_select_with_exactly_k_candidates(selector):
-    model = FoveateModel(ModelConfig(**{**SMALL, "selector": selector}))
+    model = FoveateModel(flat_config(**{**SMALL, "selector": selector}))
     scores = torch.rand(1, 10)
     scores[0, :6] = float("-inf")
     for training in (True, False):
@@ -169,7 +143,7 @@ def test_select_with_exactly_k_candidates(selector):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_forward_slide_on_cuda(stores):
-    model = FoveateModel(ModelConfig(**SMALL)).cuda()
+    model = FoveateModel(flat_config(**SMALL)).cuda()
     out = forward_slide(model, stores[1], training=True, generator=torch.Generator("cuda").manual_seed(0))
     torch.nn.functional.cross_entropy(out.logits, torch.tensor([1], device="cuda")).backward()
     assert out.logits.is_cuda and all(torch.isfinite(p.grad).all() for p in model.scorer.parameters())
@@ -178,7 +152,7 @@ def test_forward_slide_on_cuda(stores):
 @pytest.mark.parametrize("aggregator", ["mean", "transformer"])
 def test_gradient_reaches_scorer_through_perturbed_soft_patches(stores, aggregator):
     torch.manual_seed(0)
-    cfg = ModelConfig(**{**SMALL, "aggregator": aggregator, "sigma": 0.2, "num_samples": 64})
+    cfg = flat_config(**{**SMALL, "aggregator": aggregator, "sigma": 0.2, "num_samples": 64})
     model = FoveateModel(cfg).train()
     out = forward_slide(model, stores[1], training=True, generator=torch.Generator().manual_seed(1))
     assert tuple(out.logits.shape) == (1, 2) and tuple(out.coords_l0.shape) == (4, 2)
@@ -186,7 +160,7 @@ def test_gradient_reaches_scorer_through_perturbed_soft_patches(stores, aggregat
     assert tuple(out.scores.shape) == (grid.num_cells,)
     assert torch.equal(out.coords_l0, grid.cell_xy_l0(out.cell_indices))
     assert torch.equal(out.patch_scores, out.scores[out.cell_indices])
-    assert out.info["cells_read"] <= cfg.k * cfg.max_support
+    assert out.info["cells_read"] <= cfg.selection.k * cfg.selection.perturbed.max_support
     torch.nn.functional.cross_entropy(out.logits, torch.tensor([1])).backward()
     grads = [p.grad for p in model.scorer.parameters()]
     assert all(gr is not None and torch.isfinite(gr).all() for gr in grads)
@@ -201,14 +175,14 @@ def test_gradient_reaches_scorer_through_perturbed_soft_patches(stores, aggregat
 def test_soft_patch_slot_equals_weighted_sum_of_store_patches(stores):
     from workers.patches import gather_patches
 
-    cfg = ModelConfig(**{**SMALL, "sigma": 0.5, "num_samples": 16, "max_support": 3})
+    cfg = flat_config(**{**SMALL, "sigma": 0.5, "num_samples": 16, "max_support": 3})
     model = FoveateModel(cfg).double()
     slide = prepare_slide(stores[0], cfg)
     scores = model.score(slide.lowres[None].double(), slide.cell_mask[None])
     sel = model.select(scores, training=True, generator=torch.Generator().manual_seed(0))
     patches, positions, n_read = gather_patches(slide, sel, dtype=torch.float64)
     assert n_read == int(torch.unique(sel.indices).numel())
-    for k in range(cfg.k):
+    for k in range(cfg.selection.k):
         ref = sum(
             float(sel.weights[0, k, s].detach()) * slide.reader.read(sel.indices[0, k, s : s + 1])[0].double() / 255
             for s in range(3)
@@ -219,7 +193,7 @@ def test_soft_patch_slot_equals_weighted_sum_of_store_patches(stores):
 
 def test_tiny_overfit_two_slides(stores):
     torch.manual_seed(0)
-    cfg = ModelConfig(**{**SMALL, "num_samples": 16})
+    cfg = flat_config(**{**SMALL, "num_samples": 16})
     model = FoveateModel(cfg).train()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(0)
@@ -253,7 +227,7 @@ def test_attention_sampling_attention_is_not_uniform_at_init_and_trains_the_scor
     attention is now softmax(min–max normalised scores / T): independent of the raw scale, as sharp as T says."""
     import math
 
-    cfg = ModelConfig(**{**SMALL, "selector": "attention", "attention_temperature": 0.2})
+    cfg = flat_config(**{**SMALL, "selector": "attention", "attention_temperature": 0.2})
     slide = prepare_slide(stores[1], cfg)
     entropies = []
     for scale in (1.0, 0.1):  # shrinking the scorer's output must not flatten the attention
@@ -266,7 +240,7 @@ def test_attention_sampling_attention_is_not_uniform_at_init_and_trains_the_scor
         scores = model.score(slide.lowres[None].double(), slide.cell_mask[None])
         sel = model.select(scores, training=True, generator=torch.Generator().manual_seed(0))
         cand = scores[0][torch.isfinite(scores[0])]
-        att = torch.softmax(cand / cfg.attention_temperature, 0)
+        att = torch.softmax(cand / cfg.selection.attention.temperature, 0)
         torch.testing.assert_close(sel.aux["attention_entropy"][0], -(att * att.log()).sum())
         entropies.append(float(sel.aux["attention_entropy"][0]))
         assert entropies[-1] < math.log(cand.numel()) - 0.05, (entropies[-1], math.log(cand.numel()))
@@ -286,14 +260,14 @@ def test_mask_selectors_read_extra_cells_weighted_by_their_mask(selector):
     from operators.lapsum import lapsum_topk
     from operators.sinkhorn import sinkhorn_topk
 
-    cfg = ModelConfig(**{**SMALL, "selector": selector, "mask_extra": 3, "alpha": 0.1, "epsilon": 0.05})
+    cfg = flat_config(**{**SMALL, "selector": selector, "mask_extra": 3, "alpha": 0.1, "epsilon": 0.05})
     model = FoveateModel(cfg)
     g = torch.Generator().manual_seed(5)
     scores = torch.rand(2, 20, generator=g, dtype=torch.float64)
     scores[1, :4] = float("-inf")  # rows with different candidate counts
     scores.requires_grad_(True)
     sel = model.select(scores, training=True)
-    k, m = cfg.k, cfg.k + 3
+    k, m = cfg.selection.k, cfg.selection.k + 3
     assert tuple(sel.indices.shape) == (2, m, 1) and tuple(sel.slot_weights.shape) == (2, m)
     for b in range(2):
         cand = torch.nonzero(torch.isfinite(scores[b])).flatten()
@@ -301,9 +275,9 @@ def test_mask_selectors_read_extra_cells_weighted_by_their_mask(selector):
         want = cand[hard_topk(sc, m)[0]]  # the k + 3 largest scores, in position order
         assert torch.equal(sel.indices[b, :, 0], want)
         mask = (
-            lapsum_topk(sc, k, alpha=cfg.alpha)
+            lapsum_topk(sc, k, alpha=cfg.selection.lapsum.alpha)
             if selector == "lapsum"
-            else sinkhorn_topk(sc, k, epsilon=cfg.epsilon, max_iter=cfg.sinkhorn_max_iter)
+            else sinkhorn_topk(sc, k, epsilon=cfg.selection.sinkhorn.epsilon, max_iter=cfg.selection.sinkhorn.max_iter)
         )[0]
         pos = {int(c): i for i, c in enumerate(cand)}
         torch.testing.assert_close(sel.slot_weights[b], mask[[pos[int(c)] for c in want]] / k)
@@ -315,15 +289,15 @@ def test_mask_selectors_read_extra_cells_weighted_by_their_mask(selector):
     hard = model.select(scores.detach(), training=False)
     assert hard.indices.shape[1] == k
     with pytest.raises(ValueError, match="mask_extra"):
-        ModelConfig(**{**SMALL, "mask_extra": -1})
+        flat_config(**{**SMALL, "mask_extra": -1})
 
 
 @pytest.mark.parametrize("selector", ["lapsum", "sinkhorn"])
 def test_hard_gates_are_the_hard_topk_forward_and_the_mask_backward(selector):
     base = {**SMALL, "selector": selector, "mask_extra": 3, "alpha": 0.1, "epsilon": 0.05}
-    soft_model = FoveateModel(ModelConfig(**base)).double()
-    st_model = FoveateModel(ModelConfig(**{**base, "gates": "hard"})).double()
-    k = soft_model.cfg.k
+    soft_model = FoveateModel(flat_config(**base)).double()
+    st_model = FoveateModel(flat_config(**{**base, "gates": "hard"})).double()
+    k = soft_model.cfg.selection.k
     g = torch.Generator().manual_seed(11)
     scores = torch.rand(2, 20, generator=g, dtype=torch.float64)
     scores[1, :4] = float("-inf")
@@ -349,59 +323,14 @@ def test_hard_gates_are_the_hard_topk_forward_and_the_mask_backward(selector):
     torch.testing.assert_close(hard.slot_weights, torch.full((2, k), 1.0 / k, dtype=torch.float64))
     assert torch.equal(hard.indices, soft_model.select(scores, training=False).indices)
     with pytest.raises(ValueError, match="gates"):
-        ModelConfig(**{**base, "gates": "soft"})
-
-
-def test_explore_temperature_draws_distinct_cells_deterministically():
-    cfg = ModelConfig(**{**SMALL, "selector": "lapsum", "explore_temperature": 0.2, "mask_extra": 2})
-    model = FoveateModel(cfg)
-    scores = torch.linspace(0, 1, 30)[None]
-    draws = []
-    for seed in (0, 0, 1):
-        sel = model.select(scores, training=True, generator=torch.Generator().manual_seed(seed))
-        idx = sel.indices[0, :, 0]
-        assert idx.numel() == cfg.k + 2 == idx.unique().numel()
-        draws.append(idx.tolist())
-    assert draws[0] == draws[1]  # same generator state, same cells
-    many = torch.stack(
-        [
-            model.select(scores, training=True, generator=torch.Generator().manual_seed(s)).indices[0, :, 0]
-            for s in range(50)
-        ]
-    )
-    # a Gumbel draw from softmax(s / 0.2), not the hard top-k: low-score cells are read sometimes
-    assert many.unique().numel() > cfg.k + 2 and (many < 20).any()
-    assert torch.equal(model.select(scores, training=False).indices[0, :, 0], hard_topk(scores, cfg.k)[0])
-
-
-@pytest.mark.parametrize("selector", SELECTORS)
-def test_candidate_dropout_reaches_lower_ranked_cells_and_keeps_rows_valid(selector):
-    cfg = ModelConfig(**{**SMALL, "selector": selector, "candidate_dropout": 0.75, "max_support": 1})
-    model = FoveateModel(cfg)
-    scores = torch.linspace(0, 1, 40).repeat(2, 1)
-    scores[1, 6:] = float("-inf")  # 6 candidates: fewer than k would remain after dropout -> all are kept
-    top = set(hard_topk(scores[:1], cfg.k)[0].tolist())
-    chosen = set()
-    for seed in range(20):
-        sel = model.select(scores, training=True, sigma=0.0, generator=torch.Generator().manual_seed(seed))
-        assert torch.isfinite(scores.gather(1, sel.primary)).all()  # only candidates
-        assert len(set(sel.primary[0].tolist())) == cfg.k
-        chosen |= set(sel.primary[0].tolist())
-    assert chosen - top  # cells below the top k were read
-    again = model.select(scores, training=True, sigma=0.0, generator=torch.Generator().manual_seed(19))
-    torch.testing.assert_close(again.primary, sel.primary)  # deterministic for a generator state
-    hard = model.select(scores, training=False)
-    assert set(hard.primary[0].tolist()) == top
-    for bad in (-0.1, 1.0):
-        with pytest.raises(ValueError, match="candidate_dropout"):
-            ModelConfig(**{**SMALL, "candidate_dropout": bad})
+        flat_config(**{**base, "gates": "soft"})
 
 
 def test_transformer_readout_config():
-    cfg = ModelConfig(**{**SMALL, "aggregator": "transformer", "aggregator_hidden": 16, "transformer_heads": 2})
-    assert cfg.transformer_readout == "mean" and FoveateModel(cfg).aggregator.readout == "mean"
+    cfg = flat_config(**{**SMALL, "aggregator": "transformer", "aggregator_hidden": 16, "transformer_heads": 2})
+    assert cfg.aggregator.transformer.readout == "mean" and FoveateModel(cfg).aggregator.readout == "mean"
     cls = FoveateModel(
-        ModelConfig(
+        flat_config(
             **{
                 **SMALL,
                 "aggregator": "transformer",
@@ -412,7 +341,7 @@ def test_transformer_readout_config():
         )
     )
     assert cls.aggregator.readout == "cls"
-    votes = ModelConfig(
+    votes = flat_config(
         **{
             **SMALL,
             "aggregator": "transformer",
@@ -422,7 +351,7 @@ def test_transformer_readout_config():
         }
     )
     assert FoveateModel(votes).aggregator.readout == "logit_mean"
-    gate = ModelConfig(
+    gate = flat_config(
         **{
             **SMALL,
             "aggregator": "transformer",
@@ -435,56 +364,19 @@ def test_transformer_readout_config():
     agg = FoveateModel(gate).aggregator
     assert agg.readout == "gate" and agg.gate.in_features == 8
     assert agg.head[-1].in_features == SMALL["features"].feature_dim  # the head classifies the patch features
-    skip = ModelConfig(**{**SMALL, "aggregator": "attention_mil", "aggregator_hidden": 16, "mean_skip": True})
+    skip = flat_config(**{**SMALL, "aggregator": "attention_mil", "aggregator_hidden": 16, "mean_skip": True})
     assert FoveateModel(skip).aggregator.skip is not None
-    with pytest.raises(ValueError, match="mean_skip applies to the attention_mil and transformer"):
-        ModelConfig(**{**SMALL, "aggregator": "mean", "mean_skip": True})
-    with pytest.raises(ValueError, match="transformer_readout"):
-        ModelConfig(**{**SMALL, "transformer_readout": "max"})
-
-
-@pytest.mark.parametrize("selector", ["lapsum", "sinkhorn"])
-def test_mask_sampling_reads_k_cells_drawn_from_the_soft_mask(selector):
-    from operators.topk import mask_sample
-
-    base = {**SMALL, "selector": selector, "alpha": 0.1, "epsilon": 0.05}
-    model = FoveateModel(ModelConfig(**{**base, "mask_sampling": True, "gates": "hard"}))
-    k = model.cfg.k
-    g = torch.Generator().manual_seed(2)
-    scores = torch.rand(2, 20, generator=g)
-    scores[1, :4] = float("-inf")
-    sel = model.select(scores, training=True, generator=torch.Generator().manual_seed(7))
-    assert tuple(sel.indices.shape) == (2, k, 1)
-    gen = torch.Generator().manual_seed(7)  # the same draws, row by row, on the compacted rows
-    for b in range(2):
-        cand = torch.nonzero(torch.isfinite(scores[b])).flatten()
-        want = cand[mask_sample(model._soft_mask(scores[b, cand][None]), k, generator=gen)[0]]
-        assert torch.equal(sel.indices[b, :, 0], want)
-    torch.testing.assert_close(sel.slot_weights, torch.full((2, k), 1.0 / k))  # straight-through: the plain mean
-    # the draws vary from step to step: cells beyond the hard top-k are read sometimes
-    seen = set()
-    for s in range(30):
-        seen |= set(
-            model.select(scores[:1], training=True, generator=torch.Generator().manual_seed(s))
-            .indices.flatten()
-            .tolist()
-        )
-    assert len(seen) > k
-    # inference: the hard top-k
-    assert torch.equal(
-        model.select(scores, training=False).indices,
-        FoveateModel(ModelConfig(**base)).select(scores, training=False).indices,
-    )
-    for bad in ({"mask_extra": 2}, {"explore_temperature": 0.1}):
-        with pytest.raises(ValueError, match="mask_sampling"):
-            ModelConfig(**{**base, "mask_sampling": True, **bad})
+    # the mean aggregator has no head of its own to add the mean to: its sections' mean_skip has no effect
+    assert not flat_config(**{**SMALL, "aggregator": "mean", "mean_skip": True}).aggregator.mean_skip
+    with pytest.raises(ValueError, match="transformer.readout"):
+        flat_config(**{**SMALL, "transformer_readout": "max"})
 
 
 @pytest.mark.parametrize("selector", ["lapsum", "sinkhorn"])
 def test_certainty_gates_weigh_read_cells_by_their_inclusion_certainty_in_training(selector):
     base = {**SMALL, "selector": selector, "mask_extra": 3, "alpha": 0.1, "epsilon": 0.05}
-    model = FoveateModel(ModelConfig(**{**base, "gates": "certainty"})).double()
-    k = model.cfg.k
+    model = FoveateModel(flat_config(**{**base, "gates": "certainty"})).double()
+    k = model.cfg.selection.k
     g = torch.Generator().manual_seed(4)
     scores = torch.rand(2, 20, generator=g, dtype=torch.float64)
     scores[0, [3, 11]] += 2.0  # two cells the mask is sure of
@@ -518,13 +410,13 @@ def _attention_training_draw(weights: str):
     from operators.attention_sampling import attention_sample
 
     model = FoveateModel(
-        ModelConfig(**{**SMALL, "selector": "attention", "attention_temperature": 0.1, "attention_weights": weights})
+        flat_config(**{**SMALL, "selector": "attention", "attention_temperature": 0.1, "attention_weights": weights})
     ).double()
     scores = torch.rand(1, 20, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
     s = scores.clone().requires_grad_(True)
     sel = model.select(s, training=True, generator=torch.Generator().manual_seed(5))
     att = torch.softmax(scores / 0.1, dim=1)
-    idx, _ = attention_sample(att, model.cfg.k, replace=False, generator=torch.Generator().manual_seed(5))
+    idx, _ = attention_sample(att, model.cfg.selection.k, replace=False, generator=torch.Generator().manual_seed(5))
     assert torch.equal(sel.indices[0, :, 0], idx[0])  # the same draws as the estimator
     return model, scores, s, sel, att, idx
 
@@ -535,14 +427,14 @@ def test_attention_weights_normalised_are_the_drawn_cells_attention_summing_to_o
     torch.testing.assert_close(sel.slot_weights[0].detach(), want, rtol=1e-12, atol=1e-12)
     sel.slot_weights[0, 0].backward()
     assert float(s.grad.abs().sum()) > 0  # differentiable wrt the scores
-    with pytest.raises(ValueError, match="attention_weights"):
-        ModelConfig(**{**SMALL, "selector": "attention", "attention_weights": "unbiased"})
+    with pytest.raises(ValueError, match="attention.weights"):
+        flat_config(**{**SMALL, "selector": "attention", "attention_weights": "unbiased"})
 
 
 def _check_uniform_weights(model, scores, s, sel, idx) -> None:
     """Training: 1/K per drawn cell (``idx``) with the gradient (1 / K) d log a_j / d s (the with-replacement
     estimator's a / sg(a) / K) at T = 0.1; inference: the plain mean of the hard top-k."""
-    k = model.cfg.k
+    k = model.cfg.selection.k
     torch.testing.assert_close(sel.slot_weights.detach(), torch.full((1, k), 1.0 / k, dtype=torch.float64))
     c = torch.randn(k, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
     (sel.slot_weights[0] * c).sum().backward()
@@ -563,24 +455,24 @@ def test_attention_draw_slot_modes_reads_the_slot_modes_with_uniform_weights_and
     from operators.attention_sampling import slot_mode_sample
 
     cfg = {**SMALL, "selector": "attention", "attention_temperature": 0.1, "attention_weights": "uniform"}
-    model = FoveateModel(ModelConfig(**{**cfg, "attention_draw": "slot_modes", "num_samples": 16})).double()
-    k = model.cfg.k
+    model = FoveateModel(flat_config(**{**cfg, "attention_draw": "slot_modes", "num_samples": 16})).double()
+    k = model.cfg.selection.k
     scores = torch.rand(1, 20, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
     s = scores.clone().requires_grad_(True)
     sel = model.select(s, training=True, generator=torch.Generator().manual_seed(5))
     idx = slot_mode_sample(scores / 0.1, k, num_samples=16, generator=torch.Generator().manual_seed(5))
     assert torch.equal(sel.indices[0, :, 0], idx[0])
     _check_uniform_weights(model, scores, s, sel, idx)
-    with pytest.raises(ValueError, match="attention_weights: uniform"):
-        ModelConfig(**{**cfg, "attention_weights": "estimator", "attention_draw": "slot_modes"})
-    with pytest.raises(ValueError, match="attention_draw"):
-        ModelConfig(**{**cfg, "attention_draw": "modes"})
+    with pytest.raises(ValueError, match="attention.weights: uniform"):
+        flat_config(**{**cfg, "attention_weights": "estimator", "attention_draw": "slot_modes"})
+    with pytest.raises(ValueError, match="attention.draw"):
+        flat_config(**{**cfg, "attention_draw": "modes"})
 
 
 def test_attention_weights_inclusion_are_the_normalised_probabilities_of_being_drawn_in_k_draws():
     base = {**SMALL, "selector": "attention", "attention_temperature": 0.1}
-    model = FoveateModel(ModelConfig(**{**base, "attention_weights": "inclusion"})).double()
-    k = model.cfg.k
+    model = FoveateModel(flat_config(**{**base, "attention_weights": "inclusion"})).double()
+    k = model.cfg.selection.k
     scores = torch.rand(1, 20, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
     scores[0, 4] += 0.5  # one cell the attention is sure of
     att = torch.softmax(scores / 0.1, dim=1)
@@ -604,9 +496,9 @@ def test_soft_draw_slot_modes_reads_the_perturbed_bag_at_one_kth_with_the_mask_g
     from operators.topk import perturbed_slot_modes
 
     base = {**SMALL, "selector": selector, "alpha": 0.1, "epsilon": 0.05, "mask_extra": 3, "gates": "certainty"}
-    model = FoveateModel(ModelConfig(**{**base, "soft_draw": "slot_modes", "num_samples": 16})).double()
-    plain = FoveateModel(ModelConfig(**{**base, "gates": "hard"})).double()
-    k = model.cfg.k
+    model = FoveateModel(flat_config(**{**base, "soft_draw": "slot_modes", "num_samples": 16})).double()
+    plain = FoveateModel(flat_config(**{**base, "gates": "hard"})).double()
+    k = model.cfg.selection.k
     g = torch.Generator().manual_seed(2)
     scores = torch.rand(2, 20, generator=g, dtype=torch.float64)
     scores[1, :4] = float("-inf")
@@ -642,8 +534,5 @@ def test_soft_draw_slot_modes_reads_the_perturbed_bag_at_one_kth_with_the_mask_g
     assert torch.equal(sel0.indices[:, :k, 0], scores.topk(k, dim=1).indices.sort(dim=1).values)
     # inference: the hard top-k, as without the option
     assert torch.equal(model.select(scores, training=False).indices, plain.select(scores, training=False).indices)
-    for bad in ({"mask_sampling": True, "mask_extra": 0}, {"explore_temperature": 0.1}):
-        with pytest.raises(ValueError, match="soft_draw"):
-            ModelConfig(**{**base, "soft_draw": "slot_modes", **bad})
-    with pytest.raises(ValueError, match="soft_draw"):
-        ModelConfig(**{**base, "soft_draw": "modes"})
+    with pytest.raises(ValueError, match="draw"):
+        flat_config(**{**base, "soft_draw": "modes"})

@@ -6,8 +6,10 @@ import os
 
 import pytest
 import torch
+from flat_model_config import flat_config
 
-from operators.model import FoveateModel, ModelConfig
+from operators.model import FoveateModel
+from operators.model_config import ModelConfig
 from operators.resnet import ResNetConfig
 from operators.scorer import ScorerConfig
 from pipeline.model_io import (
@@ -24,7 +26,7 @@ CLASSES = ["benign", "in situ", "invasive"]
 
 
 def _model(seed: int = 0) -> tuple[FoveateModel, ModelConfig]:
-    cfg = ModelConfig(
+    cfg = flat_config(
         patch_size=16,
         k=3,
         num_classes=3,
@@ -32,7 +34,7 @@ def _model(seed: int = 0) -> tuple[FoveateModel, ModelConfig]:
         aggregator_hidden=8,
         transformer_heads=2,
         transformer_layers=1,
-        scorer=ScorerConfig(channels=4, num_layers=2),
+        scorer=ScorerConfig(channels=4, num_layers=2, pool="mean"),
         features=ResNetConfig(widths=(4, 8), blocks=(1, 1), feature_dim=8),
     )
     torch.manual_seed(seed)

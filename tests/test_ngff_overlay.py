@@ -39,7 +39,7 @@ def test_overlay_is_valid_ngff_on_the_slide_frame(scored):
     NgffImage.from_zarr(g)
     ImageLabel.from_zarr(g["labels/patches"])
     gh, gw = item["grid_shape"]
-    stride = _model_config().stride_l0
+    stride = _model_config().geometry.stride_l0
     # the same µm frame as the slide store: a cell is a pixel of stride * mpp µm
     ms = g.attrs["ome"]["multiscales"][0]
     assert ms["datasets"][0]["coordinateTransformations"] == [

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 import zarr
+from flat_model_config import flat_config
 from zarr.storage import LocalStore, WrapperStore
 
-from operators.model import ModelConfig
 from workers.patches import PatchGrid, PatchReader, cell_tissue_fraction, lowres_input, prepare_slide
 from workers.store import write_store_from_array
 
@@ -87,10 +87,8 @@ def test_patch_reader_exact_pixels_and_white_padding(store_and_image):
 
 
 def test_patch_reader_offsets_shift_the_window_with_white_outside_the_slide(store_and_image):
-    """Training-time jitter (model.patch_jitter): the window of each cell moves by its (dx, dy) in level-0
-    pixels; the parts outside the slide (also left of / above the origin) are white."""
-    from workers.patches import random_offsets
-
+    """Read windows shifted by (dx, dy): each cell's window moves by its offset in level-0 pixels; the parts
+    outside the slide (also left of / above the origin) are white."""
     st, img = store_and_image
     grid = PatchGrid.from_store(st, 96, 80)
     gh, gw = grid.shape
@@ -111,11 +109,6 @@ def test_patch_reader_offsets_shift_the_window_with_white_outside_the_slide(stor
         PatchReader(st, grid).read(cells, torch.zeros(3, 2, dtype=torch.long))
     with pytest.raises(ValueError, match="offsets_l0"):
         PatchReader(st, grid).read(cells, torch.zeros(4, 2))
-    g = torch.Generator().manual_seed(0)
-    o = random_offsets(1000, 5, g)
-    assert o.dtype == torch.long and o.min() == -5 and o.max() == 5 and random_offsets(3, 0, g) is None
-    with pytest.raises(ValueError, match="patch_jitter"):
-        ModelConfig(patch_jitter=0.6)
 
 
 def test_patch_reader_reads_each_touched_chunk_once(store_and_image):
@@ -157,7 +150,7 @@ def test_patch_reader_bad_input(store_and_image):
 def test_lowres_input_matches_levels(store_and_image):
     st, _ = store_and_image
     assert st.downsamples == (1.0, 2.0, 4.0, 8.0)
-    cfg = ModelConfig(patch_size=128, scorer_downsample=8)
+    cfg = flat_config(patch_size=128, scorer_downsample=8)
     lowres, cell_mask = lowres_input(st, cfg)
     grid = PatchGrid.from_store(st, 128)
     assert grid.extent_l0 == (1024, 1024)
@@ -167,7 +160,7 @@ def test_lowres_input_matches_levels(store_and_image):
     want[:125] = lvl
     torch.testing.assert_close(lowres, torch.from_numpy(want).permute(2, 0, 1).float() / 255)
     # coarser than the coarsest level: area-resampled from it
-    low16, _ = lowres_input(st, ModelConfig(patch_size=128, scorer_downsample=16))
+    low16, _ = lowres_input(st, flat_config(patch_size=128, scorer_downsample=16))
     assert tuple(low16.shape) == (3, 64, 64)
     ref = torch.from_numpy(want).permute(2, 0, 1).float().div(255).reshape(3, 64, 2, 64, 2).mean((2, 4))
     torch.testing.assert_close(low16, ref, atol=0.5 / 255 + 1e-6, rtol=0)  # the view is uint8
@@ -184,7 +177,7 @@ def test_lowres_view_in_bands_equals_the_whole_level_resampled(monkeypatch, stor
 
     st, _ = store_and_image
     monkeypatch.setattr(wp, "_LOWRES_BAND_BYTES", 1)  # bands of one chunk row (128 level rows)
-    cfg = ModelConfig(patch_size=96, stride=80, scorer_downsample=ds)
+    cfg = flat_config(patch_size=96, stride=80, scorer_downsample=ds)
     view, _ = wp.lowres_view(st, cfg)
     grid = PatchGrid.from_store(st, 96, 80)
     ext_w, ext_h = grid.extent_l0
@@ -219,22 +212,22 @@ def test_cell_tissue_fraction_brute_force(store_and_image):
             x1, y1 = -(-(x + 96) // 8) * 8, -(-(y + 96) // 8) * 8
             assert frac[r, c] == pytest.approx(big[y0:y1, x0:x1].mean())
     # the tissue block is x >= 400, y >= 300: cells fully inside are tissue, cells left of it are not
-    cfg = ModelConfig(patch_size=96, stride=80, scorer_downsample=8, tissue_threshold=0.5)
+    cfg = flat_config(patch_size=96, stride=80, scorer_downsample=8, tissue_threshold=0.5)
     _, cm = lowres_input(st, cfg)
     assert cm[6, 8] and not cm[0, 0] and not cm[6, 2]
     assert torch.equal(cm, torch.from_numpy(frac >= 0.5))
-    _, all_cells = lowres_input(st, ModelConfig(patch_size=96, stride=80, scorer_downsample=8, tissue_threshold=0.0))
+    _, all_cells = lowres_input(st, flat_config(patch_size=96, stride=80, scorer_downsample=8, tissue_threshold=0.0))
     assert bool(all_cells.all())
 
 
 def test_prepare_slide_cache(store_and_image):
     st, _ = store_and_image
-    cfg = ModelConfig(patch_size=128, scorer_downsample=8)
+    cfg = flat_config(patch_size=128, scorer_downsample=8)
     a = prepare_slide(st.path, cfg)
     b = prepare_slide(str(st.path), cfg)
     assert a is b
     assert prepare_slide({"store_path": st.path}, cfg) is a
-    c = prepare_slide(st, ModelConfig(patch_size=64, scorer_downsample=8))
+    c = prepare_slide(st, flat_config(patch_size=64, scorer_downsample=8))
     assert c is not a and c.grid.shape == (16, 16)
     with pytest.raises(TypeError, match="store_or_sample"):
         prepare_slide(42, cfg)

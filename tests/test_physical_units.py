@@ -11,10 +11,13 @@ import logging
 import numpy as np
 import pytest
 import torch
+from flat_model_config import FLAT_DEFAULTS, flat_config, flat_replace
 
 from operators.config import from_dict, to_dict
 from operators.errors import ConfigError
-from operators.model import FoveateModel, ModelConfig
+from operators.model import FoveateModel
+from operators.model_config import ModelConfig
+from operators.model_io import build_model
 from workers.patches import PatchGrid, PatchReader, clear_cache, forward_slide, prepare_slide, slide_geometry
 from workers.pyramid import downsample2x
 from workers.store import write_store_from_array
@@ -31,7 +34,7 @@ SMALL = {
 
 def _config(**kw) -> ModelConfig:
     """16 µm patches (64 px at 0.25 µm/px, 32 px at 0.5), a 1 µm/px scorer view, trained at 0.5 µm/px."""
-    return from_dict(ModelConfig, {**SMALL, "patch_size_um": 16.0, "scorer_mpp": 1.0, "mpp": 0.5, **kw})
+    return flat_config(**{**SMALL, "patch_size_um": 16.0, "scorer_mpp": 1.0, "mpp": 0.5, **kw})
 
 
 def _image_40x() -> np.ndarray:
@@ -58,44 +61,57 @@ def stores(tmp_path_factory):
 
 
 def test_exactly_one_of_each_pair_and_the_pixel_defaults():
-    cfg = ModelConfig()
-    assert (cfg.patch_size, cfg.scorer_downsample, cfg.patch_size_um, cfg.scorer_mpp) == (128, 16.0, None, None)
-    with pytest.raises(ConfigError, match=r"model.patch_size and model.patch_size_um: exactly one may be set"):
-        ModelConfig(patch_size=64, patch_size_um=32.0)
-    with pytest.raises(ConfigError, match=r"model.scorer_downsample and model.scorer_mpp: exactly one"):
+    cfg = flat_config()
+    assert (
+        cfg.geometry.patch_size,
+        cfg.geometry.scorer_downsample,
+        cfg.geometry.patch_size_um,
+        cfg.geometry.scorer_mpp,
+    ) == (128, 16.0, None, None)
+    with pytest.raises(
+        ConfigError, match=r"model.geometry.patch_size and model.geometry.patch_size_um: exactly one may be set"
+    ):
+        flat_config(patch_size=64, patch_size_um=32.0)
+    with pytest.raises(
+        ConfigError, match=r"model.geometry.scorer_downsample and model.geometry.scorer_mpp: exactly one"
+    ):
         from_dict(ModelConfig, {"scorer_downsample": 16, "scorer_mpp": 8.0})
-    with pytest.raises(ConfigError, match=r"model.stride is in level-0 pixels .* model.stride_um"):
-        ModelConfig(patch_size_um=32.0, stride=64)
-    with pytest.raises(ConfigError, match=r"model.stride_um goes with model.patch_size_um"):
-        ModelConfig(patch_size=64, stride_um=16.0)
+    with pytest.raises(ConfigError, match=r"model.geometry.stride is in level-0 pixels .* stride_um"):
+        flat_config(patch_size_um=32.0, stride=64)
+    with pytest.raises(ConfigError, match=r"model.geometry.stride_um goes with patch_size_um"):
+        flat_config(patch_size=64, stride_um=16.0)
     for bad in ({"patch_size_um": 0.0}, {"patch_size_um": float("inf")}, {"scorer_mpp": -1.0}):
-        with pytest.raises(ConfigError, match=f"model.{next(iter(bad))} must be None or a finite number > 0"):
-            ModelConfig(**bad)
-    with pytest.raises(ConfigError, match="model.patch_input must be an int >= 8"):
-        ModelConfig(patch_input=4)
+        with pytest.raises(ConfigError, match=f"model.geometry.{next(iter(bad))} must be a finite number"):
+            flat_config(**bad)
+    with pytest.raises(ConfigError, match="model.geometry.patch_input must be an int >= 8"):
+        flat_config(patch_input=4)
     um = from_dict(ModelConfig, {"patch_size": None, "patch_size_um": 32.0, "scorer_downsample": None, "scorer_mpp": 8})
-    assert um.patch_size is None and um.scorer_downsample is None and um.physical
+    assert um.geometry.patch_size is None and um.geometry.scorer_downsample is None and um.geometry.physical
     with pytest.raises(ConfigError, match="resolved per slide"):
-        _ = um.stride_l0
-    assert not dataclasses.replace(um, scorer_mpp=None).physical  # scorer back to pixels: not physical
+        _ = um.geometry.stride_l0
+    assert not flat_replace(um, scorer_mpp=None).geometry.physical  # scorer back to pixels: not physical
 
 
 def test_geometry_per_slide_resolution():
     cfg = _config(stride_um=8.0)
-    g40, g20 = cfg.geometry(0.25), cfg.geometry(0.5)
+    g40, g20 = cfg.slide_geometry(0.25), cfg.slide_geometry(0.5)
     assert (g40.patch_size, g40.stride, g40.scorer_downsample, g40.patch_input) == (64, 32, 4.0, 32)
     assert (g20.patch_size, g20.stride, g20.scorer_downsample, g20.patch_input) == (32, 16, 2.0, 32)
-    assert cfg.geometry(0.3).patch_size == 53  # round(16 / 0.3): not a power of two away
-    assert _config(patch_input=48).geometry(0.5).patch_input == 48
-    with pytest.raises(ConfigError, match=r"store /x.zarr records no mpp .* model.patch_size_um and model.scorer_mpp"):
-        cfg.geometry(None, where="store /x.zarr")
-    with pytest.raises(ConfigError, match=r"model.scorer_mpp=1.0 is finer than its level-0 mpp 2"):
-        cfg.geometry(2.0)
-    with pytest.raises(ConfigError, match="needs model.patch_input .* or model.mpp"):
-        _config(mpp=None).geometry(0.5)
-    px = ModelConfig(patch_size=64, scorer_downsample=8.0)
-    assert px.geometry(0.25) == dataclasses.replace(px.geometry(None), mpp=0.25)  # pixels: mpp changes nothing
-    assert px.geometry().patch_input == 64
+    assert cfg.slide_geometry(0.3).patch_size == 53  # round(16 / 0.3): not a power of two away
+    assert _config(patch_input=48).slide_geometry(0.5).patch_input == 48
+    with pytest.raises(
+        ConfigError, match=r"store /x.zarr records no mpp .* model.geometry.patch_size_um and model.geometry.scorer_mpp"
+    ):
+        cfg.slide_geometry(None, where="store /x.zarr")
+    with pytest.raises(ConfigError, match=r"model.geometry.scorer_mpp=1.0 is finer than its level-0 mpp 2"):
+        cfg.slide_geometry(2.0)
+    with pytest.raises(ConfigError, match="needs model.geometry.patch_input .* or model.mpp"):
+        _config(mpp=None).slide_geometry(0.5)
+    px = flat_config(patch_size=64, scorer_downsample=8.0)
+    assert px.slide_geometry(0.25) == dataclasses.replace(
+        px.slide_geometry(None), mpp=0.25
+    )  # pixels: mpp changes nothing
+    assert px.slide_geometry().patch_input == 64
 
 
 def test_checkpoint_round_trip_keeps_the_physical_geometry(tmp_path, stores):
@@ -107,17 +123,17 @@ def test_checkpoint_round_trip_keeps_the_physical_geometry(tmp_path, stores):
     model = FoveateModel(cfg).eval()
     loaded, lcfg, names = load_checkpoint(save_checkpoint(tmp_path / "m.pt", model, cfg, CLASSES))
     assert lcfg == cfg and names == CLASSES
-    assert lcfg.geometry(0.25) == cfg.geometry(0.25) and lcfg.geometry(0.5) == cfg.geometry(0.5)
+    assert lcfg.slide_geometry(0.25) == cfg.slide_geometry(0.25) and lcfg.slide_geometry(0.5) == cfg.slide_geometry(0.5)
     clear_cache()
     with torch.inference_mode():
         a = forward_slide(model, stores[0].path, training=False)
         b = forward_slide(loaded, stores[0].path, training=False)
     assert torch.equal(a.scores, b.scores) and torch.equal(a.logits, b.logits)
     # a checkpoint written before these keys existed loads with the pixel settings it had
-    old = {k: v for k, v in to_dict(ModelConfig(patch_size=64)).items()}
-    for key in ("patch_size_um", "stride_um", "patch_input", "scorer_mpp"):
-        del old[key]
-    assert from_dict(ModelConfig, old) == ModelConfig(patch_size=64)
+    new = flat_config(patch_size=64)
+    old = {**FLAT_DEFAULTS, "patch_size": 64, "stride": None, "scorer_downsample": 16.0, "num_classes": 2}
+    old.update(scorer=to_dict(new.scorer), features=to_dict(new.features), mpp=None, patch_jitter=0.0)
+    assert build_model(old)[1] == new
 
 
 # ------------------------------------------------------------------------------------- two resolutions
@@ -144,7 +160,9 @@ def test_same_grid_in_um_and_same_patches_at_20x_and_40x(stores):
     raw = a.reader._read_l0(cells[:3])  # what the 40x slide holds: twice the pixels
     assert raw.shape == (3, 3, 64, 64)
     # pixel settings on the same two stores: other grids, other content (the comparison above can fail)
-    px = dataclasses.replace(cfg, patch_size_um=None, patch_size=32, scorer_mpp=None, scorer_downsample=2.0)
+    px = flat_replace(
+        cfg, patch_size_um=None, stride_um=None, patch_size=32, stride=32, scorer_mpp=None, scorer_downsample=2.0
+    )
     assert prepare_slide(s40, px).grid.shape != prepare_slide(s20, px).grid.shape
 
 
@@ -161,7 +179,7 @@ def test_forward_chooses_the_same_cells_with_boxes_in_each_slides_pixels(stores)
     assert torch.equal(a.coords_l0, 2 * b.coords_l0)  # level-0 pixels of each slide
     assert torch.allclose(a.logits, b.logits, atol=1e-2)
     # a 0.3 µm/px slide (a non-power-of-two factor) gives patches of the network's size too
-    g = slide_geometry(s40, dataclasses.replace(cfg, patch_size_um=13.0, patch_input=40))
+    g = slide_geometry(s40, flat_replace(cfg, patch_size_um=13.0, patch_input=40))
     grid = PatchGrid.from_store(s40, g.patch_size, g.stride)
     assert PatchReader(s40, grid, g.patch_input).read(torch.tensor([0, 5])).shape == (2, 3, 40, 40)
 
@@ -186,8 +204,8 @@ def test_store_without_mpp_is_refused_naming_it(tmp_path, stores):
     with pytest.raises(ConfigError, match=r"slide n: store .*nompp.zarr records no mpp"):
         _check_grids(cfg, [Rec("a", stores[0]), Rec("n", nompp)])
     # the k check counts each slide's own cells and says what patch_size_um is there
-    with pytest.raises(ConfigError, match=r"slide a \(768 x 640 px at model.patch_size_um 64.0 = 256 px at mpp 0.25\)"):
-        _check_grids(dataclasses.replace(cfg, patch_size_um=64.0, k=13), [Rec("a", stores[0])])
+    with pytest.raises(ConfigError, match=r"slide a \(768 x 640 px at model.geometry.patch_size_um 64.0 = 256 px at mpp 0.25\)"):
+        _check_grids(flat_replace(cfg, patch_size_um=64.0, stride_um=64.0, k=13), [Rec("a", stores[0])])
     # no model.mpp nor patch_input: the training stores' median mpp fixes the network's patch side
     assert _check_grids(_config(mpp=None), [Rec("a", stores[0]), Rec("b", stores[1])]) == [0.25, 0.5]
 
@@ -230,7 +248,7 @@ def test_scoring_and_pyfunc_adapt_to_each_slide_without_the_mpp_warning(tmp_path
     assert list(out["status"]) == ["ok", "ok"]
     assert [p["w"] for p in out["patches"][0]] == [64] * 4 and [p["w"] for p in out["patches"][1]] == [32] * 4
     # a model with the scorer still in pixels keeps the warning (it does not adapt)
-    half = dataclasses.replace(cfg, scorer_mpp=None, scorer_downsample=4.0)
+    half = flat_replace(cfg, scorer_mpp=None, scorer_downsample=4.0)
     item = ScorerWorker(checkpoint_dict(FoveateModel(half).eval(), half, CLASSES), strict_mpp=True).score_one(
         "s40", str(s40.path)
     )

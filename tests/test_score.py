@@ -14,6 +14,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
+from flat_model_config import flat_replace
 
 from pipeline.score import list_stores, read_predictions, score
 from workers.store import COMPLETE_MARKER, SlideStore, write_store_from_array
@@ -35,12 +36,10 @@ def _slide(seed: int) -> np.ndarray:
 
 
 def _model_config():
-    from operators.model import ModelConfig
-    from pipeline.config import from_dict
+    from flat_model_config import flat_config
 
-    return from_dict(
-        ModelConfig,
-        {
+    return flat_config(
+        **{
             "patch_size": 32,
             "k": 4,
             "scorer_downsample": 4.0,
@@ -96,13 +95,12 @@ def _by_id(table):
 def test_workers_without_ray_match_forward_chain(data, tmp_path, selector, aggregator):
     """The two stages as plain classes give the coordinates/probabilities of workers.patches.forward_slide
     (hard top-k at inference; the slot weights of attention/SOFT/LapSum travel from scorer to classifier)."""
-    import dataclasses
 
     from operators.model import FoveateModel
     from pipeline.model_io import checkpoint_dict
     from workers.scoring import ClassifierWorker, ScorerWorker
 
-    cfg = dataclasses.replace(_model_config(), selector=selector, aggregator=aggregator)
+    cfg = flat_replace(_model_config(), selector=selector, aggregator=aggregator)
     torch.manual_seed(1)
     model = FoveateModel(cfg).eval()
     ckpt = checkpoint_dict(model, cfg, CLASSES)

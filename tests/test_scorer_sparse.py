@@ -8,9 +8,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from flat_model_config import flat_config
 
 import operators.model as model_module
-from operators.model import FoveateModel, ModelConfig
+from operators.model import FoveateModel
 from operators.resnet import ResNetConfig
 from operators.scorer import ScorerCNN, ScorerConfig, cell_pool, score_map, sparse_grad_cell_scores
 from workers.patches import clear_cache, forward_slide
@@ -100,7 +101,7 @@ def test_a_training_step_gives_the_scorer_the_whole_view_gradients(tmp_path, mon
     """forward_slide in training with the evidence losses, the rare bag, the rarity prior and the neutral cells
     (selection_grad 0): every parameter's gradient equals the one of the plain whole-view backward."""
     store = _slide_store(tmp_path)
-    cfg = ModelConfig(
+    cfg = flat_config(
         selector=selector,
         patch_size=64,
         scorer_downsample=4.0,

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from flat_model_config import flat_config
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from operators.model import FoveateModel, ModelConfig
+from operators.model import FoveateModel
 from operators.scorer import ScorerCNN, ScorerConfig, scorer_halo, tiled_score_map
 
 
@@ -60,11 +61,11 @@ def test_tiled_gradients_equal_whole_gradients_float64(layers):
 
 
 def test_model_scores_and_scorer_gradients_do_not_depend_on_tiling():
-    cfg = ModelConfig(k=4, patch_size=32, scorer_downsample=4, scorer=ScorerConfig(channels=8, tile=0))
+    cfg = flat_config(k=4, patch_size=32, scorer_downsample=4, scorer=ScorerConfig(channels=8, tile=0, pool="mean"))
     torch.manual_seed(0)
     whole = FoveateModel(cfg).double()
     tiled = FoveateModel(
-        ModelConfig(k=4, patch_size=32, scorer_downsample=4, scorer=ScorerConfig(channels=8, tile=32))
+        flat_config(k=4, patch_size=32, scorer_downsample=4, scorer=ScorerConfig(channels=8, tile=32, pool="mean"))
     ).double()
     tiled.load_state_dict(whole.state_dict())
     lowres = torch.rand(1, 3, 96, 136, dtype=torch.float64, generator=torch.Generator().manual_seed(5))

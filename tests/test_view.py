@@ -46,9 +46,9 @@ def data(tmp_path_factory):
     """Stores (three good, one incomplete, one with corrupt metadata), a manifest.csv with labels, and a
     predictions file from the real scoring workers (one error row) with heatmaps."""
     import torch
+    from flat_model_config import flat_config
 
-    from operators.model import FoveateModel, ModelConfig
-    from pipeline.config import from_dict
+    from operators.model import FoveateModel
     from pipeline.model_io import checkpoint_dict
     from pipeline.predictions import PredictionWriter
     from workers.scoring import ClassifierWorker, ScorerWorker
@@ -60,9 +60,8 @@ def data(tmp_path_factory):
     (stores / "incomplete.zarr" / COMPLETE_MARKER).unlink()
     (stores / "broken.zarr" / "zarr.json").write_text("{ not json")
     (stores / "manifest.csv").write_text("slide_id,label\ns0,benign\ns1,tumour\ns2,benign\n")
-    cfg = from_dict(
-        ModelConfig,
-        {
+    cfg = flat_config(
+        **{
             "patch_size": 64,
             "k": 3,
             "scorer_downsample": 8.0,

@@ -38,7 +38,8 @@ import torch
 import torch.nn.functional as F
 
 from operators.evidence import neutral_loss
-from operators.model import FoveateModel, ModelConfig, ModelOutput, Selection, SlideGeometry
+from operators.model import FoveateModel, ModelOutput, Selection
+from operators.model_config import ModelConfig, SlideGeometry
 from operators.soft_patches import combine_patches, unique_cells
 from workers.store import SlideStore
 
@@ -58,7 +59,6 @@ __all__ = [
     "cell_strata",
     "rare_cells",
     "cell_rarity",
-    "random_offsets",
     "color_jitter_patches",
 ]
 
@@ -174,7 +174,7 @@ def slide_geometry(store: SlideStore, cfg: ModelConfig) -> SlideGeometry:
         ConfigError: a µm setting on a store without mpp (the message names the store).
     """
     mpp = store.meta.mpp[0] if store.meta.mpp else None
-    return cfg.geometry(mpp, where=f"store {store.path}")
+    return cfg.slide_geometry(mpp, where=f"store {store.path}")
 
 
 def lowres_input(
@@ -221,7 +221,7 @@ def lowres_view(
     view = _level_view(store, level, (math.ceil(ext_w / ds), math.ceil(ext_h / ds)), (th, tw))
     mask, mask_ds = store.tissue_mask()
     frac = cell_tissue_fraction(mask, mask_ds, grid)
-    cell_mask = torch.from_numpy(frac >= cfg.tissue_threshold)
+    cell_mask = torch.from_numpy(frac >= cfg.geometry.tissue_threshold)
     return view, cell_mask
 
 
@@ -429,7 +429,6 @@ class SlideInput:
     strata: dict[int, torch.Tensor] = field(default_factory=dict)  # number of strata -> cell_strata (cached)
     rarity: tuple[int, torch.Tensor] | None = None  # (strata, cell_rarity)
     rare: tuple[int, int, torch.Tensor, torch.Tensor | None] | None = None  # (count, strata, cells, uint8 pixels)
-    neutral: tuple[int, torch.Tensor, torch.Tensor | None] | None = None  # (pool size, cells, uint8 pixels)
     geometry: SlideGeometry | None = None
 
     @property
@@ -487,7 +486,7 @@ def prepare_slide(store_or_sample: Any, cfg: ModelConfig, *, cache: bool = True)
     """
     if isinstance(store_or_sample, SlideInput):
         return store_or_sample
-    key_geom = cfg.geometry_key() + (float(cfg.tissue_threshold),)
+    key_geom = cfg.geometry_key() + (float(cfg.geometry.tissue_threshold),)
     path_key = None
     if cache and isinstance(store_or_sample, (str, Path, SlideStore)):
         from workers.storage import normalize
@@ -521,15 +520,6 @@ def prepare_slide(store_or_sample: Any, cfg: ModelConfig, *, cache: bool = True)
     return si
 
 
-def random_offsets(count: int, jitter_l0: int, generator: torch.Generator | None = None) -> torch.Tensor | None:
-    """``[count, 2]`` long ``(dx, dy)`` uniform in ``[-jitter_l0, jitter_l0]`` (on the CPU), or None when
-    ``jitter_l0 == 0``."""
-    if jitter_l0 <= 0:
-        return None
-    dev = generator.device if generator is not None else torch.device("cpu")
-    return torch.randint(-jitter_l0, jitter_l0 + 1, (count, 2), generator=generator, device=dev).cpu()
-
-
 def color_jitter_patches(x: torch.Tensor, strength: float, generator: torch.Generator | None = None) -> torch.Tensor:
     """Random per-patch, per-channel gain ``1 + U(-s, s)`` and offset ``U(-s/2, s/2)`` of float patches
     ``x[..., 3, p, p]`` in [0, 1], clamped to [0, 1] (training-time augmentation against memorising a slide's
@@ -549,7 +539,6 @@ def gather_patches(
     *,
     device: torch.device | str | None = None,
     dtype: torch.dtype = torch.float32,
-    jitter_l0: int = 0,
     generator: torch.Generator | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Read the selected patches of one slide and form each slot's (soft) patch.
@@ -562,9 +551,7 @@ def gather_patches(
         slide: from :func:`prepare_slide`.
         selection: for this slide (``B = 1``).
         device, dtype: of the returned patches (default: the selection weights' device).
-        jitter_l0: each distinct cell's read window is shifted by a random ``(dx, dy)`` in
-            ``[-jitter_l0, jitter_l0]`` level-0 pixels (training-time augmentation; 0: none).
-        generator: RNG for the jitter.
+        generator: unused (kept for callers that pass the step's generator).
 
     Returns:
         ``(patches[1, K, 3, s, s] in [0, 1], positions[1, K, 2], cells_read)`` (``s = geometry.patch_input``,
@@ -578,7 +565,7 @@ def gather_patches(
         )
     device = selection.weights.device if device is None else torch.device(device)
     cells, inverse = unique_cells(selection.indices)
-    pix = slide.reader.read(cells.cpu(), random_offsets(cells.numel(), jitter_l0, generator))
+    pix = slide.reader.read(cells.cpu())
     x = pix.to(device=device, dtype=dtype).div_(255.0)
     patches = combine_patches(x, inverse.to(device), selection.weights.to(device=device, dtype=dtype))
     positions = slide.grid.cell_centres(selection.primary.cpu()).to(device=device, dtype=dtype)
@@ -736,12 +723,6 @@ def _slide_strata(slide: SlideInput, num_strata: int) -> torch.Tensor:
     return slide.strata[num_strata]
 
 
-def _draw(n: int, m: int, generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
-    """``min(m, n)`` distinct positions of ``range(n)`` drawn uniformly (CPU LongTensor), with ``generator`` on
-    ``device``."""
-    return torch.rand(n, generator=generator, device=device).argsort()[:m].cpu()
-
-
 def _explore_cells(
     scores: torch.Tensor, count: int, generator: torch.Generator | None, strata: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -813,11 +794,8 @@ def forward_slide(
     sel = model.select(
         model.local_maxima(scores, tuple(cell_mask.shape)), training=training, sigma=sigma, generator=generator
     )
-    jitter = round(model.cfg.patch_jitter * slide.grid.patch_size) if training else 0
-    patches, positions, cells_read = gather_patches(
-        slide, sel, device=device, dtype=dtype, jitter_l0=jitter, generator=generator
-    )
-    cj = model.cfg.color_jitter if training else 0.0
+    patches, positions, cells_read = gather_patches(slide, sel, device=device, dtype=dtype, generator=generator)
+    cj = model.cfg.augment.color_jitter if training else 0.0
     patches = color_jitter_patches(patches, cj, generator)
 
     # Training reads more cells than the K selected ones (exploration, the rare bag, neutral cells): their pixels
@@ -826,11 +804,10 @@ def forward_slide(
     groups: list[torch.Tensor] = []
 
     def read_cells(cells: torch.Tensor, pixels: torch.Tensor | None = None) -> int:
-        """Queue the pixels of extra training reads, augmented as the selected patches are: read at random
-        offsets of up to ``jitter`` px (or ``pixels``, uint8 reads given), then colour-jittered; returns the
-        position of their features in the batch."""
+        """Queue the pixels of extra training reads (or ``pixels``, uint8 reads given), colour-jittered as the
+        selected patches are; returns the position of their features in the batch."""
         if pixels is None:
-            pixels = slide.reader.read(cells.cpu(), random_offsets(cells.numel(), jitter, generator))
+            pixels = slide.reader.read(cells.cpu())
         groups.append(color_jitter_patches(pixels.to(device=device, dtype=dtype).div_(255.0), cj, generator))
         return len(groups) - 1
 
@@ -841,35 +818,23 @@ def forward_slide(
     groups.append(patches.flatten(0, 1))
     evidence = training and target is not None and model.uses_evidence
     explore = rare = neutral = None
+    ev_cfg = model.cfg.evidence
     if evidence:
-        strata = _slide_strata(slide, model.cfg.explore_strata) if model.cfg.explore_strata > 0 else None
-        explore = _explore_cells(scores[0], model.cfg.explore_cells, generator, strata)
+        strata = _slide_strata(slide, ev_cfg.explore_strata) if ev_cfg.explore_strata > 0 else None
+        explore = _explore_cells(scores[0], ev_cfg.explore_cells, generator, strata)
         g_explore = read_cells(explore) if explore.numel() else None
         cells_read += int(explore.numel())
-        if model.cfg.rare_cells > 0 and rare_scale > 0:
-            key = (model.cfg.rare_cells, model.cfg.rare_strata)
+        if ev_cfg.rare_cells > 0 and rare_scale > 0:
+            key = (ev_cfg.rare_cells, ev_cfg.rare_strata)
             if slide.rare is None or slide.rare[:2] != key:  # fixed per slide: found (and read) once
                 found = rare_cells(slide.lowres_u8, cell_mask, *key, _slide_strata(slide, key[1]))
-                slide.rare = (*key, found, None if jitter else slide.reader.read(found))
+                slide.rare = (*key, found, slide.reader.read(found))
             rare, rare_pix = slide.rare[2], slide.rare[3]
-            if 0 < model.cfg.rare_per_step < rare.numel():  # a new subset of the bag every step
-                pick = _draw(rare.numel(), model.cfg.rare_per_step, generator, scores.device)
-                rare, rare_pix = rare[pick], None if rare_pix is None else rare_pix[pick]
-            g_rare = read_cells(rare, rare_pix)  # jittered (no pixels kept): read again each step
+            g_rare = read_cells(rare, rare_pix)
             cells_read += int(rare.numel())
-    if training and target is not None and model.cfg.neutral_cells > 0:
-        pool = model.cfg.neutral_pool
-        neutral_pix = None
-        if pool:  # a per-slide pool of uniform tissue cells, drawn and read once; neutral_cells of them per step
-            if slide.neutral is None or slide.neutral[0] != pool:
-                cells_pool = _explore_cells(scores[0].detach(), pool, generator).cpu()
-                slide.neutral = (pool, cells_pool, None if jitter else slide.reader.read(cells_pool))
-            pick = _draw(slide.neutral[1].numel(), model.cfg.neutral_cells, generator, scores.device)
-            neutral = slide.neutral[1][pick]
-            neutral_pix = None if slide.neutral[2] is None else slide.neutral[2][pick]
-        else:
-            neutral = _explore_cells(scores[0], model.cfg.neutral_cells, generator)  # uniform candidate cells
-        g_neutral = read_cells(neutral, neutral_pix) if neutral.numel() else None
+    if training and target is not None and ev_cfg.neutral_cells > 0:
+        neutral = _explore_cells(scores[0], ev_cfg.neutral_cells, generator)  # uniform candidate cells
+        g_neutral = read_cells(neutral) if neutral.numel() else None
         cells_read += int(neutral.numel())
     feats_all = model.embed(torch.cat(groups) if len(groups) > 1 else groups[0])
     parts = list(feats_all.split([g.shape[0] for g in groups]))
@@ -886,7 +851,7 @@ def forward_slide(
             logits_rare = model.aggregate(f_rare[None], pos[None], None)
             tgt = torch.tensor([int(target)], device=logits_rare.device)
             aux_losses["rare"] = (
-                rare_scale * model.cfg.rare_weight * torch.nn.functional.cross_entropy(logits_rare.reshape(1, -1), tgt)
+                rare_scale * ev_cfg.rare_weight * torch.nn.functional.cross_entropy(logits_rare.reshape(1, -1), tgt)
             )
             feats = torch.cat([feats, f_rare])
             read.append(rare.to(cells.device))
@@ -894,8 +859,8 @@ def forward_slide(
         read_pos = slide.grid.cell_centres(read_idx.cpu()).to(device=device, dtype=dtype)
         prior = None
         if rarity > 0:
-            if slide.rarity is None or slide.rarity[0] != model.cfg.rare_strata:
-                n = model.cfg.rare_strata
+            if slide.rarity is None or slide.rarity[0] != ev_cfg.rare_strata:
+                n = ev_cfg.rare_strata
                 slide.rarity = (n, cell_rarity(slide.lowres_u8, cell_mask, n, _slide_strata(slide, n)))
             prior = slide.rarity[1].to(device=device, dtype=dtype)[read_idx]
         ev_losses, extra_info = model.evidence_losses(
@@ -906,12 +871,12 @@ def forward_slide(
     if neutral is not None and neutral.numel():
         pos = slide.grid.cell_centres(neutral.cpu()).to(device=device, dtype=dtype)
         single = model.aggregate_each(parts[g_neutral], pos)  # each cell classified on its own
-        aux_losses["neutral"] = model.cfg.neutral_weight * neutral_loss(single)
+        aux_losses["neutral"] = ev_cfg.neutral_weight * neutral_loss(single)
     n_tissue = int(cell_mask.sum())
     info = {
         "num_cells": float(slide.grid.num_cells),
         "num_candidates": float(torch.isfinite(scores[0]).sum()),
-        "tissue_fallback": float(n_tissue < model.cfg.k),
+        "tissue_fallback": float(n_tissue < model.cfg.selection.k),
         "cells_read": float(cells_read),
     }
     if "kept_mass" in sel.aux:

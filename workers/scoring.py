@@ -193,12 +193,12 @@ class ScorerWorker:
     def _check_mpp(self, slide_id: str, store) -> None:
         """A store at another resolution than the model was trained at (> :data:`MPP_TOLERANCE` apart): a
         warning, or with ``strict_mpp`` an error (the slide's row then says why). Not for a model whose patch
-        size and scorer resolution are both in µm (``ModelConfig.physical``): it adapts to each slide's mpp."""
+        size and scorer resolution are both in µm (``GeometryConfig.physical``): it adapts to each slide's mpp."""
         trained = getattr(self.cfg, "mpp", None)
         mpp = store.meta.mpp[0] if store.meta.mpp else None
-        if self.cfg.physical or trained is None or mpp is None or abs(mpp / trained - 1.0) <= MPP_TOLERANCE:
+        if self.cfg.geometry.physical or trained is None or mpp is None or abs(mpp / trained - 1.0) <= MPP_TOLERANCE:
             return
-        px = [k for k in ("patch_size", "scorer_downsample") if getattr(self.cfg, k) is not None]
+        px = [k for k in ("patch_size", "scorer_downsample") if getattr(self.cfg.geometry, k) is not None]
         msg = (
             f"store mpp {mpp:g} differs from the model's training mpp {trained:g} by more than "
             f"{MPP_TOLERANCE:.0%} ({' and '.join(px)} {'are' if len(px) > 1 else 'is'} level-0 pixels); "

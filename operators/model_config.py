@@ -1,0 +1,702 @@
+"""The model's configuration (YAML section ``model:``): a few small frozen dataclasses, one per concern.
+
+Every default is the recommended recipe, so a config file states only what differs from it::
+
+    model:
+      num_classes: 2          # set by `foveate train` from the labels
+      geometry:     {patch_size: 64, stride: null, scorer_downsample: 16, tissue_threshold: 0.1}
+      scorer:       {channels: 16, num_layers: 4, pool: max}
+      selection:    {selector: perturbed, k: 8, nms_radius: 1, ..., perturbed: {...}, sinkhorn: {...}, ...}
+      evidence:     {explore_cells: 8, rare_cells: 32, neutral_cells: 8, instance_weight: 0.01, ...}
+      augment:      {color_jitter: 0.2}
+      features:     {widths: [16, 32, 64], blocks: [1, 1, 1], feature_dim: 64}
+      aggregator:   {kind: mean, hidden: 64, attention_mil: {...}, transformer: {...}}
+      experimental: {...}     # switches kept for study, off by default
+
+``foveate config show [--config C] [--set key=value]`` prints the effective config and where each value came from.
+The flat keys of earlier versions (``model.k``, ``model.selector``, ``model.aggregator: mean`` ...) still load, each
+with a one-line deprecation naming its new key (:func:`upgrade_flat_keys`); checkpoints written with them load
+unchanged. docs/model.md explains the model; benchmarks/RESULTS.md has the measurements behind each default.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from operators.errors import ConfigError
+from operators.resnet import ResNetConfig
+from operators.scorer import ScorerConfig
+
+__all__ = [
+    "SELECTORS",
+    "GeometryConfig",
+    "PerturbedConfig",
+    "SinkhornConfig",
+    "LapSumConfig",
+    "AttentionConfig",
+    "SelectionConfig",
+    "EvidenceConfig",
+    "AugmentConfig",
+    "AttentionMILConfig",
+    "TransformerConfig",
+    "AggregatorConfig",
+    "ExperimentalConfig",
+    "ModelConfig",
+    "SlideGeometry",
+    "FLAT_KEYS",
+    "REMOVED_KEYS",
+    "upgrade_flat_keys",
+]
+
+log = logging.getLogger(__name__)
+
+SELECTORS = ("perturbed", "sinkhorn", "lapsum", "attention", "hard")
+AGGREGATOR_KINDS = ("mean", "max", "vote", "attention_mil", "transformer")
+READOUTS = ("mean", "logit_mean", "cls", "gate")
+
+
+# ---------------------------------------------------------------------------------------------- checks
+def _int(where: str, v: Any, minimum: int) -> None:
+    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+        raise ConfigError(f"{where} must be an int >= {minimum}, got {v!r}")
+
+
+def _num(where: str, v: Any, lo: float, hi: float = math.inf, *, lo_open: bool = False, hi_open: bool = False) -> None:
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    ok = ok and (v > lo if lo_open else v >= lo) and (v < hi if hi_open else v <= hi)
+    if not ok:
+        lb, rb = "(" if lo_open else "[", ")" if hi_open or hi == math.inf else "]"
+        raise ConfigError(f"{where} must be a finite number in {lb}{lo:g}, {hi:g}{rb}, got {v!r}")
+
+
+def _choice(where: str, v: Any, allowed: tuple) -> None:
+    if v not in allowed:
+        raise ConfigError(f"{where} must be one of {list(allowed)}, got {v!r}")
+
+
+def _bool(where: str, v: Any) -> None:
+    if not isinstance(v, bool):
+        raise ConfigError(f"{where} must be true or false, got {v!r}")
+
+
+# ---------------------------------------------------------------------------------------------- geometry
+@dataclass(frozen=True)
+class SlideGeometry:
+    """The model's geometry on one slide (:meth:`ModelConfig.slide_geometry`), in that slide's level-0 pixels.
+
+    Attributes:
+        patch_size: grid cell side in level-0 pixels.
+        stride: grid stride in level-0 pixels.
+        scorer_downsample: level-0 pixels per pixel of the scorer's view (>= 1).
+        patch_input: side of the patches the feature network sees (each ``patch_size`` patch is resampled to
+            it when they differ).
+        mpp: the slide's level-0 µm per pixel (None: unknown).
+    """
+
+    patch_size: int
+    stride: int
+    scorer_downsample: float
+    patch_input: int
+    mpp: float | None = None
+
+
+@dataclass(frozen=True)
+class GeometryConfig:
+    """The patch grid and the scorer's view. Sizes come in level-0 pixels or in µm (exactly one of each pair:
+    ``patch_size``/``patch_size_um``, ``scorer_downsample``/``scorer_mpp``); µm settings are resolved per slide
+    from its store's level-0 mpp, so slides scanned at 20x and 40x give the same grid in µm."""
+
+    patch_size: int | None = None
+    """Side of a patch (grid cell) in level-0 pixels; None: 64 unless ``patch_size_um`` is set."""
+    stride: int | None = None
+    """Grid stride in level-0 pixels; None: half of ``patch_size`` (cells overlap by half)."""
+    patch_size_um: float | None = None
+    """Side of a patch in µm, instead of ``patch_size`` (per slide ``round(patch_size_um / mpp)`` pixels)."""
+    stride_um: float | None = None
+    """Grid stride in µm (with ``patch_size_um``); None: half of ``patch_size_um``."""
+    patch_input: int | None = None
+    """Side in pixels of the patches the feature network sees; None: ``patch_size`` (µm: the training mpp's)."""
+    scorer_downsample: float | None = None
+    """Level-0 pixels per pixel of the scorer's low-res view; None: 16 unless ``scorer_mpp`` is set."""
+    scorer_mpp: float | None = None
+    """µm per pixel of the scorer's view, instead of ``scorer_downsample`` (must not be finer than level 0)."""
+    tissue_threshold: float = 0.1
+    """A cell is a candidate when at least this fraction of it is tissue (0: every cell)."""
+
+    def __post_init__(self) -> None:
+        for px, um in (("patch_size", "patch_size_um"), ("scorer_downsample", "scorer_mpp")):
+            if getattr(self, px) is not None and getattr(self, um) is not None:
+                raise ConfigError(
+                    f"model.geometry.{px} and model.geometry.{um}: exactly one may be set (level-0 pixels or µm), "
+                    f"got {px}={getattr(self, px)!r} and {um}={getattr(self, um)!r}; set the other to null"
+                )
+        if self.patch_size is None and self.patch_size_um is None:
+            object.__setattr__(self, "patch_size", 64)
+        if self.scorer_downsample is None and self.scorer_mpp is None:
+            object.__setattr__(self, "scorer_downsample", 16.0)
+        if self.patch_size_um is not None:
+            _num("model.geometry.patch_size_um", self.patch_size_um, 0, lo_open=True)
+            if self.stride is not None:
+                raise ConfigError(
+                    "model.geometry.stride is in level-0 pixels and goes with patch_size; with patch_size_um set "
+                    f"stride_um (µm) instead, got stride={self.stride!r}"
+                )
+            if self.stride_um is not None:
+                _num("model.geometry.stride_um", self.stride_um, 0, lo_open=True)
+        else:
+            if self.stride_um is not None:
+                raise ConfigError(
+                    "model.geometry.stride_um goes with patch_size_um; with patch_size set stride (level-0 pixels) "
+                    f"instead, got stride_um={self.stride_um!r}"
+                )
+            _int("model.geometry.patch_size", self.patch_size, 8)
+            if self.stride is not None:
+                _int("model.geometry.stride", self.stride, 1)
+        if self.scorer_mpp is not None:
+            _num("model.geometry.scorer_mpp", self.scorer_mpp, 0, lo_open=True)
+        if self.scorer_downsample is not None:
+            _num("model.geometry.scorer_downsample", self.scorer_downsample, 1)
+        if self.patch_input is not None:
+            _int("model.geometry.patch_input", self.patch_input, 8)
+        _num("model.geometry.tissue_threshold", self.tissue_threshold, 0, 1)
+
+    @property
+    def stride_l0(self) -> int:
+        """The grid stride in level-0 pixels; pixel patches only (µm patches have one per slide)."""
+        if self.patch_size is None:
+            raise ConfigError(
+                f"model.geometry.patch_size_um={self.patch_size_um} is resolved per slide: use "
+                "ModelConfig.slide_geometry(mpp) (workers.patches.slide_geometry(store, cfg)), not stride_l0"
+            )
+        return max(1, self.patch_size // 2) if self.stride is None else self.stride
+
+    @property
+    def physical(self) -> bool:
+        """True when both the patch size and the scorer's resolution are in µm (the model adapts to each slide's
+        mpp; scoring does not warn about a store at another mpp than the model's)."""
+        return self.patch_size_um is not None and self.scorer_mpp is not None
+
+    @property
+    def uses_um(self) -> bool:
+        """True when either the patch size or the scorer's resolution is in µm (stores need an mpp)."""
+        return self.patch_size_um is not None or self.scorer_mpp is not None
+
+
+# ---------------------------------------------------------------------------------------------- selection
+@dataclass(frozen=True)
+class PerturbedConfig:
+    """Perturbed top-k (Cordonnier et al. 2021): soft patches from the noisy top-k's indicators."""
+
+    max_support: int = 1
+    """Cells kept per slot of a soft patch (1: each slot reads its most frequent cell over the noise samples)."""
+
+    def __post_init__(self) -> None:
+        _int("model.selection.perturbed.max_support", self.max_support, 1)
+
+
+_DRAWS = ("topk", "slot_modes")
+_GATES = ("mask", "hard", "certainty")
+
+
+def _check_soft(where: str, draw: str, gates: str, mask_extra: int) -> None:
+    _choice(f"{where}.draw", draw, _DRAWS)
+    _choice(f"{where}.gates", gates, _GATES)
+    _int(f"{where}.mask_extra", mask_extra, 0)
+
+
+@dataclass(frozen=True)
+class SinkhornConfig:
+    """SOFT top-k (Xie et al. 2020), an entropic optimal transport solved by Sinkhorn iterations."""
+
+    epsilon: float = 0.01
+    """Entropic regularisation."""
+    max_iter: int = 200
+    """Sinkhorn iterations."""
+    draw: Literal["topk", "slot_modes"] = "slot_modes"
+    """Training bag: ``topk`` the k largest scores; ``slot_modes`` the perturbed top-k's bag (per slot its most
+    frequent cell over ``selection.num_samples`` noisy top-k draws), the soft mask's gradient straight-through."""
+    gates: Literal["mask", "hard", "certainty"] = "certainty"
+    """Weights of the read cells: ``mask`` the mask / k; ``hard`` the top-k mean (mask gradient);
+    ``certainty`` max(0, 2m - 1) normalised over the bag in training, the hard mean at inference."""
+    mask_extra: int = 8
+    """Cells ranked just below the top-k also read in training (the mask's tail; evidence losses)."""
+
+    def __post_init__(self) -> None:
+        _num("model.selection.sinkhorn.epsilon", self.epsilon, 0, lo_open=True)
+        _int("model.selection.sinkhorn.max_iter", self.max_iter, 1)
+        _check_soft("model.selection.sinkhorn", self.draw, self.gates, self.mask_extra)
+
+
+@dataclass(frozen=True)
+class LapSumConfig:
+    """LapSum soft top-k (Struski et al. 2025)."""
+
+    alpha: float = 0.01
+    """Scale of the Laplace CDFs (smaller: closer to the hard top-k)."""
+    draw: Literal["topk", "slot_modes"] = "topk"
+    """Training bag, as ``selection.sinkhorn.draw``."""
+    gates: Literal["mask", "hard", "certainty"] = "certainty"
+    """Weights of the read cells, as ``selection.sinkhorn.gates``."""
+    mask_extra: int = 8
+    """Cells ranked just below the top-k also read in training, as ``selection.sinkhorn.mask_extra``."""
+
+    def __post_init__(self) -> None:
+        _num("model.selection.lapsum.alpha", self.alpha, 0, lo_open=True)
+        _check_soft("model.selection.lapsum", self.draw, self.gates, self.mask_extra)
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """Attention sampling (Katharopoulos & Fleuret 2019): K cells drawn from ``softmax(scores / temperature)``."""
+
+    temperature: float = 0.05
+    """Softmax temperature over the min-max normalised scores (0.05: the best cell weighs <= e^20 the worst)."""
+    entropy_weight: float = 0.01
+    """Weight of the attention-entropy regulariser (``-w * H`` added to the loss)."""
+    replace: bool = False
+    """Draw with replacement (multinomial) instead of without (Gumbel top-k); with ``draw: sample``."""
+    weights: Literal["estimator", "normalised", "uniform", "inclusion"] = "uniform"
+    """Bag weights in training: the unbiased ``estimator``'s, the attention ``normalised`` over the drawn cells,
+    ``uniform`` 1/K (the with-replacement estimator's gradient), or the ``inclusion`` probabilities."""
+    draw: Literal["sample", "slot_modes"] = "slot_modes"
+    """``sample``: one draw from the attention; ``slot_modes``: per slot the most frequent cell of
+    ``selection.num_samples`` Gumbel-top-k draws (needs ``weights: uniform``)."""
+
+    def __post_init__(self) -> None:
+        _num("model.selection.attention.temperature", self.temperature, 0, lo_open=True)
+        _num("model.selection.attention.entropy_weight", self.entropy_weight, 0)
+        _bool("model.selection.attention.replace", self.replace)
+        _choice("model.selection.attention.weights", self.weights, ("estimator", "normalised", "uniform", "inclusion"))
+        _choice("model.selection.attention.draw", self.draw, ("sample", "slot_modes"))
+        if self.draw == "slot_modes" and self.weights != "uniform":
+            raise ConfigError(
+                "model.selection.attention.draw: slot_modes gives each bag cell weight 1/K; it needs "
+                f"model.selection.attention.weights: uniform, got {self.weights!r}"
+            )
+
+
+@dataclass(frozen=True)
+class SelectionConfig:
+    """How K cells are chosen from the scores. Every selector takes the hard top-k at inference; the sections
+    below configure each selector's training-time behaviour (only the chosen selector's section is used)."""
+
+    selector: Literal["perturbed", "sinkhorn", "lapsum", "attention", "hard"] = "perturbed"
+    """``perturbed`` top-k, ``sinkhorn`` (SOFT top-k), ``lapsum``, ``attention`` sampling or ``hard`` (no gradient)."""
+    k: int = 8
+    """Patches read at full resolution per slide."""
+    num_samples: int = 64
+    """Noise samples of the perturbed top-k and of the slot-mode draws."""
+    sigma: float = 0.05
+    """Noise scale of the perturbed top-k and of SOFT's slot-mode draws (``schedule.sigma_*`` may vary it)."""
+    nms_radius: int = 1
+    """Select only cells that are the maximum of their (2r+1)^2 window of cells (one patch per structure); 0: off."""
+    nms_ties: Literal["keep", "first"] = "first"
+    """Tied local maxima (overlapping cells of one structure): ``first`` keeps one cell, ``keep`` all."""
+    scorer_grad: float = 0.0
+    """Multiplier of the classification gradient that reaches the scorer through the selection (0: the scorer
+    learns from the evidence rank loss alone; 1: end to end)."""
+    perturbed: PerturbedConfig = field(default_factory=PerturbedConfig)
+    """Settings of ``selector: perturbed``."""
+    sinkhorn: SinkhornConfig = field(default_factory=SinkhornConfig)
+    """Settings of ``selector: sinkhorn``."""
+    lapsum: LapSumConfig = field(default_factory=LapSumConfig)
+    """Settings of ``selector: lapsum``."""
+    attention: AttentionConfig = field(default_factory=AttentionConfig)
+    """Settings of ``selector: attention``."""
+
+    def __post_init__(self) -> None:
+        _choice("model.selection.selector", self.selector, SELECTORS)
+        _int("model.selection.k", self.k, 1)
+        _int("model.selection.num_samples", self.num_samples, 1)
+        _num("model.selection.sigma", self.sigma, 0)
+        _int("model.selection.nms_radius", self.nms_radius, 0)
+        _choice("model.selection.nms_ties", self.nms_ties, ("keep", "first"))
+        _num("model.selection.scorer_grad", self.scorer_grad, 0, 1)
+
+    @property
+    def soft(self) -> SinkhornConfig | LapSumConfig | None:
+        """The active soft top-k's section (``sinkhorn`` or ``lapsum``), None for the other selectors."""
+        return {"sinkhorn": self.sinkhorn, "lapsum": self.lapsum}.get(self.selector)
+
+
+# ---------------------------------------------------------------------------------------------- evidence
+@dataclass(frozen=True)
+class EvidenceConfig:
+    """What training reads beyond the K selected cells, and the evidence losses that teach the scorer where the
+    label is (operators/evidence.py, docs/model.md)."""
+
+    explore_cells: int = 8
+    """Cells per slide-step drawn at random beside the selection, read for the evidence losses only."""
+    explore_strata: int = 8
+    """Exploration draws stratified over this many low-res appearance strata (k-means); 0: uniform draws."""
+    instance_weight: float = 0.01
+    """Weight of the instance loss (a linear head classifies every read patch); 0: no instance head."""
+    rank_weight: float = 0.1
+    """Weight of the rank loss: the scorer ranks the read cells by their evidence (needs ``instance_weight``)."""
+    rank_temperature: float = 0.1
+    """Temperature of the rank loss, in normalised score units."""
+    target: Literal["confidence", "label"] = "label"
+    """Evidence the rank loss orders by: the classifier's probability of the slide's ``label`` for each cell
+    alone, or the instance head's label-free ``confidence``."""
+    rare_cells: int = 32
+    """Cells of the rarest low-res strata read as a second bag with the slide label (``schedule.rare_until``)."""
+    rare_strata: int = 64
+    """Strata for ``rare_cells`` and the rarity prior."""
+    rare_weight: float = 1.0
+    """Weight of the rare bag's cross-entropy."""
+    neutral_cells: int = 8
+    """Random tissue cells whose own prediction is pulled to uniform (filler cannot vote a class); 0: off."""
+    neutral_weight: float = 1.0
+    """Weight of that loss."""
+
+    def __post_init__(self) -> None:
+        for name in ("explore_cells", "explore_strata", "rare_cells", "neutral_cells"):
+            _int(f"model.evidence.{name}", getattr(self, name), 0)
+        _int("model.evidence.rare_strata", self.rare_strata, 1)
+        for name in ("instance_weight", "rank_weight", "rare_weight", "neutral_weight"):
+            _num(f"model.evidence.{name}", getattr(self, name), 0)
+        _num("model.evidence.rank_temperature", self.rank_temperature, 0, lo_open=True)
+        _choice("model.evidence.target", self.target, ("confidence", "label"))
+        if self.rare_cells > 0 and self.instance_weight <= 0:
+            raise ConfigError(
+                "model.evidence.rare_cells > 0 needs model.evidence.instance_weight > 0 (the rare bag is read with "
+                f"the evidence losses); got rare_cells={self.rare_cells}, instance_weight={self.instance_weight}"
+            )
+        if self.rank_weight > 0 and self.instance_weight <= 0:
+            raise ConfigError(
+                "model.evidence.rank_weight > 0 needs model.evidence.instance_weight > 0 (the instance head the "
+                f"rank targets need); got rank_weight={self.rank_weight}, instance_weight={self.instance_weight}"
+            )
+
+
+@dataclass(frozen=True)
+class AugmentConfig:
+    """Augmentation of the full-resolution patches in training (inference reads them as they are)."""
+
+    color_jitter: float = 0.2
+    """Per-patch channel gain ``1 + U(-c, c)`` and offset ``U(-c/2, c/2)``; 0: off."""
+
+    def __post_init__(self) -> None:
+        _num("model.augment.color_jitter", self.color_jitter, 0, 1)
+
+
+# ---------------------------------------------------------------------------------------------- aggregator
+@dataclass(frozen=True)
+class AttentionMILConfig:
+    """Attention-MIL pooling (Ilse et al. 2018)."""
+
+    gated: bool = True
+    """Gated attention (tanh * sigmoid branches)."""
+    pooling: Literal["softmax", "sigmoid"] = "sigmoid"
+    """Attention logits to weights: ``softmax`` (Ilse et al.) or normalised ``sigmoid`` gates (a majority of
+    informative patches outweighs a minority)."""
+    mean_skip: bool = True
+    """Start from the mean aggregator and learn the attention on top of it (the MIL head starts at zero)."""
+
+    def __post_init__(self) -> None:
+        _bool("model.aggregator.attention_mil.gated", self.gated)
+        _choice("model.aggregator.attention_mil.pooling", self.pooling, ("softmax", "sigmoid"))
+        _bool("model.aggregator.attention_mil.mean_skip", self.mean_skip)
+
+
+@dataclass(frozen=True)
+class TransformerConfig:
+    """Transformer aggregator over the K patch tokens."""
+
+    layers: int = 1
+    """Encoder layers."""
+    heads: int = 2
+    """Attention heads (``aggregator.hidden`` must be a multiple)."""
+    position_frequencies: int = 0
+    """Fourier frequencies per coordinate of the position encoding; 0: none (patch features alone)."""
+    readout: Literal["mean", "logit_mean", "cls", "gate"] = "gate"
+    """``gate``: encoded tokens gate the patch features, a linear head classifies the gated mean; ``mean`` /
+    ``logit_mean`` of the encoded tokens / their logits; a ``cls`` token."""
+    mean_skip: bool = True
+    """Start from the mean aggregator and learn the interactions on top of it (the head starts at zero)."""
+
+    def __post_init__(self) -> None:
+        _int("model.aggregator.transformer.layers", self.layers, 1)
+        _int("model.aggregator.transformer.heads", self.heads, 1)
+        _int("model.aggregator.transformer.position_frequencies", self.position_frequencies, 0)
+        _choice("model.aggregator.transformer.readout", self.readout, READOUTS)
+        _bool("model.aggregator.transformer.mean_skip", self.mean_skip)
+
+
+@dataclass(frozen=True)
+class AggregatorConfig:
+    """How the K patch features become a slide prediction."""
+
+    kind: Literal["mean", "max", "vote", "attention_mil", "transformer"] = "mean"
+    """``mean``, ``max``, ``vote``, ``attention_mil`` or ``transformer``."""
+    hidden: int = 64
+    """Hidden size of attention-MIL / token width of the transformer."""
+    dropout: float = 0.0
+    """Dropout in the aggregator."""
+    attention_mil: AttentionMILConfig = field(default_factory=AttentionMILConfig)
+    """Settings of ``kind: attention_mil``."""
+    transformer: TransformerConfig = field(default_factory=TransformerConfig)
+    """Settings of ``kind: transformer``."""
+
+    def __post_init__(self) -> None:
+        _choice("model.aggregator.kind", self.kind, AGGREGATOR_KINDS)
+        _int("model.aggregator.hidden", self.hidden, 1)
+        _num("model.aggregator.dropout", self.dropout, 0, 1, hi_open=True)
+        if self.kind == "transformer" and self.hidden % self.transformer.heads:
+            raise ConfigError(
+                f"model.aggregator.hidden ({self.hidden}) must be a multiple of model.aggregator.transformer.heads "
+                f"({self.transformer.heads})"
+            )
+
+    @property
+    def mean_skip(self) -> bool:
+        """The active kind's ``mean_skip`` (False for kinds without a head of their own)."""
+        sec = {"attention_mil": self.attention_mil, "transformer": self.transformer}.get(self.kind)
+        return bool(sec is not None and sec.mean_skip)
+
+
+# ---------------------------------------------------------------------------------------------- experimental
+@dataclass(frozen=True)
+class ExperimentalConfig:
+    """Switches kept for study: off by default, not part of the recipe, may change or go."""
+
+    control_variate: bool = False
+    """The perturbed top-k's control variate in its backward pass (unmeasured since the evidence losses)."""
+    evidence_gamma: float = 1.0
+    """``evidence.target: label`` rank targets are ``p ** gamma`` (below 1: concave; measured mixed)."""
+
+    def __post_init__(self) -> None:
+        _bool("model.experimental.control_variate", self.control_variate)
+        _num("model.experimental.evidence_gamma", self.evidence_gamma, 0, 1, lo_open=True)
+
+
+# ---------------------------------------------------------------------------------------------- the model
+@dataclass(frozen=True)
+class ModelConfig:
+    """The whole model (YAML section ``model:``); every default is the recommended recipe."""
+
+    geometry: GeometryConfig = field(default_factory=GeometryConfig)
+    """The patch grid and the scorer's view."""
+    scorer: ScorerConfig = field(default_factory=ScorerConfig)
+    """The scorer CNN on the low-res view."""
+    selection: SelectionConfig = field(default_factory=SelectionConfig)
+    """How K cells are chosen; a section per selector."""
+    evidence: EvidenceConfig = field(default_factory=EvidenceConfig)
+    """Exploration, rare and neutral cells and the evidence losses (training only)."""
+    augment: AugmentConfig = field(default_factory=AugmentConfig)
+    """Augmentation of the full-resolution patches (training only)."""
+    features: ResNetConfig = field(default_factory=ResNetConfig)
+    """The patch feature network."""
+    aggregator: AggregatorConfig = field(default_factory=AggregatorConfig)
+    """Patch features to a slide prediction; a section per kind."""
+    experimental: ExperimentalConfig = field(default_factory=ExperimentalConfig)
+    """Switches kept for study, off by default."""
+    num_classes: int = 2
+    """Number of classes C (>= 2); ``foveate train`` sets it from the labels."""
+    mpp: float | None = None
+    """Level-0 µm per pixel the model was trained at (``foveate train`` records the stores' median; None:
+    unknown). Pixel geometry warns about stores at another mpp when scoring."""
+
+    def __post_init__(self) -> None:
+        _int("model.num_classes", self.num_classes, 2)
+        if self.mpp is not None:
+            _num("model.mpp", self.mpp, 0, lo_open=True)
+
+    @classmethod
+    def __config_upgrade__(cls, data: Mapping[str, Any], where: str) -> tuple[dict[str, Any], list[str]]:
+        """:func:`operators.config.from_dict`'s hook: flat keys of earlier versions -> sections (notes to log)."""
+        return upgrade_flat_keys(data, where=where or "model")
+
+    def slide_geometry(self, mpp: float | None = None, *, where: str = "the slide") -> SlideGeometry:
+        """The grid, scorer scale and network input size on one slide, in that slide's level-0 pixels.
+
+        Args:
+            mpp: the slide's level-0 µm per pixel (``StoreMeta.mpp[0]``), or None when unknown.
+            where: names the slide in errors (e.g. ``"store /data/s.zarr"``).
+
+        Returns:
+            :class:`SlideGeometry`. Pixel settings give the same geometry on every slide (``mpp`` ignored); µm
+            settings give ``patch_size = round(patch_size_um / mpp)`` (stride likewise) and
+            ``scorer_downsample = scorer_mpp / mpp``.
+
+        Raises:
+            ConfigError: a µm setting with ``mpp`` None (the error names ``where``), a patch under 8 pixels,
+                a scorer view finer than level 0, or µm patches with neither ``patch_input`` nor ``mpp``.
+        """
+        g = self.geometry
+        if mpp is not None and not (isinstance(mpp, (int, float)) and math.isfinite(mpp) and mpp > 0):
+            raise ConfigError(f"{where}: level-0 mpp must be a finite number > 0 (µm per pixel), got {mpp!r}")
+        if g.uses_um and mpp is None:
+            keys = [k for k in ("patch_size_um", "scorer_mpp") if getattr(g, k) is not None]
+            raise ConfigError(
+                f"{where} records no mpp (µm per pixel), so model.geometry.{' and model.geometry.'.join(keys)} "
+                "cannot be resolved to its pixels; re-ingest it from a slide with mpp metadata (or with --mpp), or "
+                "use model.geometry.patch_size / scorer_downsample (level-0 pixels)"
+            )
+        if g.patch_size_um is not None:
+            patch = int(round(g.patch_size_um / mpp))
+            stride_um = g.patch_size_um / 2 if g.stride_um is None else g.stride_um
+            stride = max(1, int(round(stride_um / mpp)))
+            if patch < 8:
+                raise ConfigError(
+                    f"{where}: model.geometry.patch_size_um={g.patch_size_um} is {patch} level-0 pixels at mpp "
+                    f"{mpp:g}; a patch needs >= 8"
+                )
+            if g.patch_input is not None:
+                size = g.patch_input
+            elif self.mpp is not None:
+                size = max(8, int(round(g.patch_size_um / self.mpp)))
+            else:
+                raise ConfigError(
+                    "model.geometry.patch_size_um needs model.geometry.patch_input (the network's patch side in "
+                    "pixels) or model.mpp (the training resolution, which foveate train records), got neither"
+                )
+        else:
+            patch, stride = int(g.patch_size), int(g.stride_l0)
+            size = patch if g.patch_input is None else g.patch_input
+        if g.scorer_mpp is not None:
+            ds = float(g.scorer_mpp) / float(mpp)
+            if ds < 1.0 - 1e-9:
+                raise ConfigError(
+                    f"{where}: model.geometry.scorer_mpp={g.scorer_mpp} is finer than its level-0 mpp {mpp:g}; the "
+                    "scorer's view must be at most level-0 resolution"
+                )
+            ds = max(ds, 1.0)
+        else:
+            ds = float(g.scorer_downsample)
+        return SlideGeometry(patch_size=patch, stride=stride, scorer_downsample=ds, patch_input=size, mpp=mpp)
+
+    def geometry_key(self) -> tuple:
+        """The settings :meth:`slide_geometry` depends on (a cache key, with the slide)."""
+        g = self.geometry
+        return (
+            g.patch_size,
+            g.stride,
+            g.patch_size_um,
+            g.stride_um,
+            g.patch_input,
+            g.scorer_downsample,
+            g.scorer_mpp,
+            self.mpp,
+        )
+
+
+# ---------------------------------------------------------------------------------------------- flat keys
+# the flat keys of earlier versions -> their place now (a key may feed several sections)
+FLAT_KEYS: dict[str, tuple[str, ...]] = {
+    **{k: (f"geometry.{k}",) for k in GeometryConfig.__dataclass_fields__},
+    **{k: (f"selection.{k}",) for k in ("selector", "k", "num_samples", "sigma", "nms_radius", "nms_ties")},
+    "selection_grad": ("selection.scorer_grad",),
+    "max_support": ("selection.perturbed.max_support",),
+    "epsilon": ("selection.sinkhorn.epsilon",),
+    "sinkhorn_max_iter": ("selection.sinkhorn.max_iter",),
+    "alpha": ("selection.lapsum.alpha",),
+    "mask_extra": ("selection.sinkhorn.mask_extra", "selection.lapsum.mask_extra"),
+    "gates": ("selection.sinkhorn.gates", "selection.lapsum.gates"),
+    "soft_draw": ("selection.sinkhorn.draw", "selection.lapsum.draw"),
+    "replace": ("selection.attention.replace",),
+    "entropy_weight": ("selection.attention.entropy_weight",),
+    "attention_temperature": ("selection.attention.temperature",),
+    "attention_weights": ("selection.attention.weights",),
+    "attention_draw": ("selection.attention.draw",),
+    "control_variate": ("experimental.control_variate",),
+    "evidence_gamma": ("experimental.evidence_gamma",),
+    "color_jitter": ("augment.color_jitter",),
+    **{
+        k: (f"evidence.{k}",)
+        for k in EvidenceConfig.__dataclass_fields__
+        if k != "target"  # the flat `evidence: label` is a string, the section a mapping (below)
+    },
+    "evidence": ("evidence.target",),
+    "aggregator": ("aggregator.kind",),
+    "aggregator_hidden": ("aggregator.hidden",),
+    "dropout": ("aggregator.dropout",),
+    "gated": ("aggregator.attention_mil.gated",),
+    "mil_attention": ("aggregator.attention_mil.pooling",),
+    "mean_skip": ("aggregator.attention_mil.mean_skip", "aggregator.transformer.mean_skip"),
+    "transformer_layers": ("aggregator.transformer.layers",),
+    "transformer_heads": ("aggregator.transformer.heads",),
+    "position_frequencies": ("aggregator.transformer.position_frequencies",),
+    "transformer_readout": ("aggregator.transformer.readout",),
+}
+
+# switches that measured as not helping and were removed (benchmarks/RESULTS.md has their numbers): old configs
+# and checkpoints that hold them at their off value still load; any other value is refused
+REMOVED_KEYS: dict[str, Any] = {
+    "explore_temperature": 0.0,
+    "mask_sampling": False,
+    "candidate_dropout": 0.0,
+    "patch_jitter": 0.0,
+    "rare_per_step": 0,
+    "neutral_pool": 0,
+}
+
+
+def _is_flat(key: str, value: Any) -> bool:
+    if key in ("evidence", "aggregator"):  # both a flat string key and a section now
+        return not isinstance(value, Mapping)
+    return key in FLAT_KEYS or key in REMOVED_KEYS
+
+
+def upgrade_flat_keys(data: Mapping[str, Any], *, where: str = "model") -> tuple[dict[str, Any], list[str]]:
+    """Move the flat keys of earlier versions into their sections.
+
+    Args:
+        data: a ``model:`` mapping, flat (earlier versions, checkpoints written by them), sectioned, or mixed.
+        where: the mapping's dotted name, for the notes and errors.
+
+    Returns:
+        ``(sectioned mapping, notes)``: one deprecation note per flat key found (``"model.k is deprecated: use
+        model.selection.k"``). A flat ``stride: null`` meant "no overlap" and becomes ``stride = patch_size``
+        (``stride_um`` likewise). Keys left unset take today's defaults (the recipe), not earlier ones.
+
+    Raises:
+        ConfigError: a removed switch set to anything but its off value, or a key given both flat and in its
+            section with different values.
+    """
+    out: dict[str, Any] = {}
+    flat: dict[str, Any] = {}
+    for key, value in data.items():
+        (flat if _is_flat(key, value) else out)[key] = value
+    if not flat:
+        return dict(data), []
+    notes = []
+    for key, value in flat.items():
+        if key in REMOVED_KEYS:
+            off = REMOVED_KEYS[key]
+            if value != off or isinstance(value, bool) != isinstance(off, bool):
+                raise ConfigError(
+                    f"{where}.{key} was removed (measured as not helping; benchmarks/RESULTS.md has its numbers); "
+                    f"only its off value {off!r} is accepted, got {value!r}"
+                )
+            continue
+        if key == "stride" and value is None and flat.get("patch_size") is not None:
+            value = flat["patch_size"]  # earlier: null = no overlap
+        if key == "stride_um" and value is None and flat.get("patch_size_um") is not None:
+            value = flat["patch_size_um"]
+        targets = FLAT_KEYS[key]
+        notes.append(f"{where}.{key} is deprecated: use {' and '.join(f'{where}.{t}' for t in targets)}")
+        for target in targets:
+            *parents, last = target.split(".")
+            node = out
+            for p in parents:
+                nxt = node.get(p)
+                if nxt is None:
+                    nxt = node[p] = {}
+                elif not isinstance(nxt, Mapping):
+                    raise ConfigError(f"{where}.{p}: expected a section (mapping), got {nxt!r}")
+                else:
+                    nxt = node[p] = dict(nxt)
+                node = nxt
+            if last in node and node[last] != value:
+                raise ConfigError(
+                    f"{where}.{key}={value!r} and {where}.{target}={node[last]!r} conflict; keep only {where}.{target}"
+                )
+            node[last] = value
+    if flat.get("stride", 0) is None and flat.get("patch_size") is None and "patch_size_um" not in flat:
+        notes.append(f"{where}.stride: null now means half the patch size; set {where}.geometry.stride for another")
+    return out, notes
