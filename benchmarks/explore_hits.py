@@ -6,7 +6,7 @@ it; 0 strata = uniform over tissue cells) and checked against the synth sidecar'
 The draws are the trainer's own (``workers.patches._explore_cells``): ``--steps`` slide-steps of ``--cells``
 distinct cells each.
 
-Usage: python benchmarks/explore_hits.py --stores STORES [--strata 0,8,32] [--set model.scorer_downsample=8]
+Usage: python benchmarks/explore_hits.py --stores STORES [--strata 0,8,32] [--set model.geometry.scorer_downsample=8]
 """
 
 import argparse

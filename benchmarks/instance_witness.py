@@ -69,10 +69,14 @@ def main() -> None:
     cfg = load_config(TrainConfig, path, [f"data.stores={a.stores}", "data.labels=manifest", *a.set])
     table = build_slide_table(cfg.data)
     tr, te = split_train_val(table.records, cfg.data.val_fraction, cfg.data.seed)
-    mc = dataclasses.replace(cfg.model, num_classes=table.num_classes, instance_weight=1.0)
+    mc = dataclasses.replace(
+        cfg.model,
+        num_classes=table.num_classes,
+        evidence=dataclasses.replace(cfg.model.evidence, instance_weight=1.0),
+    )
     objects, distractors = structure_boxes(a.stores), structure_boxes(a.stores, "distractors")
     rng = np.random.default_rng(a.seed)
-    patch = mc.patch_size
+    patch = mc.geometry.patch_size
 
     def cells_of(rec):
         si = prepare_slide(rec.store, mc)

@@ -12,7 +12,7 @@ scorer's hard top-K on held-out slides: fraction of chosen cells on an object (h
 (recall).
 
 Usage: python benchmarks/mil_warmstart.py --stores STORES [--cells 256] [--strata 32] [--bag 64]
-       [--steps 2000] [--scorer-steps 500] [--set model.scorer_downsample=8]
+       [--steps 2000] [--scorer-steps 500] [--set model.geometry.scorer_downsample=8]
 """
 
 import argparse
@@ -59,11 +59,15 @@ def main() -> None:
     cfg = load_config(TrainConfig, path, [f"data.stores={a.stores}", "data.labels=manifest", *a.set])
     table = build_slide_table(cfg.data)
     tr, te = split_train_val(table.records, cfg.data.val_fraction, cfg.data.seed)
-    mc = dataclasses.replace(cfg.model, num_classes=table.num_classes, instance_weight=1.0)
+    mc = dataclasses.replace(
+        cfg.model,
+        num_classes=table.num_classes,
+        evidence=dataclasses.replace(cfg.model.evidence, instance_weight=1.0),
+    )
     objects, distractors = structure_boxes(a.stores), structure_boxes(a.stores, "distractors")
     gen = torch.Generator().manual_seed(a.seed)
     rng = np.random.default_rng(a.seed)
-    patch = mc.patch_size
+    patch = mc.geometry.patch_size
 
     def cache(rec):
         si = prepare_slide(rec.store, mc)
@@ -160,11 +164,11 @@ def main() -> None:
         with torch.no_grad():
             for s in test:
                 sc = model.score(s["lowres"][None], s["mask"][None])[0]
-                top = sc.topk(mc.k).indices
+                top = sc.topk(mc.selection.k).indices
                 h, touched = hits_of(s["grid"].cell_xy_l0(top).numpy(), patch, objects[s["key"]])
                 hits.append(h.mean())
                 recall.append(touched / max(1, len(objects[s["key"]])))
-        return f"scorer top-{mc.k}: hits {np.mean(hits):.3f} recall {np.mean(recall):.2f}"
+        return f"scorer top-{mc.selection.k}: hits {np.mean(hits):.3f} recall {np.mean(recall):.2f}"
 
     for step in range(a.scorer_steps + 1):
         if step % a.every == 0:
@@ -175,7 +179,7 @@ def main() -> None:
         sc = model.score(s["lowres"][None], s["mask"][None])[0, s["cells"]]
         tgt = s["target"]
         ev = (tgt - tgt.min()) / (tgt.max() - tgt.min() + 1e-6)
-        loss = evidence_rank_loss(sc, ev, temperature=mc.rank_temperature)
+        loss = evidence_rank_loss(sc, ev, temperature=mc.evidence.rank_temperature)
         sopt.zero_grad()
         loss.backward()
         sopt.step()

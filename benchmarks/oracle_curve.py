@@ -63,16 +63,16 @@ def main() -> None:
         boxes = split.boxes[rec.store]
         tissue = np.flatnonzero(si.cell_mask.flatten().numpy())
         if kind == "oracle":
-            cells = R.oracle_cells(si, boxes, mcfg.k, rng)
+            cells = R.oracle_cells(si, boxes, mcfg.selection.k, rng)
         elif kind == "rare":
             cells = rare_cells(si.lowres_u8, si.cell_mask, a.rare, a.strata)
-            rare_hits[rec.store] = R.hits_of(R._cell_boxes(si.grid, cells), mcfg.patch_size, boxes)[0].mean()
+            rare_hits[rec.store] = R.hits_of(R._cell_boxes(si.grid, cells), mcfg.geometry.patch_size, boxes)[0].mean()
         elif kind == "noise":
-            cells = rng.choice(tissue, size=mcfg.k, replace=False)
+            cells = rng.choice(tissue, size=mcfg.selection.k, replace=False)
         else:
             best = R.oracle_cells(si, boxes, len(boxes), rng)[: a.objects]
-            rest = rng.choice(np.setdiff1d(tissue, best), size=mcfg.k - len(best), replace=False)
-            cells = np.concatenate([best, rest])[rng.permutation(mcfg.k)]
+            rest = rng.choice(np.setdiff1d(tissue, best), size=mcfg.selection.k - len(best), replace=False)
+            cells = np.concatenate([best, rest])[rng.permutation(mcfg.selection.k)]
         cells = torch.from_numpy(np.asarray(cells, np.int64))
         return si.reader.read(cells), si.grid.cell_centres(cells), rec.target
 

@@ -429,7 +429,7 @@ def run_oracle(config: str, split: Split, seed: int, epochs: int, overrides: lis
 
     def item(rec):
         si = prepare_slide(rec.store, mcfg)
-        cells = torch.from_numpy(oracle_cells(si, split.boxes[rec.store], mcfg.k, rng))
+        cells = torch.from_numpy(oracle_cells(si, split.boxes[rec.store], mcfg.selection.k, rng))
         return si.reader.read(cells), si.grid.cell_centres(cells), rec.target
 
     t0 = time.perf_counter()

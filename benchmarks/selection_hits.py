@@ -60,10 +60,12 @@ def structure_boxes(stores: str, which: str = "structures") -> dict[str, list[di
 
 
 def pixel_patch_size(model_cfg) -> int:
-    """``model.patch_size`` (level-0 pixels, as the sidecar boxes are); refuses a µm config (``patch_size_um``)."""
-    if model_cfg.patch_size is None:
-        raise SystemExit("this diagnostic needs model.patch_size in level-0 pixels, not model.patch_size_um")
-    return int(model_cfg.patch_size)
+    """``model.geometry.patch_size`` (level-0 pixels, as the sidecar boxes are); refuses a µm config (``patch_size_um``)."""
+    if model_cfg.geometry.patch_size is None:
+        raise SystemExit(
+            "this diagnostic needs model.geometry.patch_size in level-0 pixels, not model.geometry.patch_size_um"
+        )
+    return int(model_cfg.geometry.patch_size)
 
 
 def box_overlap(x: int, y: int, patch: int, box: dict) -> int:

@@ -197,7 +197,7 @@ class FoveateModel(nn.Module):
         n = gh * gw
         if n < self.cfg.selection.k:
             raise ValueError(
-                f"the grid has N={n} cells ({gh}x{gw}), fewer than model.k={self.cfg.selection.k}; use a smaller "
+                f"the grid has N={n} cells ({gh}x{gw}), fewer than model.selection.k={self.cfg.selection.k}; use a smaller "
                 f"patch_size/stride or k"
             )
         g = self.cfg.slide_geometry() if geometry is None else geometry
@@ -492,7 +492,7 @@ class FoveateModel(nn.Module):
             the loss as they are) and floats for logging (mean confidence of the read patches).
         """
         if self.instance_head is None:
-            raise RuntimeError("evidence_losses needs model.instance_weight > 0 (no instance head)")
+            raise RuntimeError("evidence_losses needs model.evidence.instance_weight > 0 (no instance head)")
         if features.dim() != 2 or cell_scores.shape != features.shape[:1]:
             raise ValueError(
                 f"features must be [M, D] and cell_scores [M], got {tuple(features.shape)} and "

@@ -28,6 +28,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import math
 import statistics
 import sys
 import tempfile
@@ -108,7 +109,7 @@ class TrainResult:
 # ---------------------------------------------------------------------------------------------- driver
 def _check_grids(model_cfg, records, train: set[str] | None = None) -> list[float]:
     """Before Ray or MLflow start: every slide's store opens whole, records an mpp when the model has µm
-    settings, and its patch grid (in that slide's pixels) has at least ``model.k`` cells (reads only each
+    settings, and its patch grid (in that slide's pixels) has at least ``model.selection.k`` cells (reads only each
     store's metadata and chunk listing); the error names the slide. Returns the level-0 mpp (x) of the stores
     of the ``train`` slides that record one."""
     from workers.patches import PatchGrid, slide_geometry
@@ -148,7 +149,7 @@ def _check_grids(model_cfg, records, train: set[str] | None = None) -> list[floa
 def with_training_mpp(model_cfg, mpps: list[float]):
     """``model_cfg`` with ``mpp`` set to the median of the training stores' level-0 mpp (rounded to 1e-6) when it
     is unset and some store records one: the resolution the model learns at travels with it (and, for
-    ``model.patch_size_um`` without ``model.patch_input``, fixes the network's patch side)."""
+    ``model.geometry.patch_size_um`` without ``model.geometry.patch_input``, fixes the network's patch side)."""
     if model_cfg.mpp is None and mpps:
         return dataclasses.replace(model_cfg, mpp=round(float(statistics.median(mpps)), 6))
     return model_cfg
@@ -431,7 +432,62 @@ def _fit(
         "GPU/nccl" if use_gpu else "CPU/gloo",
         storage.join(run_dir, "ray"),
     )
-    return trainer.fit()
+    steps_per_epoch = math.ceil(math.ceil(len(train_recs) / cfg.workers) / cfg.optim.accumulate)
+    with _TrainProgress(uri, run_id, steps_per_epoch, cfg.optim.epochs):
+        return trainer.fit()
+
+
+class _TrainProgress:
+    """The driver's progress bar of a Ray Train run (steps, with the epoch, loss, validation accuracy and ETA).
+
+    The training loop runs in Ray's workers; rank 0 logs ``loss`` to MLflow every ``tracking.log_every`` steps
+    (and at each epoch's end) and the epoch metrics after each epoch. A thread reads them back every ``every_s``
+    seconds while ``trainer.fit()`` runs; a read that fails (a busy sqlite file) is skipped."""
+
+    def __init__(self, uri: str, run_id: str, steps_per_epoch: int, epochs: int, every_s: float = 3.0):
+        import threading
+
+        self.uri, self.run_id, self.every_s = uri, run_id, every_s
+        self.steps_per_epoch, self.epochs = max(1, steps_per_epoch), epochs
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, name="foveate-train-progress", daemon=True)
+        self._bar = None
+
+    def __enter__(self) -> _TrainProgress:
+        from pipeline.progress import Progress
+
+        self._bar = Progress(self.steps_per_epoch * self.epochs, "train", unit="step")
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+        self._bar.close()
+
+    def _poll(self) -> None:
+        from pipeline.tracking import client_for
+
+        client = client_for(self.uri)
+        while not self._stop.wait(self.every_s):
+            self._update(client)
+        self._update(client)
+
+    def _update(self, client) -> None:
+        try:
+            history = client.get_metric_history(self.run_id, "loss")
+            latest = client.get_run(self.run_id).data.metrics
+        except Exception as exc:  # the bar is informative only: never let it fail (or slow down) training
+            log.debug("training progress: %s", exc)
+            return
+        if not history:
+            return
+        last = max(history, key=lambda m: m.step)
+        epoch = min(self.epochs, math.ceil(last.step / self.steps_per_epoch))
+        postfix = f"epoch {epoch}/{self.epochs}, loss {last.value:.3f}"
+        if "val_accuracy" in latest:
+            postfix += f", val_accuracy {latest['val_accuracy']:.2f}"
+        self._bar.update(max(0, last.step - self._bar.n), postfix=postfix)
 
 
 def _storage(run_dir: str) -> dict[str, Any]:

@@ -25,8 +25,8 @@ slide, sizes as ``(width, height)`` like OpenSlide; arrays index ``[y, x]``.
 ``lowres`` / ``cells`` — the scorer's input and the patch grid
     The scorer sees the grid extent at ``scorer_downsample`` level-0 pixels per pixel; its score map is
     pooled onto grid cells (``[Gh, Gw]``, flat index ``r * Gw + c``), see ``operators.scorer.cell_pool``.
-    With µm settings (``model.patch_size_um``, ``model.scorer_mpp``) the cell size, stride and scorer
-    downsample are resolved per slide (``ModelConfig.geometry`` -> ``SlideGeometry``, level-0 pixels of that
+    With µm settings (``model.geometry.patch_size_um``, ``model.geometry.scorer_mpp``) the cell size, stride and scorer
+    downsample are resolved per slide (``ModelConfig.slide_geometry`` -> ``SlideGeometry``, level-0 pixels of that
     slide); the frames stay the same.
 
 ``mask`` — the tissue mask

@@ -772,10 +772,10 @@ def forward_slide(
         store_or_sample: see :func:`prepare_slide`.
         training: soft/stochastic selection (True) or hard top-k (False). Does not switch the module's
             train/eval mode (call ``model.train()`` / ``model.eval()`` yourself).
-        sigma: perturbed top-k noise for this call (default ``model.cfg.sigma``).
+        sigma: perturbed top-k noise for this call (default ``model.selection.sigma``).
         generator: RNG for the selection noise (on the model's device).
         target: the slide's class index, in training only: with it, a model with an instance head
-            (``model.instance_weight > 0``) also reads ``model.explore_cells`` uniformly drawn candidate cells
+            (``model.evidence.instance_weight > 0``) also reads ``model.evidence.explore_cells`` uniformly drawn candidate cells
             and adds the evidence losses (``"instance"``, ``"rank"``; :mod:`operators.evidence`) to
             ``aux_losses``. Ignored at inference.
 

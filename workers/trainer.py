@@ -6,7 +6,7 @@ One slide per forward (B=1) through ``workers.patches.forward_slide``; gradient 
 ``schedule.sigma_start`` to ``schedule.sigma_end`` over all optimizer steps (:func:`sigma_at`; 0 at the end:
 Cordonnier et al. 2021). The per-slide loss is cross-entropy plus every entry of the model's
 ``ModelOutput.aux_losses`` added as is (:func:`slide_loss`; e.g. the attention-sampling entropy
-regulariser ``-model.entropy_weight * H``).
+regulariser ``-model.selection.attention.entropy_weight * H``).
 
 Several workers cooperate through a :class:`Collective` (identical start, averaged gradients, summed step
 statistics, gathered predictions). :class:`LocalCollective` is one process; :class:`TorchDistCollective`
@@ -91,7 +91,7 @@ class OptimConfig:
             learning rate that stays high to the end, ``min_lr_ratio``) ends at the average, not at the last
             swing. 0 (default): off.
 
-    The attention-sampling entropy regulariser's weight is ``model.entropy_weight``: the model returns the
+    The attention-sampling entropy regulariser's weight is ``model.selection.attention.entropy_weight``: the model returns the
     term (``-entropy_weight * H``) in ``ModelOutput.aux_losses`` and the trainer adds every aux loss as is.
     """
 
@@ -122,11 +122,11 @@ class ScheduleConfig:
     """Perturbation scale of the selection operator: linear from ``sigma_start`` to ``sigma_end`` over training.
 
     ``rarity_start``: the share of the label-free rarity prior in the evidence rank targets at the first step
-    (``model.evidence`` targets mixed with each read cell's low-resolution rarity, see
+    (``model.evidence.target`` targets mixed with each read cell's low-resolution rarity, see
     ``workers.patches.cell_rarity``), decaying linearly to 0 at the fraction ``rarity_until`` of training:
     exploration towards rare-looking cells that is scheduled and then removed. 0 (default): off.
 
-    ``rare_until``: with ``model.rare_cells``, the rare bag's weight decays linearly from ``model.rare_weight``
+    ``rare_until``: with ``model.evidence.rare_cells``, the rare bag's weight decays linearly from ``model.evidence.rare_weight``
     to 0 at this fraction of training (its fixed cells are needed until the scorer finds the structures, and
     are memorised after); None (default): constant.
     """
