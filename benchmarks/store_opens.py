@@ -20,8 +20,9 @@ With ``--baseline REV`` the same measurement also runs on the code of git revisi
 process with only that code importable (the editable install's finder removed). Seconds are wall time of the two
 stages in that process (a moto server answers S3 on the same machine), the counts do not depend on load.
 
-    python benchmarks/store_opens.py --baseline HEAD~1 --revision HEAD  # 4 slides of 2048 x 2048, before/after
-    python benchmarks/store_opens.py --slides 8 --json out.json         # the working tree only
+    # 4 slides of 2048 x 2048, the code before and after the commit that made scoring open each store once
+    python benchmarks/store_opens.py --baseline 'HEAD^{/one open per slide}~1' --revision 'HEAD^{/one open per slide}'
+    python benchmarks/store_opens.py --slides 8 --json out.json  # the working tree only
 """
 
 from __future__ import annotations
@@ -57,10 +58,10 @@ def _measure(code: Path, stores: list[tuple[str, str]]) -> dict:
     import zarr.storage
 
     import workers.store as ws
+    from operators.checkpoint import checkpoint_dict
     from operators.errors import ConfigError
     from operators.model import FoveateModel
     from pipeline.config import from_dict
-    from pipeline.model_io import checkpoint_dict
     from workers.scoring import ClassifierWorker, ScorerWorker
 
     if (code / "operators" / "model_config.py").is_file():
@@ -238,7 +239,8 @@ def main(argv: list[str] | None = None) -> int:
         codes = {}
         for label, rev in (("before", args.baseline), ("after", args.revision)):
             if rev:
-                codes[label] = (_git("rev-parse", "--short", rev), _extract(rev, work / f"code-{label}"))
+                _git("rev-parse", "--verify", f"{rev}^{{commit}}")  # a revision git knows, or stop here
+                codes[label] = (rev, _extract(rev, work / f"code-{label}"))
         codes.setdefault("after", ("working tree", REPO))
         slides = work / "slides"
         slides.mkdir(parents=True, exist_ok=True)
@@ -272,13 +274,14 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         s3 = r.get("s3_requests")
         lines.append(
-            f"| {r['code']} ({r['revision']}) | {r['storage']} | {r['full_opens']['total']:g} | "
+            f"| {r['code']} | {r['storage']} | {r['full_opens']['total']:g} | "
             f"{r['verifications']['total']:g} | {r['store_listings']['total']:g} | "
             f"{r['metadata_requests']['total']:g} | {s3['list_objects'] if s3 else '-'} | "
             f"{s3['total'] if s3 else '-'} | {r['seconds']['total']:.3f} |"
         )
     print(f"per slide ({args.slides} slides of {args.size}^2 px, {levels} levels; scorer + classifier):")
     print("\n".join(lines))
+    print("code: " + "; ".join(f"{label} = {rev}" for label, (rev, _) in codes.items()))
     out = {
         "benchmark": "store_opens",
         "command": "python benchmarks/store_opens.py " + " ".join(argv if argv is not None else sys.argv[1:]),
