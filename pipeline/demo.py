@@ -15,7 +15,7 @@ import os
 import time
 from pathlib import Path
 
-__all__ = ["add_arguments", "run", "demo"]
+__all__ = ["add_arguments", "run", "demo", "log_file"]
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +50,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="seed of everything random: the synthetic slides, the validation split, the model's "
         "initialisation and the selection noise (default 0)",
     )
+
+
+def log_file(args: argparse.Namespace) -> Path:
+    """Where ``foveate demo`` writes Ray's and MLflow's messages (``pipeline.cli``): ``<workdir>/foveate.log``."""
+    return Path(args.workdir).expanduser() / "foveate.log"
 
 
 def _stage(name: str, argv: list[str]) -> None:

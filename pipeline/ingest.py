@@ -455,9 +455,9 @@ def _schedule(
     ).start()
     pixels = 0
     cpu = 0.0
-    slide_bar = Progress(len(states), "slides", unit="slide", enable=progress)
-    tile_bar = Progress(None, "tiles", unit="tile", enable=progress)
-    total_tiles = 0
+    # one bar: slides ingested, with the tiles written so far (of those planned) as its postfix
+    slide_bar = Progress(len(states), "slides ingested", unit="slide", enable=progress)
+    total_tiles = tiles_done = 0
 
     def pick(i: int) -> _Task | None:
         if not queue:
@@ -569,11 +569,12 @@ def _schedule(
                         log.warning("slide %s has no mpp metadata (flagged in the manifest)", t.slide)
                     n_tiles = sum(_tiles(plan.tile, r) for s in plan.stages for r in s)
                     total_tiles += n_tiles
-                    tile_bar.set_total(total_tiles)
-                    tile_bar.update(n_tiles - sum(_tiles(plan.tile, r) for s in plan.todo for r in s))
+                    tiles_done += n_tiles - sum(_tiles(plan.tile, r) for s in plan.todo for r in s)
+                    slide_bar.update(0, postfix=f"{tiles_done}/{total_tiles} tiles")
                     enqueue_stage(t.slide)
                 elif t.kind == "region":
-                    tile_bar.update(result["tiles"])
+                    tiles_done += result["tiles"]
+                    slide_bar.update(0, postfix=f"{tiles_done}/{total_tiles} tiles")
                     cpu += result.get("cpu_seconds", 0.0)
                     st.outstanding -= 1
                     if st.outstanding == 0 and st.error:
@@ -596,10 +597,9 @@ def _schedule(
                     }
                     pixels += int(result["width"]) * int(result["height"])
                     cpu += result.get("cpu_seconds", 0.0)
-                    slide_bar.update(1)
+                    slide_bar.update(1, postfix=f"{tiles_done}/{total_tiles} tiles")
     finally:
         pool.shutdown()
-        tile_bar.close()
         slide_bar.close()
     return pixels, cpu
 

@@ -23,6 +23,7 @@ class Progress:
     ):
         self.total, self.desc, self.unit, self.every_s = total, desc, unit, every_s
         self.n = 0
+        self.postfix: str | None = None  # the last one given, repeated in the log lines
         self._bar = None
         tty = sys.stderr.isatty() if enable is None else enable
         if tty:
@@ -33,15 +34,17 @@ class Progress:
 
     def update(self, n: int = 1, postfix: str | None = None) -> None:
         self.n += n
+        if postfix:
+            self.postfix = postfix
         if self._bar is not None:
-            self._bar.update(n)
             if postfix:
-                self._bar.set_postfix_str(postfix, refresh=False)
+                self._bar.set_postfix_str(postfix, refresh=False)  # shown by this update
+            self._bar.update(n)
             return
         now = time.monotonic()
         if now - self._last >= self.every_s:
             self._last = now
-            self._log(postfix)
+            self._log()
 
     def set_total(self, total: int) -> None:
         self.total = total
@@ -49,9 +52,9 @@ class Progress:
             self._bar.total = total
             self._bar.refresh()
 
-    def _log(self, postfix: str | None = None) -> None:
+    def _log(self) -> None:
         tot = f"/{self.total}" if self.total is not None else ""
-        extra = f" ({postfix})" if postfix else ""
+        extra = f" ({self.postfix})" if self.postfix else ""
         log.info("%s: %d%s %s in %.1fs%s", self.desc, self.n, tot, self.unit, time.monotonic() - self._t0, extra)
 
     def close(self) -> None:

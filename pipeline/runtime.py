@@ -10,7 +10,10 @@ each actor has a bounded number of calls in flight).
 * ``$RAY_ADDRESS`` is a job-submission (``http://``) address, e.g. from ``eval "$(infra/local/up.sh)"``:
   ``ray.init()`` cannot join that, so it is dropped (logged) and an in-process Ray starts instead.
 * otherwise an in-process Ray: ``num_cpus`` as the command asks, no dashboard, Ray leaves logging alone, and
-  the workers get this source tree on ``PYTHONPATH`` (plus the command's ``env_vars``). A watcher process
+  the workers get this source tree on ``PYTHONPATH`` (plus the command's ``env_vars``). The workers' output is
+  forwarded to this process unless ``$RAY_LOG_TO_DRIVER`` is false (the CLI sets it unless ``-v``: the workers'
+  logs then stay in Ray's session folder, logged here; their failures still reach the driver as exceptions).
+  A watcher process
   (:mod:`pipeline.reaper`) stops that Ray's processes within seconds if the command dies without shutting it
   down (``kill -9``); Ray's own agents would otherwise linger for up to about a minute.
 """
@@ -60,15 +63,20 @@ def init_ray(
     kwargs: dict[str, Any] = {}
     if object_store_memory is not None:
         kwargs["object_store_memory"] = int(object_store_memory)
-    ray.init(
+    # Ray's own variable, parsed as Ray does ("1"/"true" forward), but read now: Ray reads it once, at import
+    to_driver = os.environ.get("RAY_LOG_TO_DRIVER", "1").lower() in ("1", "true")
+    context = ray.init(
         num_cpus=num_cpus,
         include_dashboard=False,
-        log_to_driver=True,
+        log_to_driver=to_driver,
         configure_logging=False,
         runtime_env={"env_vars": {"PYTHONPATH": REPO_ROOT, **(env_vars or {})}},
         **kwargs,
     )
     interrupt.reinstall()  # ray.init replaced our SIGTERM handler with sys.exit(15)
+    session = (getattr(context, "address_info", None) or {}).get("session_dir")
+    if session and not to_driver:
+        log.info("Ray workers' logs: %s", os.path.join(session, "logs"))
     try:
         from pipeline.reaper import start_reaper
 
@@ -178,7 +186,7 @@ class ActorPool:
             return Done(self, i, task, value=ray.get(ref))
         except ray.exceptions.RayActorError as exc:
             if current:
-                log.warning("%s actor %d died (%s); replacing it", self.name, i, type(exc).__name__)
+                log.warning("%s actor %d died (%s: %s); replacing it", self.name, i, type(exc).__name__, _reason(exc))
                 self.replace(i)
             n = self._attempts[id(task)] = self._attempts.get(id(task), 0) + 1
             retry = n <= self.max_task_retries
@@ -198,6 +206,14 @@ class ActorPool:
                 ray.kill(a, no_restart=True)
             except Exception:
                 pass
+
+
+def _reason(exc: BaseException, limit: int = 300) -> str:
+    """The last non-empty line of an error's message (Ray's actor errors end with the exit reason or the
+    creation task's exception), cut to ``limit`` characters."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    text = lines[-1] if lines else ""
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def wait_done(*pools: ActorPool, timeout: float | None = None) -> list[Done]:
