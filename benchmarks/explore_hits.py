@@ -20,8 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import robustness as R
 import torch
 
+from operators.checkpoint import with_num_classes
 from pipeline.config import load_config
-from pipeline.model_io import with_num_classes
 from pipeline.train import TrainConfig
 from workers.patches import _explore_cells, cell_strata, prepare_slide
 

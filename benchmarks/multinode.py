@@ -34,10 +34,10 @@ def main(argv: list[str] | None = None) -> int:
     import yaml
     from local_services import moto_s3
 
+    from operators.checkpoint import save_checkpoint
     from operators.model import FoveateModel
     from operators.model_config import ModelConfig
     from pipeline.config import from_dict
-    from pipeline.model_io import save_checkpoint
 
     rows = []
     with tempfile.TemporaryDirectory(prefix="fov-mn-bench-") as tmp, moto_s3(mn.BUCKET) as (client, aws):

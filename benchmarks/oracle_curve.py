@@ -26,8 +26,8 @@ import torch
 torch.set_num_threads(1)
 import robustness as R
 
+from operators.checkpoint import build_model, with_num_classes
 from pipeline.config import load_config
-from pipeline.model_io import build_model, with_num_classes
 from pipeline.train import TrainConfig, classification_metrics
 from workers.patches import prepare_slide, rare_cells
 

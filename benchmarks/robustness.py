@@ -232,7 +232,7 @@ def run_training_in_process(
 
     import torch
 
-    from operators.model_io import checkpoint_dict
+    from operators.checkpoint import checkpoint_dict
     from pipeline.config import load_config
     from pipeline.data import build_slide_table, shard, split_train_val
     from pipeline.train import TrainConfig
@@ -347,7 +347,7 @@ def evaluate_checkpoint(checkpoint: str, split: Split) -> dict[str, float]:
     """Hard top-k on the test slides from a trained checkpoint: accuracy, hit rate, object recall."""
     import torch
 
-    from pipeline.model_io import load_checkpoint
+    from operators.checkpoint import load_checkpoint
     from pipeline.train import classification_metrics
     from workers.patches import forward_slide, slide_geometry
     from workers.store import SlideStore
@@ -416,8 +416,8 @@ def run_oracle(config: str, split: Split, seed: int, epochs: int, overrides: lis
     """Train the config's feature network + aggregator on oracle patches; test accuracy on oracle patches."""
     import torch
 
+    from operators.checkpoint import build_model, with_num_classes
     from pipeline.config import load_config
-    from pipeline.model_io import build_model, with_num_classes
     from pipeline.train import TrainConfig, classification_metrics
     from workers.patches import prepare_slide
 

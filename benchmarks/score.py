@@ -51,10 +51,10 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import yaml
 
+    from operators.checkpoint import save_checkpoint
     from operators.model import FoveateModel
     from operators.model_config import ModelConfig
     from pipeline.config import from_dict
-    from pipeline.model_io import save_checkpoint
     from pipeline.score import score
 
     work = Path(args.work_dir)

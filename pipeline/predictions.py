@@ -6,7 +6,7 @@ One row per slide (columns :data:`workers.scoring.ROW_FIELDS` plus ``prob_<class
 ``score``, see :mod:`workers.frames`), ``heatmap`` (PNG path), ``seconds``, ``store``, ``model``, ``scored_at``.
 :class:`PredictionWriter` rewrites the file atomically (temp file + fsync + rename) as rows arrive; the file's
 key-value metadata (:func:`read_metadata`) names the model that wrote it (``foveate.model``,
-``foveate.model_digest``: :func:`operators.model_io.checkpoint_digest`), so a resumed run can refuse another model.
+``foveate.model_digest``: :func:`operators.checkpoint.checkpoint_digest`), so a resumed run can refuse another model.
 """
 
 from __future__ import annotations

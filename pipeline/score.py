@@ -262,7 +262,8 @@ def _score_locked(
         if experiment or ":/" in str(model):
             raise
         uri = None
-    from pipeline.model_io import checkpoint_dict, checkpoint_digest, load_model
+    from operators.checkpoint import checkpoint_dict, checkpoint_digest
+    from pipeline.mlflow_model import load_model
 
     net, cfg, class_names = load_model(str(model), tracking_uri=uri)
     ckpt = checkpoint_dict(net, cfg, class_names)

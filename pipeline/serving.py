@@ -1,6 +1,6 @@
 """The logged model as a product: an MLflow ``pyfunc`` model of the whole foveated pipeline.
 
-``foveate train`` logs every model with :func:`pipeline.model_io.log_model` as an MLflow *python function*
+``foveate train`` logs every model with :func:`pipeline.mlflow_model.log_model` as an MLflow *python function*
 model whose input is a table of slide stores and whose output is one ``foveate score`` row per store::
 
     import mlflow, pandas as pd

@@ -14,7 +14,7 @@ The driver (:func:`train`) resolves the config, builds the slide table and its t
 (:mod:`pipeline.data`), sets ``model.num_classes`` from the data (logged), opens (or, with ``resume``,
 reopens) one MLflow run with the full resolved config as params, starts Ray (:func:`pipeline.runtime.init_ray`)
 and runs a :class:`ray.train.torch.TorchTrainer` with ``workers`` workers (gloo on CPU, nccl when the cluster
-has GPUs). After training it logs the model (:func:`pipeline.model_io.log_model`) and, for a few validation
+has GPUs). After training it logs the model (:func:`pipeline.mlflow_model.log_model`) and, for a few validation
 slides, a heatmap of the scorer over the thumbnail and a gallery of the chosen patches.
 
 Run directory: ``<workdir>/train/<run_name>/`` holds ``train_state.json`` (MLflow run id, resolved config)
@@ -236,7 +236,8 @@ def train(
     """
     if not isinstance(config, TrainConfig):
         raise TypeError(f"config must be a TrainConfig, got {type(config).__name__}")
-    from pipeline.model_io import log_model, model_from_checkpoint
+    from operators.checkpoint import model_from_checkpoint
+    from pipeline.mlflow_model import log_model
     from pipeline.runtime import init_ray
     from pipeline.tracking import client_for, get_or_create_experiment, log_params, resolve_tracking_uri
 

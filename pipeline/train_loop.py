@@ -4,7 +4,7 @@ Per worker: read the rank and world size from Ray Train, build a :class:`~worker
 ``torch.distributed`` collective (gradients all-reduced, step statistics summed), resume it from Ray Train's
 latest checkpoint, and per epoch train on this worker's shard (``pipeline.data.shard``), evaluate its
 validation shard, log metrics to MLflow from rank 0, and report a checkpoint (``train_state.pt`` = the
-trainer's state, ``model.pt`` = a model checkpoint, ``operators.model_io``) with ``ray.train.report``.
+trainer's state, ``model.pt`` = a model checkpoint, ``operators.checkpoint``) with ``ray.train.report``.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     import ray.train.torch
     import torch.distributed as dist
 
-    from operators.model_io import checkpoint_dict
+    from operators.checkpoint import checkpoint_dict
     from pipeline.tracking import client_for, log_metrics
     from workers.trainer import LocalCollective, TorchDistCollective, Trainer
 

@@ -24,8 +24,8 @@ SLIDES = ["s0", "s1"]
 @pytest.fixture(scope="module")
 def preds(tmp_path_factory):
     """A predictions file with two ok rows and one error row (an incomplete store)."""
+    from operators.checkpoint import checkpoint_dict
     from operators.model import FoveateModel
-    from pipeline.model_io import checkpoint_dict
     from workers.scoring import ClassifierWorker, ScorerWorker
 
     root = tmp_path_factory.mktemp("export")

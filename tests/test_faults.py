@@ -109,8 +109,8 @@ def test_ingest_out_that_cannot_hold_stores(tmp_path, capsys):
 
 
 def _other_model(root: Path) -> Path:
+    from operators.checkpoint import save_checkpoint
     from operators.model import FoveateModel
-    from pipeline.model_io import save_checkpoint
 
     torch.manual_seed(123)
     return save_checkpoint(root / "other.pt", FoveateModel(_model_config()).eval(), _model_config(), CLASSES)
@@ -212,8 +212,8 @@ def test_missing_chunks_and_corrupt_metadata_are_never_read_as_white(tmp_path, c
 
     from test_score import _slide
 
+    from operators.checkpoint import checkpoint_dict
     from pipeline.cli import main
-    from pipeline.model_io import checkpoint_dict
     from pipeline.train import _check_grids
     from workers.scoring import ScorerWorker
     from workers.store import SlideStore, verify_store, write_store_from_array
@@ -390,8 +390,8 @@ def test_model_records_its_mpp_and_scoring_checks_it(tmp_path, caplog):
 
     from test_score import _slide
 
+    from operators.checkpoint import checkpoint_dict
     from operators.model import FoveateModel
-    from pipeline.model_io import checkpoint_dict
     from workers.scoring import ScorerWorker
     from workers.store import write_store_from_array
 
@@ -473,7 +473,7 @@ def test_a_pickled_pt_file_is_refused_without_advice_to_unpickle(tmp_path):
     import pickle
     from collections import OrderedDict
 
-    from operators.model_io import load_checkpoint
+    from operators.checkpoint import load_checkpoint
 
     bad = tmp_path / "foreign.pt"
     torch.save({"model": _Foreign(), "d": OrderedDict()}, bad)

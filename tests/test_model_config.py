@@ -13,10 +13,10 @@ import yaml
 from flat_model_config import FLAT_DEFAULTS, flat_config
 
 import operators.model_config as mc
+from operators.checkpoint import build_model
 from operators.config import from_dict, to_dict
 from operators.errors import ConfigError
 from operators.model_config import FLAT_KEYS, REMOVED_KEYS, ModelConfig, upgrade_flat_keys
-from operators.model_io import build_model
 from pipeline.config import load_config, shipped_config
 from pipeline.train_config import TrainConfig
 

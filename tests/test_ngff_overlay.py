@@ -15,8 +15,8 @@ from workers.store import write_store_from_array
 
 @pytest.fixture()
 def scored(tmp_path):
+    from operators.checkpoint import checkpoint_dict
     from operators.model import FoveateModel
-    from pipeline.model_io import checkpoint_dict
     from workers.scoring import ClassifierWorker, ScorerWorker
 
     store = write_store_from_array(tmp_path / "s0.zarr", _slide(0), mpp=(0.5, 0.5), tile_size=64, min_size=64)

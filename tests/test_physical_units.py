@@ -13,11 +13,11 @@ import pytest
 import torch
 from flat_model_config import FLAT_DEFAULTS, flat_config, flat_replace
 
+from operators.checkpoint import build_model
 from operators.config import from_dict, to_dict
 from operators.errors import ConfigError
 from operators.model import FoveateModel
 from operators.model_config import ModelConfig
-from operators.model_io import build_model
 from workers.patches import PatchGrid, PatchReader, clear_cache, forward_slide, prepare_slide, slide_geometry
 from workers.pyramid import downsample2x
 from workers.store import write_store_from_array
@@ -115,7 +115,7 @@ def test_geometry_per_slide_resolution():
 
 
 def test_checkpoint_round_trip_keeps_the_physical_geometry(tmp_path, stores):
-    from operators.model_io import load_checkpoint, save_checkpoint
+    from operators.checkpoint import load_checkpoint, save_checkpoint
 
     cfg = _config(stride_um=16.0)
     assert from_dict(ModelConfig, to_dict(cfg)) == cfg
@@ -185,7 +185,7 @@ def test_forward_chooses_the_same_cells_with_boxes_in_each_slides_pixels(stores)
 
 
 def test_store_without_mpp_is_refused_naming_it(tmp_path, stores):
-    from operators.model_io import checkpoint_dict
+    from operators.checkpoint import checkpoint_dict
     from pipeline.train import _check_grids
     from workers.scoring import ScorerWorker
 
@@ -204,14 +204,16 @@ def test_store_without_mpp_is_refused_naming_it(tmp_path, stores):
     with pytest.raises(ConfigError, match=r"slide n: store .*nompp.zarr records no mpp"):
         _check_grids(cfg, [Rec("a", stores[0]), Rec("n", nompp)])
     # the k check counts each slide's own cells and says what patch_size_um is there
-    with pytest.raises(ConfigError, match=r"slide a \(768 x 640 px at model.geometry.patch_size_um 64.0 = 256 px at mpp 0.25\)"):
+    with pytest.raises(
+        ConfigError, match=r"slide a \(768 x 640 px at model.geometry.patch_size_um 64.0 = 256 px at mpp 0.25\)"
+    ):
         _check_grids(flat_replace(cfg, patch_size_um=64.0, stride_um=64.0, k=13), [Rec("a", stores[0])])
     # no model.mpp nor patch_input: the training stores' median mpp fixes the network's patch side
     assert _check_grids(_config(mpp=None), [Rec("a", stores[0]), Rec("b", stores[1])]) == [0.25, 0.5]
 
 
 def test_scoring_and_pyfunc_adapt_to_each_slide_without_the_mpp_warning(tmp_path, stores, caplog):
-    from operators.model_io import checkpoint_dict, save_checkpoint
+    from operators.checkpoint import checkpoint_dict, save_checkpoint
     from pipeline.serving import CHECKPOINT_ARTIFACT, FoveatePythonModel
     from workers.scoring import ClassifierWorker, ScorerWorker
 

@@ -1,4 +1,4 @@
-"""foveate score: real Zarr stores, a real (tiny, untrained) model saved with pipeline.model_io, real Ray.
+"""foveate score: real Zarr stores, a real (tiny, untrained) model saved with pipeline.mlflow_model, real Ray.
 
 One row per slide, error rows for an incomplete / corrupt store, resume, actors killed mid-run (os._exit from
 inside, restarted by Ray), and hard top-k coordinates that equal the single-process forward chain.
@@ -54,8 +54,8 @@ def _model_config():
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
+    from operators.checkpoint import save_checkpoint
     from operators.model import FoveateModel
-    from pipeline.model_io import save_checkpoint
 
     root = tmp_path_factory.mktemp("score")
     stores = root / "stores"
@@ -96,8 +96,8 @@ def test_workers_without_ray_match_forward_chain(data, tmp_path, selector, aggre
     """The two stages as plain classes give the coordinates/probabilities of workers.patches.forward_slide
     (hard top-k at inference; the slot weights of attention/SOFT/LapSum travel from scorer to classifier)."""
 
+    from operators.checkpoint import checkpoint_dict
     from operators.model import FoveateModel
-    from pipeline.model_io import checkpoint_dict
     from workers.scoring import ClassifierWorker, ScorerWorker
 
     cfg = flat_replace(_model_config(), selector=selector, aggregator=aggregator)
@@ -139,7 +139,7 @@ def test_score_with_killed_actors_errors_mlflow_and_resume(data, ray_local, tmp_
     single-process chain (hard top-k is deterministic). Then resume."""
     import mlflow
 
-    from pipeline.model_io import log_model
+    from pipeline.mlflow_model import log_model
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     client = mlflow.MlflowClient(uri)

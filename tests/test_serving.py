@@ -35,7 +35,7 @@ def logged(tmp_path_factory):
     import mlflow
 
     from operators.model import FoveateModel
-    from pipeline.model_io import log_model
+    from pipeline.mlflow_model import log_model
     from pipeline.tracking import get_or_create_experiment
 
     root = tmp_path_factory.mktemp("serving")
@@ -76,7 +76,7 @@ def logged(tmp_path_factory):
 
 def _expected(logged, sid):
     """The scoring workers' row (what foveate score writes; tests/test_score.py checks workers == score)."""
-    from pipeline.model_io import checkpoint_dict
+    from operators.checkpoint import checkpoint_dict
     from workers.scoring import ClassifierWorker, ScorerWorker
 
     ckpt = checkpoint_dict(logged["model"], _model_config(), CLASSES)
@@ -269,7 +269,7 @@ def test_registry_alias_promote_and_load(logged, tmp_path, capsys):
     from operators.model import FoveateModel
     from pipeline.cli import main
     from pipeline.compare import promote
-    from pipeline.model_io import load_model, log_model
+    from pipeline.mlflow_model import load_model, log_model
     from pipeline.tracking import get_or_create_experiment
 
     uri = logged["uri"]

@@ -32,8 +32,8 @@ def stores(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def ckpt():
+    from operators.checkpoint import checkpoint_dict
     from operators.model import FoveateModel
-    from pipeline.model_io import checkpoint_dict
 
     torch.manual_seed(0)
     return checkpoint_dict(FoveateModel(_model_config()).eval(), _model_config(), CLASSES)
@@ -150,7 +150,7 @@ def test_bad_handoffs(stores, ckpt):
 def test_one_open_per_slide_across_ray_actors(stores, ckpt, ray_local, tmp_path):
     """``foveate score`` on Ray: each scorer and classifier actor records the stores it verified (in its own
     process); over the run, every slide was verified exactly once, by a scorer."""
-    from pipeline.model_io import save_checkpoint
+    from operators.checkpoint import save_checkpoint
     from pipeline.score import score
     from workers.scoring import ClassifierWorker, ScorerWorker
 

@@ -126,7 +126,7 @@ def test_config_errors_are_clear(tmp_path, slides, capsys):
 def test_train_crash_resume_and_logged_model(tmp_path, slides, ray_local):
     import mlflow
 
-    from pipeline.model_io import load_model
+    from pipeline.mlflow_model import load_model
     from pipeline.tracking import flatten_params
     from workers.patches import forward_slide
     from workers.store import SlideStore

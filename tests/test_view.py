@@ -48,8 +48,8 @@ def data(tmp_path_factory):
     import torch
     from flat_model_config import flat_config
 
+    from operators.checkpoint import checkpoint_dict
     from operators.model import FoveateModel
-    from pipeline.model_io import checkpoint_dict
     from pipeline.predictions import PredictionWriter
     from workers.scoring import ClassifierWorker, ScorerWorker
 

@@ -13,7 +13,7 @@
 Coordinates (cells, ``patches`` boxes, heatmap outlines) are level-0 pixels; the frames: :mod:`workers.frames`.
 
 Both catch errors per slide and return them as ``status="error"`` records, so one corrupt store never loses
-the rest of its batch. Both accept the model as a checkpoint dict (``operators.model_io.checkpoint_dict``, what
+the rest of its batch. Both accept the model as a checkpoint dict (``operators.checkpoint.checkpoint_dict``, what
 the driver ships to actors so they never touch MLflow) or as a local checkpoint path.
 """
 
@@ -66,8 +66,8 @@ ROW_FIELDS = (
 
 def _load(model: Any):
     """``(model, ModelConfig, class_names)`` from a checkpoint dict or a local checkpoint path (file or model
-    directory). MLflow URIs are resolved on the driver (``pipeline.model_io.load_model``)."""
-    from operators.model_io import load_local, model_from_checkpoint
+    directory). MLflow URIs are resolved on the driver (``pipeline.mlflow_model.load_model``)."""
+    from operators.checkpoint import load_local, model_from_checkpoint
 
     if isinstance(model, Mapping):
         return model_from_checkpoint(model)
@@ -75,7 +75,7 @@ def _load(model: Any):
         if ":/" in str(model):
             raise ValueError(
                 f"model {str(model)!r}: workers load checkpoint dicts or local paths; resolve "
-                "MLflow URIs on the driver (pipeline.model_io.load_model)"
+                "MLflow URIs on the driver (pipeline.mlflow_model.load_model)"
             )
         return load_local(model)
     raise TypeError(f"model must be a checkpoint dict or a local checkpoint path, got {type(model).__name__}")

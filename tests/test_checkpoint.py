@@ -8,19 +8,18 @@ import pytest
 import torch
 from flat_model_config import flat_config
 
+from operators.checkpoint import (
+    CHECKPOINT_FORMAT,
+    checkpoint_dict,
+    load_checkpoint,
+    model_from_checkpoint,
+    save_checkpoint,
+)
 from operators.model import FoveateModel
 from operators.model_config import ModelConfig
 from operators.resnet import ResNetConfig
 from operators.scorer import ScorerConfig
-from pipeline.model_io import (
-    CHECKPOINT_FORMAT,
-    checkpoint_dict,
-    load_checkpoint,
-    load_model,
-    log_model,
-    model_from_checkpoint,
-    save_checkpoint,
-)
+from pipeline.mlflow_model import load_model, log_model
 
 CLASSES = ["benign", "in situ", "invasive"]
 

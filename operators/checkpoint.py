@@ -9,7 +9,7 @@ A checkpoint (``*.pt``) is a dict that ``torch.load(path, weights_only=True)`` r
      "train_config": {...} or None,            # the full resolved TrainConfig, for the record
      "metadata": {...}}                        # e.g. run id, epoch
 
-Both the driver (``pipeline.model_io`` adds MLflow logging and loading by URI) and the actors
+Both the driver (``pipeline.mlflow_model`` adds MLflow logging and loading by URI) and the actors
 (``workers.scoring``, ``pipeline.train_loop``) use this module; the model is always rebuilt from the
 checkpoint (code is never unpickled).
 """
@@ -122,7 +122,7 @@ def load_checkpoint(path: str | Path, *, map_location: str | torch.device = "cpu
         raise ValueError(
             f"{path} is not a foveate model checkpoint: torch.load(weights_only=True) cannot read it ({first}). "
             "foveate only loads checkpoints of plain tensors and config written by foveate train / "
-            "operators.model_io.save_checkpoint, and never unpickles code"
+            "operators.checkpoint.save_checkpoint, and never unpickles code"
         ) from None
     return model_from_checkpoint(ckpt)
 

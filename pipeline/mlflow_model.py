@@ -1,7 +1,7 @@
 """Trained foveate models in MLflow: log a model to a run, load one by URI.
 
-The checkpoint format and its (de)serialisation live in :mod:`operators.model_io` (re-exported here);
-this module adds MLflow. :func:`log_model` logs the model to an MLflow run as a pyfunc model of the whole
+The checkpoint format and its (de)serialisation live in :mod:`operators.checkpoint`; this module adds
+MLflow. :func:`log_model` logs the model to an MLflow run as a pyfunc model of the whole
 pipeline (:mod:`pipeline.serving`: a table of stores in, ``foveate score`` rows out; logged from code, with the
 checkpoint as its artifact, foveate's packages as ``code_paths`` and version-range requirements), and the same
 checkpoint as a plain run artifact ``checkpoint/model.pt``. :func:`load_model` takes
@@ -21,33 +21,9 @@ from typing import Any
 
 import torch
 
-from operators.model_io import (
-    CHECKPOINT_FORMAT,
-    CHECKPOINT_NAME,
-    build_model,
-    checkpoint_dict,
-    checkpoint_digest,
-    find_checkpoint,
-    load_checkpoint,
-    load_local,
-    model_from_checkpoint,
-    save_checkpoint,
-    with_num_classes,
-)
+from operators.checkpoint import CHECKPOINT_NAME, find_checkpoint, load_checkpoint, load_local, save_checkpoint
 
-__all__ = [
-    "CHECKPOINT_FORMAT",
-    "CHECKPOINT_NAME",
-    "checkpoint_dict",
-    "checkpoint_digest",
-    "save_checkpoint",
-    "model_from_checkpoint",
-    "load_checkpoint",
-    "build_model",
-    "with_num_classes",
-    "log_model",
-    "load_model",
-]
+__all__ = ["log_model", "load_model"]
 
 log = logging.getLogger(__name__)
 
