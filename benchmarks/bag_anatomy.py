@@ -28,7 +28,8 @@ ROOT = os.environ.get("ROOT", str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, ROOT)
 torch.set_num_threads(1)
 from operators.model import FoveateModel
-from workers.patches import forward_slide, prepare_slide
+from workers.patches import prepare_slide
+from workers.slide_forward import forward_slide
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from selection_hits import box_overlap, pixel_patch_size, sidecars

@@ -1,9 +1,9 @@
 """Diagnostic: how often do exploration draws land on a ground-truth object (and on a distractor)?
 
 For the first ``--slides`` training slides of a synthetic task, cells are drawn as the evidence-distillation
-exploration draws them (``workers.patches.cell_strata``: a stratum uniformly, then a cell in
+exploration draws them (``workers.strata.cell_strata``: a stratum uniformly, then a cell in
 it; 0 strata = uniform over tissue cells) and checked against the synth sidecar's boxes (``robustness.hits_of``).
-The draws are the trainer's own (``workers.patches._explore_cells``): ``--steps`` slide-steps of ``--cells``
+The draws are the trainer's own (``workers.patches.draw_cells``): ``--steps`` slide-steps of ``--cells``
 distinct cells each.
 
 Usage: python benchmarks/explore_hits.py --stores STORES [--strata 0,8,32] [--set model.geometry.scorer_downsample=8]
@@ -23,7 +23,8 @@ import torch
 from operators.checkpoint import with_num_classes
 from pipeline.config import load_config
 from pipeline.train import TrainConfig
-from workers.patches import _explore_cells, cell_strata, prepare_slide
+from workers.patches import prepare_slide
+from workers.strata import cell_strata, draw_cells
 
 
 def main() -> None:
@@ -48,7 +49,7 @@ def main() -> None:
             mask = si.cell_mask.flatten()
             scores = torch.where(mask, 0.0, float("-inf"))  # every tissue cell a candidate, as in training
             strata = cell_strata(si.lowres_u8, tuple(si.cell_mask.shape), n_strata) if n_strata else None
-            draws = torch.cat([_explore_cells(scores, a.cells, gen, strata) for _ in range(a.steps)])
+            draws = torch.cat([draw_cells(scores, a.cells, gen, strata) for _ in range(a.steps)])
             xy = si.grid.cell_xy_l0(draws).numpy()
             patch = int(si.grid.patch_size)
             obj += R.hits_of(xy, patch, split.boxes[rec.store])[0].sum()

@@ -70,7 +70,8 @@ def measure(kind: str, store: str, config: str, tile: int, threads: int, sets: l
     from operators.model import FoveateModel
     from pipeline.config import load_config, resolve_config_path
     from pipeline.train import TrainConfig
-    from workers.patches import forward_slide, prepare_slide
+    from workers.patches import prepare_slide
+    from workers.slide_forward import forward_slide
     from workers.store import SlideStore
 
     cfg = load_config(TrainConfig, resolve_config_path(config), [*sets, f"model.scorer.tile={tile}"])

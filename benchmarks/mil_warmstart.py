@@ -2,7 +2,7 @@
 the scorer — does it point the scorer at small, rare evidence before any selection training?
 
 For every slide of an ``objects`` task (``foveate synth --task objects``) ``--cells`` cells are drawn once with
-the stratified exploration of evidence distillation (``workers.patches.cell_strata`` + ``_explore_cells``: no
+the stratified exploration of evidence distillation (``workers.strata.cell_strata`` + ``draw_cells``: no
 ground truth) and read at full resolution into memory. Phase 1 trains a fresh feature network with a gated
 attention-MIL head (Ilse et al. 2018) on bags of ``--bag`` cached cells with the slide label. Phase 2 trains the
 scorer (on the low-resolution view) with the evidence rank loss to order the cached cells of a slide like the
@@ -38,7 +38,8 @@ from operators.model import FoveateModel
 from pipeline.config import load_config
 from pipeline.data import build_slide_table, split_train_val
 from pipeline.train import TrainConfig
-from workers.patches import _explore_cells, cell_strata, prepare_slide
+from workers.patches import prepare_slide
+from workers.strata import cell_strata, draw_cells
 
 
 def main() -> None:
@@ -74,7 +75,7 @@ def main() -> None:
         mask = si.cell_mask.flatten()
         base = torch.where(mask, torch.zeros(mask.shape), torch.full(mask.shape, float("-inf")))
         strata = cell_strata(si.lowres, tuple(si.cell_mask.shape), a.strata)
-        cells = _explore_cells(base, a.cells, gen, strata)
+        cells = draw_cells(base, a.cells, gen, strata)
         key = str(Path(rec.store).resolve())
         xy = si.grid.cell_xy_l0(cells).numpy()
         ob = hits_of(xy, patch, objects[key])[0]

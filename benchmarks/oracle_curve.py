@@ -29,7 +29,8 @@ import robustness as R
 from operators.checkpoint import build_model, with_num_classes
 from pipeline.config import load_config
 from pipeline.train import TrainConfig, classification_metrics
-from workers.patches import prepare_slide, rare_cells
+from workers.patches import prepare_slide
+from workers.strata import rare_cells
 
 
 def main() -> None:

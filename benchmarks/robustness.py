@@ -284,7 +284,7 @@ def load_split(config: str, stores: Path, overrides: list[str]) -> Split:
 
     from pipeline.config import load_config
     from pipeline.data import build_slide_table, split_train_val
-    from pipeline.synthetic import sidecar_path
+    from pipeline.synthetic.tiff import sidecar_path
     from pipeline.train import TrainConfig
 
     cfg = load_config(
@@ -349,7 +349,8 @@ def evaluate_checkpoint(checkpoint: str, split: Split) -> dict[str, float]:
 
     from operators.checkpoint import load_checkpoint
     from pipeline.train import classification_metrics
-    from workers.patches import forward_slide, slide_geometry
+    from workers.patches import slide_geometry
+    from workers.slide_forward import forward_slide
     from workers.store import SlideStore
 
     model, cfg, _ = load_checkpoint(checkpoint)

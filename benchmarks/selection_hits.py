@@ -34,7 +34,7 @@ from pipeline.config import load_config
 from pipeline.data import build_slide_table, shard, split_train_val
 from pipeline.train import TrainConfig
 from workers.metrics import classification_metrics
-from workers.patches import forward_slide
+from workers.slide_forward import forward_slide
 from workers.trainer import Trainer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

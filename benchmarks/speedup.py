@@ -79,7 +79,8 @@ def model_config(k: int):
 
 def time_foveated(store, cfg, steps: int, seed: int = 0) -> dict:
     from operators.model import FoveateModel
-    from workers.patches import clear_cache, forward_slide
+    from workers.patches import clear_cache
+    from workers.slide_forward import forward_slide
 
     torch.manual_seed(seed)
     model = FoveateModel(cfg).train()

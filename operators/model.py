@@ -10,7 +10,7 @@ features and aggregation on CPU actors)::
     feats = model.embed(patches.flatten(0, 1)).view(B, K, -1)           # [B, K, D]
     logits = model.aggregate(feats, positions[B,K,2], sel.slot_weights)  # [B, C]
 
-``workers.patches.forward_slide`` runs the whole chain for one slide. The grid and the low-res input are
+``workers.slide_forward.forward_slide`` runs the whole chain for one slide. The grid and the low-res input are
 defined in ``workers.patches`` (grid cells in level-0 pixels; the low-res input covers the grid extent).
 
 Papers: Cordonnier et al. 2021 (scorer, min–max normalisation, perturbed top-k and soft patches);
@@ -81,7 +81,7 @@ class Selection:
 
 @dataclass
 class ModelOutput:
-    """Result of ``workers.patches.forward_slide`` for one slide.
+    """Result of ``workers.slide_forward.forward_slide`` for one slide.
 
     Attributes:
         logits: ``[1, C]``.
@@ -483,7 +483,7 @@ class FoveateModel(nn.Module):
             cell_scores: ``[M]`` the scorer's normalised scores of those cells (differentiable).
             target: the slide's class index.
             positions: ``[M, 2]`` the cells' centres in [0, 1] (used by ``evidence="label"``; zeros when None).
-            prior: ``[M]`` a label-free prior in [0, 1] per read cell (e.g. ``workers.patches.cell_rarity``),
+            prior: ``[M]`` a label-free prior in [0, 1] per read cell (e.g. ``workers.strata.cell_rarity``),
                 mixed into the rank targets as ``(1 - prior_weight) * evidence + prior_weight * prior``.
             prior_weight: in [0, 1].
 

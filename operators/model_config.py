@@ -697,6 +697,10 @@ def upgrade_flat_keys(data: Mapping[str, Any], *, where: str = "model") -> tuple
                     f"{where}.{key}={value!r} and {where}.{target}={node[last]!r} conflict; keep only {where}.{target}"
                 )
             node[last] = value
+    notes.append(
+        f"{where}: keys not given take today's defaults (the recipe), not those of the version that wrote these flat "
+        "keys; `foveate config show` prints the effective config"
+    )
     if flat.get("stride", 0) is None and flat.get("patch_size") is None and "patch_size_um" not in flat:
         notes.append(f"{where}.stride: null now means half the patch size; set {where}.geometry.stride for another")
     return out, notes

@@ -506,7 +506,7 @@ def _storage(run_dir: str) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------- artifacts
 def _log_val_artifacts(model, model_cfg, records: list[SlideRecord], class_names, client, run_id: str) -> None:
     """Heatmap of the scorer over the thumbnail and a gallery of the chosen patches, per slide."""
-    from workers.patches import forward_slide
+    from workers.slide_forward import forward_slide
     from workers.store import SlideStore
 
     with tempfile.TemporaryDirectory(prefix="foveate-art-") as tmp:

@@ -18,7 +18,7 @@ from flat_model_config import flat_config
 from operators.model import FoveateModel
 from operators.resnet import ResNetConfig
 from operators.scorer import ScorerConfig
-from workers.patches import forward_slide
+from workers.slide_forward import forward_slide
 from workers.store import write_store_from_array
 
 SIZE, PATCH, SLIDES, EPOCHS = 1024, 64, 12, 15

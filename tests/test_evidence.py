@@ -16,8 +16,9 @@ from operators.model import FoveateModel
 from operators.model_config import ModelConfig
 from operators.resnet import ResNetConfig
 from operators.scorer import ScorerConfig
-from workers.patches import _explore_cells, cell_strata, forward_slide
+from workers.slide_forward import forward_slide
 from workers.store import write_store_from_array
+from workers.strata import cell_strata, draw_cells
 
 torch.set_num_threads(1)
 
@@ -112,14 +113,14 @@ def test_strata_isolate_rare_cells_and_stratified_exploration_reads_them_more_of
     g = torch.Generator().manual_seed(0)
     hit_strat = hit_unif = 0
     for _ in range(200):
-        a = _explore_cells(scores, 4, g, strata)
-        b = _explore_cells(scores, 4, g, None)
+        a = draw_cells(scores, 4, g, strata)
+        b = draw_cells(scores, 4, g, None)
         assert len(set(a.tolist())) == 4 and len(set(b.tolist())) == 4
         assert all(c >= 8 for c in a.tolist() + b.tolist())
         hit_strat += sum(c in dark[1:] for c in a.tolist())
         hit_unif += sum(c in dark[1:] for c in b.tolist())
     assert hit_strat > 3 * hit_unif
-    assert _explore_cells(scores, 100, g, strata).numel() == 56  # all candidates when fewer
+    assert draw_cells(scores, 100, g, strata).numel() == 56  # all candidates when fewer
 
 
 def _image_store(tmp_path):
@@ -162,7 +163,7 @@ def test_forward_slide_adds_evidence_losses_only_in_training_with_a_target(tmp_p
 
 
 def test_rare_cells_are_the_smallest_strata_and_the_rare_bag_trains_the_classifier(tmp_path):
-    from workers.patches import rare_cells
+    from workers.strata import rare_cells
 
     img = torch.from_numpy(_image()).permute(2, 0, 1).float().div(255)
     lowres = torch.nn.functional.interpolate(img[None], size=(64, 64), mode="area")[0]
@@ -319,7 +320,7 @@ def test_selection_grad_scales_the_selection_gradient_to_the_scorer_and_not_the_
 
 
 def test_rarity_prior_marks_the_smallest_strata_and_decays_on_schedule():
-    from workers.patches import cell_rarity, cell_strata
+    from workers.strata import cell_rarity, cell_strata
     from workers.trainer import ScheduleConfig, decay_to_zero_at
 
     img = torch.from_numpy(_image()).permute(2, 0, 1).float().div(255)
@@ -360,7 +361,7 @@ def test_rarity_prior_marks_the_smallest_strata_and_decays_on_schedule():
 
 
 def test_color_jitter_patches_is_a_per_patch_per_channel_affine_map_clamped_to_unit_range():
-    from workers.patches import color_jitter_patches
+    from workers.slide_forward import color_jitter_patches
 
     x = torch.rand(5, 3, 8, 8, dtype=torch.float64) * 0.6 + 0.2
     assert color_jitter_patches(x, 0.0) is x

@@ -14,7 +14,8 @@ from operators.model_config import SELECTORS
 from operators.resnet import ResNetConfig
 from operators.scorer import ScorerConfig
 from operators.topk import hard_topk
-from workers.patches import forward_slide, prepare_slide
+from workers.patches import prepare_slide
+from workers.slide_forward import forward_slide
 from workers.store import write_store_from_array
 
 torch.set_num_threads(1)
@@ -73,7 +74,7 @@ def test_score_masks_non_tissue_and_normalises():
         assert float(fin.min()) == 0 and 0.99 < float(fin.max()) <= 1  # max = range / (range + 1e-6)
     sel = model.select(s, training=True, sigma=1.0, generator=torch.Generator().manual_seed(0))
     assert mask.flatten(1).gather(1, sel.indices.flatten(1)).all()  # never a non-tissue cell
-    with pytest.raises(ValueError, match="fewer than model.k"):
+    with pytest.raises(ValueError, match="fewer than model.selection.k"):
         model.score(torch.rand(1, 3, 8, 8), torch.ones(1, 1, 3, dtype=torch.bool))
     with pytest.raises(ValueError, match="lowres"):
         model.score(torch.rand(1, 1, 8, 8), mask[:1])

@@ -238,7 +238,7 @@ def test_cell_strata_of_a_large_view_in_bands_equals_the_whole_view(monkeypatch,
     """Gigapixel memory: the per-cell appearance of a view above the size limit is pooled band by band (no float64
     copy of the view); same descriptors (1e-12) and the same strata as the whole-view pooling; a uint8 view gives
     what its float view (u8 / 255 in float32, as training sees it) gives."""
-    import workers.patches as P
+    import workers.strata as P
 
     u8 = torch.randint(0, 256, (3, *hw), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
     u8[:, : hw[0] // 3, : hw[1] // 2] = 240  # some structure, so the strata are not noise alone

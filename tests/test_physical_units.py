@@ -18,8 +18,9 @@ from operators.config import from_dict, to_dict
 from operators.errors import ConfigError
 from operators.model import FoveateModel
 from operators.model_config import ModelConfig
-from workers.patches import PatchGrid, PatchReader, clear_cache, forward_slide, prepare_slide, slide_geometry
+from workers.patches import PatchGrid, PatchReader, clear_cache, prepare_slide, slide_geometry
 from workers.pyramid import downsample2x
+from workers.slide_forward import forward_slide
 from workers.store import write_store_from_array
 
 CLASSES = ["a", "b"]

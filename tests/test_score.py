@@ -77,7 +77,7 @@ def data(tmp_path_factory):
 
 
 def _reference(model, store_path):
-    from workers.patches import forward_slide
+    from workers.slide_forward import forward_slide
 
     with torch.no_grad():
         out = forward_slide(model, SlideStore(store_path), training=False)
@@ -93,7 +93,7 @@ def _by_id(table):
     [("perturbed", "attention_mil"), ("attention", "transformer"), ("sinkhorn", "mean"), ("lapsum", "max")],
 )
 def test_workers_without_ray_match_forward_chain(data, tmp_path, selector, aggregator):
-    """The two stages as plain classes give the coordinates/probabilities of workers.patches.forward_slide
+    """The two stages as plain classes give the coordinates/probabilities of workers.slide_forward.forward_slide
     (hard top-k at inference; the slot weights of attention/SOFT/LapSum travel from scorer to classifier)."""
 
     from operators.checkpoint import checkpoint_dict
@@ -133,7 +133,8 @@ def test_arguments(data, tmp_path):
     assert [s for s, _ in list_stores(data["stores"])] == sorted(GOOD + list(BAD))
 
 
-def test_score_with_killed_actors_errors_mlflow_and_resume(data, ray_local, tmp_path, monkeypatch):
+@pytest.mark.e2e
+def test_score_with_killed_actors_errors_mlflow_and_resume(data, ray_own, tmp_path, monkeypatch):
     """Score from an MLflow runs:/ URI while each stage's actor kills its own process (os._exit) mid-run: Ray
     restarts it and re-runs the call, and the output still has exactly one row per slide, equal to the
     single-process chain (hard top-k is deterministic). Then resume."""

@@ -14,7 +14,8 @@ import operators.model as model_module
 from operators.model import FoveateModel
 from operators.resnet import ResNetConfig
 from operators.scorer import ScorerCNN, ScorerConfig, cell_pool, score_map, sparse_grad_cell_scores
-from workers.patches import clear_cache, forward_slide
+from workers.patches import clear_cache
+from workers.slide_forward import forward_slide
 from workers.store import write_store_from_array
 
 

@@ -123,12 +123,13 @@ def test_config_errors_are_clear(tmp_path, slides, capsys):
 
 
 # ------------------------------------------------------------------------------------------ real training
+@pytest.mark.e2e
 def test_train_crash_resume_and_logged_model(tmp_path, slides, ray_local):
     import mlflow
 
     from pipeline.mlflow_model import load_model
     from pipeline.tracking import flatten_params
-    from workers.patches import forward_slide
+    from workers.slide_forward import forward_slide
     from workers.store import SlideStore
 
     def crash_after_first_epoch(epoch: int) -> None:  # runs in every Ray Train worker (shipped by value)
@@ -242,6 +243,7 @@ def test_train_crash_resume_and_logged_model(tmp_path, slides, ray_local):
         assert torch.equal(v, trainer.model.state_dict()[k].cpu()), k
 
 
+@pytest.mark.e2e
 def test_two_workers_through_the_cli(tmp_path, slides, ray_local, capsys):
     import mlflow
 
@@ -277,7 +279,7 @@ def test_two_workers_through_the_cli(tmp_path, slides, ray_local, capsys):
 
 def test_weight_average_follows_its_recursion_and_is_what_is_evaluated_and_saved(tmp_path, slides):
     from pipeline.data import build_slide_table, shard, split_train_val
-    from workers.patches import forward_slide
+    from workers.slide_forward import forward_slide
     from workers.trainer import Trainer
 
     with pytest.raises(ConfigError, match="ema_epochs"):

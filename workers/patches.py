@@ -1,11 +1,11 @@
-"""Patch geometry on a slide store, the scorer's low-res input, patch reading, and the per-slide forward chain.
+"""Patch geometry on a slide store, the scorer's low-res input and patch reading.
 
 * :class:`PatchGrid` — the grid of candidate patches in level-0 pixels: cell ``(r, c)`` (index ``r * Gw + c``)
   covers ``x in [c*stride, c*stride + patch_size)``, ``y in [r*stride, r*stride + patch_size)``. The grid
   covers the whole slide: the last row/column may overhang the slide edge, and those pixels read as white
   (like OpenSlide outside the slide).
 * :func:`slide_geometry` — the model's grid, scorer scale and network patch size on one store, in its level-0
-  pixels (``ModelConfig.geometry`` with the store's mpp: µm settings give per-slide pixels).
+  pixels (``ModelConfig.slide_geometry`` with the store's mpp: µm settings give per-slide pixels).
 * :func:`lowres_view` — the low-res RGB view (``[3, h, w]`` uint8; :func:`lowres_input` as float in [0, 1])
   covering exactly the grid extent, at ``scorer_downsample`` (from the level
   ``SlideStore.best_level_for_downsample`` picks, resampled with area interpolation where that level is finer,
@@ -14,10 +14,9 @@
 * :class:`PatchReader` — full-resolution patches of chosen cells, reading each store chunk they touch
   exactly once per call (chunk-aligned reads, cropped in memory; never a whole-level read), resampled to the
   network's input size when it differs from the cell size (µm patches on slides of another resolution).
-* :func:`prepare_slide` / :func:`gather_patches` / :func:`forward_slide` — the model chain for one slide
-  (slides differ in grid size, so B = 1 per call; the trainer accumulates over slides).
-* :func:`cell_strata` — cells grouped by low-resolution appearance, for the stratified exploration draws of
-  evidence distillation (``operators.evidence``).
+* :func:`prepare_slide` / :func:`gather_patches` — one slide's inputs before selection (cached per process) and
+  the selected patches read and combined. The chain through the model, with the training losses, is
+  :func:`workers.slide_forward.forward_slide`; appearance strata and rarity are :mod:`workers.strata`.
 
 Coordinate frames (level 0, store levels, the patch grid, the scorer's low-res view) are defined once in
 :mod:`workers.frames`; names ending in ``_l0`` are level-0 pixels.
@@ -37,8 +36,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from operators.evidence import neutral_loss
-from operators.model import FoveateModel, ModelOutput, Selection
+from operators.model import Selection
 from operators.model_config import ModelConfig, SlideGeometry
 from operators.soft_patches import combine_patches, unique_cells
 from workers.store import SlideStore
@@ -47,19 +45,13 @@ __all__ = [
     "PatchGrid",
     "PatchReader",
     "SlideInput",
-    "ModelOutput",
     "cell_tissue_fraction",
     "slide_geometry",
     "lowres_input",
     "lowres_view",
     "prepare_slide",
     "gather_patches",
-    "forward_slide",
     "clear_cache",
-    "cell_strata",
-    "rare_cells",
-    "cell_rarity",
-    "color_jitter_patches",
 ]
 
 log = logging.getLogger(__name__)
@@ -520,19 +512,6 @@ def prepare_slide(store_or_sample: Any, cfg: ModelConfig, *, cache: bool = True)
     return si
 
 
-def color_jitter_patches(x: torch.Tensor, strength: float, generator: torch.Generator | None = None) -> torch.Tensor:
-    """Random per-patch, per-channel gain ``1 + U(-s, s)`` and offset ``U(-s/2, s/2)`` of float patches
-    ``x[..., 3, p, p]`` in [0, 1], clamped to [0, 1] (training-time augmentation against memorising a slide's
-    colours; ``s = strength``, 0 returns ``x``)."""
-    if strength <= 0:
-        return x
-    shape = (*x.shape[:-2], 1, 1)
-    dev = generator.device if generator is not None else x.device
-    gain = 1.0 + (torch.rand(shape, generator=generator, device=dev) * 2 - 1) * strength
-    off = (torch.rand(shape, generator=generator, device=dev) - 0.5) * strength
-    return (x * gain.to(x) + off.to(x)).clamp_(0.0, 1.0)
-
-
 def gather_patches(
     slide: SlideInput,
     selection: Selection,
@@ -570,325 +549,3 @@ def gather_patches(
     patches = combine_patches(x, inverse.to(device), selection.weights.to(device=device, dtype=dtype))
     positions = slide.grid.cell_centres(selection.primary.cpu()).to(device=device, dtype=dtype)
     return patches, positions, int(cells.numel())
-
-
-def cell_strata(
-    lowres: torch.Tensor, grid_shape: tuple[int, int], num_strata: int, iterations: int = 10
-) -> torch.Tensor:
-    """Group the grid cells by their low-resolution appearance (k-means on per-cell colour mean and std).
-
-    Exploration that draws a stratum uniformly, then a cell within it, reads visually rare cells (a few dark
-    spots, ink, a lesion) about as often as the common background, instead of in proportion to their area.
-    Deterministic (farthest-point initialisation from the cell nearest the mean appearance).
-
-    Args:
-        lowres: ``[3, h, w]`` float in [0, 1] or uint8, covering the grid extent (:func:`lowres_input`). Views
-            larger than ``_STRATA_WHOLE_PIXELS`` are described in bands of cell rows (memory bounded by the band
-            and the ``[N, 6]`` descriptors, not by a float64 copy of the view).
-        grid_shape: ``(Gh, Gw)``.
-        num_strata: at most this many strata (fewer when the cells have fewer distinct appearances).
-        iterations: k-means iterations.
-
-    Returns:
-        ``[Gh * Gw]`` long stratum per cell (row-major).
-    """
-    gh, gw = grid_shape
-    desc = _cell_appearance(lowres, gh, gw)  # [N, 6]
-    n = desc.shape[0]
-    k = max(1, min(int(num_strata), n))
-    centres = [int(((desc - desc.mean(0)) ** 2).sum(1).argmin())]
-    dist = ((desc - desc[centres[0]]) ** 2).sum(1)
-    while len(centres) < k and float(dist.max()) > 1e-12:
-        c = int(dist.argmax())
-        centres.append(c)
-        dist = torch.minimum(dist, ((desc - desc[c]) ** 2).sum(1))
-    cen = desc[centres].clone()
-    for _ in range(iterations):
-        assign = _nearest(desc, cen)
-        counts = torch.bincount(assign, minlength=cen.shape[0]).to(desc.dtype)[:, None]
-        sums = torch.zeros_like(cen).index_add_(0, assign, desc)
-        cen = torch.where(counts > 0, sums / counts.clamp_min(1.0), cen)  # an empty stratum keeps its centre
-    return _nearest(desc, cen)
-
-
-_STRATA_WHOLE_PIXELS = 2048 * 2048  # larger views: per-cell statistics band by band
-_NEAREST_ROWS = 262144  # more descriptors: nearest centre in chunks (a [N, k] distance matrix otherwise)
-
-
-def _as_unit_float64(x: torch.Tensor) -> torch.Tensor:
-    """uint8 -> float32 / 255 (the training view's values) -> float64; float -> float64."""
-    if x.dtype == torch.uint8:
-        x = x.to(torch.float32) / 255.0
-    return x.to(torch.float64)
-
-
-def _cell_appearance(lowres: torch.Tensor, gh: int, gw: int) -> torch.Tensor:
-    """Per-cell colour mean and std of the view (adaptive average pooling onto the grid), ``[N, 6]`` float64."""
-    _, h, w = lowres.shape
-    if h * w <= _STRATA_WHOLE_PIXELS:
-        x = _as_unit_float64(lowres)[None]
-        mean = F.adaptive_avg_pool2d(x, (gh, gw))[0]
-        sq = F.adaptive_avg_pool2d(x * x, (gh, gw))[0]
-    else:  # the same bins (adaptive pooling's floor/ceil bounds), a band of cell rows at a time
-        mean = torch.empty(3, gh, gw, dtype=torch.float64)
-        sq = torch.empty(3, gh, gw, dtype=torch.float64)
-        band = max(1, _STRATA_WHOLE_PIXELS // max(1, w * max(1, -(-h // gh))))
-        for r0 in range(0, gh, band):
-            r1 = min(gh, r0 + band)
-            lo = [(r * h) // gh for r in range(r0, r1)]
-            hi = [-(-((r + 1) * h) // gh) for r in range(r0, r1)]
-            x = _as_unit_float64(lowres[:, lo[0] : hi[-1]])[None]
-            cols_m = F.adaptive_avg_pool2d(x, (x.shape[2], gw))[0]  # column bins, every row of the band
-            cols_s = F.adaptive_avg_pool2d(x * x, (x.shape[2], gw))[0]
-            for i, (a, b) in enumerate(zip(lo, hi)):
-                mean[:, r0 + i] = cols_m[:, a - lo[0] : b - lo[0]].mean(1)
-                sq[:, r0 + i] = cols_s[:, a - lo[0] : b - lo[0]].mean(1)
-    std = (sq - mean * mean).clamp_min(0).sqrt()
-    return torch.cat([mean, std]).reshape(6, -1).T
-
-
-def _nearest(desc: torch.Tensor, cen: torch.Tensor) -> torch.Tensor:
-    """Index of the nearest centre of every descriptor (Euclidean distance from the coordinate differences, not the
-    matrix-product expansion), ``_NEAREST_ROWS`` at a time."""
-    return torch.cat(
-        [torch.cdist(d, cen, compute_mode="donot_use_mm_for_euclid_dist").argmin(1) for d in desc.split(_NEAREST_ROWS)]
-    )
-
-
-def rare_cells(
-    lowres: torch.Tensor, cell_mask: torch.Tensor, count: int, num_strata: int, strata: torch.Tensor | None = None
-) -> torch.Tensor:
-    """The ``count`` tissue cells of the smallest low-resolution appearance strata (:func:`cell_strata`),
-    smallest stratum first (ties: stratum order), cells in row-major order within a stratum; all tissue cells
-    when fewer. Label-free and deterministic.
-
-    Args:
-        lowres: ``[3, h, w]`` the scorer's view (uint8 or float in [0, 1]).
-        cell_mask: ``[Gh, Gw]`` bool tissue cells (all cells when none is tissue).
-        count: cells wanted (>= 0).
-        num_strata: strata for :func:`cell_strata`.
-        strata: ``[Gh * Gw]`` the result of ``cell_strata(lowres, cell_mask.shape, num_strata)`` when already
-            computed (None: computed here).
-
-    Returns:
-        ``[min(count, tissue cells)]`` long cell indices (row-major).
-    """
-    mask = cell_mask.flatten()
-    cand = torch.nonzero(mask).flatten() if bool(mask.any()) else torch.arange(mask.numel())
-    if count <= 0:
-        return cand[:0]
-    if cand.numel() <= count:
-        return cand
-    if strata is None:
-        strata = cell_strata(lowres, tuple(cell_mask.shape), num_strata)
-    st = strata[cand]
-    sizes = torch.bincount(st)
-    order = torch.argsort(sizes[st] * (int(st.max()) + 1) + st, stable=True)
-    return cand[order[:count]]
-
-
-def cell_rarity(
-    lowres: torch.Tensor, cell_mask: torch.Tensor, num_strata: int, strata: torch.Tensor | None = None
-) -> torch.Tensor:
-    """Label-free rarity of every cell: ``-log(n_s / n)`` for a tissue cell of appearance stratum ``s``
-    (:func:`cell_strata`, ``n_s`` tissue cells in it, ``n`` tissue cells), divided by the slide's maximum, so
-    the cells of the smallest stratum are 1 and a stratum holding every tissue cell is 0; non-tissue cells 0.
-
-    Args:
-        lowres: ``[3, h, w]`` the scorer's view (uint8 or float in [0, 1]).
-        cell_mask: ``[Gh, Gw]`` bool tissue cells (all cells when none is tissue).
-        num_strata: strata for :func:`cell_strata`.
-        strata: as for :func:`rare_cells`.
-
-    Returns:
-        float32 ``[Gh * Gw]`` in [0, 1].
-    """
-    mask = cell_mask.flatten()
-    if not bool(mask.any()):
-        mask = torch.ones_like(mask)
-    st = cell_strata(lowres, tuple(cell_mask.shape), num_strata) if strata is None else strata
-    sizes = torch.bincount(st[mask], minlength=int(st.max()) + 1).to(torch.float64)
-    n = float(mask.sum())
-    r = -torch.log(sizes[st].clamp_min(1.0) / n)
-    r = torch.where(mask, r, torch.zeros_like(r))
-    top = float(r.max())
-    return (r / top if top > 0 else r).to(torch.float32)
-
-
-def _slide_strata(slide: SlideInput, num_strata: int) -> torch.Tensor:
-    """:func:`cell_strata` of a slide's low-resolution view, computed once per slide and number of strata
-    (exploration, the rare bag and the rarity prior share it)."""
-    if num_strata not in slide.strata:
-        slide.strata[num_strata] = cell_strata(slide.lowres_u8, tuple(slide.cell_mask.shape), num_strata)
-    return slide.strata[num_strata]
-
-
-def _explore_cells(
-    scores: torch.Tensor, count: int, generator: torch.Generator | None, strata: torch.Tensor | None = None
-) -> torch.Tensor:
-    """``count`` distinct candidate cells (finite ``scores[N]``), all of them if fewer: uniformly, or with
-    ``strata[N]`` a stratum drawn uniformly among those with candidates left, then a cell within it."""
-    cand = torch.isfinite(scores)
-    if count <= 0:
-        return torch.nonzero(cand).flatten()[:0]
-    if int(cand.sum()) <= count:
-        return torch.nonzero(cand).flatten()
-    keys = torch.rand(scores.shape, generator=generator, device=scores.device)
-    if strata is None:
-        keys = torch.where(cand, keys, torch.full_like(keys, -1.0))
-        return keys.topk(count).indices
-    # rank within stratum by the random key; round r takes every stratum's r-th cell, in random stratum order
-    strata = strata.to(scores.device)
-    idx = torch.nonzero(cand).flatten()
-    st, kk = strata[idx], keys[idx]
-    order = torch.argsort(kk, descending=True)
-    idx, st = idx[order], st[order]
-    rank = torch.zeros_like(st)
-    for j in torch.unique(st).tolist():
-        sel = st == j
-        rank[sel] = torch.arange(int(sel.sum()), device=st.device)
-    skey = torch.rand(int(strata.max()) + 1, generator=generator, device=scores.device)
-    prio = rank.to(torch.float64) + skey[st].to(torch.float64) * 0.5  # round first, then random stratum order
-    return idx[torch.argsort(prio)[:count]]
-
-
-def forward_slide(
-    model: FoveateModel,
-    store_or_sample: Any,
-    *,
-    training: bool,
-    sigma: float | None = None,
-    generator: torch.Generator | None = None,
-    target: int | None = None,
-    rarity: float = 0.0,
-    rare_scale: float = 1.0,
-) -> ModelOutput:
-    """The whole chain for ONE slide: low-res input -> scores -> selection -> patch reading -> features ->
-    logits.
-
-    Args:
-        model: the :class:`~operators.model.FoveateModel` (its parameters' device is used; patches are read
-            on the CPU and moved there).
-        store_or_sample: see :func:`prepare_slide`.
-        training: soft/stochastic selection (True) or hard top-k (False). Does not switch the module's
-            train/eval mode (call ``model.train()`` / ``model.eval()`` yourself).
-        sigma: perturbed top-k noise for this call (default ``model.selection.sigma``).
-        generator: RNG for the selection noise (on the model's device).
-        target: the slide's class index, in training only: with it, a model with an instance head
-            (``model.evidence.instance_weight > 0``) also reads ``model.evidence.explore_cells`` uniformly drawn candidate cells
-            and adds the evidence losses (``"instance"``, ``"rank"``; :mod:`operators.evidence`) to
-            ``aux_losses``. Ignored at inference.
-
-    Returns:
-        :class:`~operators.model.ModelOutput` (logits ``[1, C]``; add ``sum(out.aux_losses.values())`` to the
-        loss).
-    """
-    if not isinstance(model, FoveateModel):
-        raise TypeError(f"model must be a FoveateModel, got {type(model).__name__}")
-    slide = prepare_slide(store_or_sample, model.cfg)
-    param = next(model.parameters())
-    device, dtype = param.device, param.dtype
-    cell_mask = slide.cell_mask
-    geo = slide.geometry if slide.geometry is not None else slide_geometry(slide.store, model.cfg)
-    scores = model.score(slide.lowres_u8[None].to(device), cell_mask[None].to(device), geo)  # converted per tile
-    sel = model.select(
-        model.local_maxima(scores, tuple(cell_mask.shape)), training=training, sigma=sigma, generator=generator
-    )
-    patches, positions, cells_read = gather_patches(slide, sel, device=device, dtype=dtype, generator=generator)
-    cj = model.cfg.augment.color_jitter if training else 0.0
-    patches = color_jitter_patches(patches, cj, generator)
-
-    # Training reads more cells than the K selected ones (exploration, the rare bag, neutral cells): their pixels
-    # are prepared first, in the order the generator is drawn from (cells, read offsets, colour jitter), then
-    # every patch of this slide-step goes through the ResNet in one batch (the same features, one call).
-    groups: list[torch.Tensor] = []
-
-    def read_cells(cells: torch.Tensor, pixels: torch.Tensor | None = None) -> int:
-        """Queue the pixels of extra training reads (or ``pixels``, uint8 reads given), colour-jittered as the
-        selected patches are; returns the position of their features in the batch."""
-        if pixels is None:
-            pixels = slide.reader.read(cells.cpu())
-        groups.append(color_jitter_patches(pixels.to(device=device, dtype=dtype).div_(255.0), cj, generator))
-        return len(groups) - 1
-
-    cells = sel.primary[0]
-    aux_losses = model.aux_losses(sel)
-    extra_info: dict[str, float] = {}
-    k = patches.shape[1]
-    groups.append(patches.flatten(0, 1))
-    evidence = training and target is not None and model.uses_evidence
-    explore = rare = neutral = None
-    ev_cfg = model.cfg.evidence
-    if evidence:
-        strata = _slide_strata(slide, ev_cfg.explore_strata) if ev_cfg.explore_strata > 0 else None
-        explore = _explore_cells(scores[0], ev_cfg.explore_cells, generator, strata)
-        g_explore = read_cells(explore) if explore.numel() else None
-        cells_read += int(explore.numel())
-        if ev_cfg.rare_cells > 0 and rare_scale > 0:
-            key = (ev_cfg.rare_cells, ev_cfg.rare_strata)
-            if slide.rare is None or slide.rare[:2] != key:  # fixed per slide: found (and read) once
-                found = rare_cells(slide.lowres_u8, cell_mask, *key, _slide_strata(slide, key[1]))
-                slide.rare = (*key, found, slide.reader.read(found))
-            rare, rare_pix = slide.rare[2], slide.rare[3]
-            g_rare = read_cells(rare, rare_pix)
-            cells_read += int(rare.numel())
-    if training and target is not None and ev_cfg.neutral_cells > 0:
-        neutral = _explore_cells(scores[0], ev_cfg.neutral_cells, generator)  # uniform candidate cells
-        g_neutral = read_cells(neutral) if neutral.numel() else None
-        cells_read += int(neutral.numel())
-    feats_all = model.embed(torch.cat(groups) if len(groups) > 1 else groups[0])
-    parts = list(feats_all.split([g.shape[0] for g in groups]))
-    feats = parts[0]  # [K, D], the selected patches
-    logits = model.aggregate(feats.view(1, k, -1), positions, sel.slot_weights)
-    if evidence:
-        read = [cells]
-        if g_explore is not None:
-            feats = torch.cat([feats, parts[g_explore]])
-            read.append(explore.to(cells.device))
-        if rare is not None:
-            f_rare = parts[g_rare]
-            pos = slide.grid.cell_centres(rare).to(device=device, dtype=dtype)
-            logits_rare = model.aggregate(f_rare[None], pos[None], None)
-            tgt = torch.tensor([int(target)], device=logits_rare.device)
-            aux_losses["rare"] = (
-                rare_scale * ev_cfg.rare_weight * torch.nn.functional.cross_entropy(logits_rare.reshape(1, -1), tgt)
-            )
-            feats = torch.cat([feats, f_rare])
-            read.append(rare.to(cells.device))
-        read_idx = torch.cat(read)
-        read_pos = slide.grid.cell_centres(read_idx.cpu()).to(device=device, dtype=dtype)
-        prior = None
-        if rarity > 0:
-            if slide.rarity is None or slide.rarity[0] != ev_cfg.rare_strata:
-                n = ev_cfg.rare_strata
-                slide.rarity = (n, cell_rarity(slide.lowres_u8, cell_mask, n, _slide_strata(slide, n)))
-            prior = slide.rarity[1].to(device=device, dtype=dtype)[read_idx]
-        ev_losses, extra_info = model.evidence_losses(
-            feats, scores[0, read_idx], int(target), read_pos, prior=prior, prior_weight=rarity
-        )
-        aux_losses.update(ev_losses)
-        extra_info["explore_cells"] = float(explore.numel())
-    if neutral is not None and neutral.numel():
-        pos = slide.grid.cell_centres(neutral.cpu()).to(device=device, dtype=dtype)
-        single = model.aggregate_each(parts[g_neutral], pos)  # each cell classified on its own
-        aux_losses["neutral"] = ev_cfg.neutral_weight * neutral_loss(single)
-    n_tissue = int(cell_mask.sum())
-    info = {
-        "num_cells": float(slide.grid.num_cells),
-        "num_candidates": float(torch.isfinite(scores[0]).sum()),
-        "tissue_fallback": float(n_tissue < model.cfg.selection.k),
-        "cells_read": float(cells_read),
-    }
-    if "kept_mass" in sel.aux:
-        info["kept_mass"] = float(sel.aux["kept_mass"].mean())
-    info.update(extra_info)
-    return ModelOutput(
-        logits=logits,
-        scores=scores[0],
-        cell_indices=cells,
-        coords_l0=slide.grid.cell_xy_l0(cells.cpu()),
-        patch_scores=scores[0, cells],
-        aux_losses=aux_losses,
-        selection=sel,
-        info=info,
-    )

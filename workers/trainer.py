@@ -1,6 +1,6 @@
 """The training core as a plain class: :class:`Trainer` (no Ray, no MLflow).
 
-One slide per forward (B=1) through ``workers.patches.forward_slide``; gradient accumulation over
+One slide per forward (B=1) through ``workers.slide_forward.forward_slide``; gradient accumulation over
 ``optim.accumulate`` slides; gradient clipping; AdamW with linear warm-up then a cosine schedule
 (:func:`lr_factor`); the perturbation scale sigma of the selection decaying linearly from
 ``schedule.sigma_start`` to ``schedule.sigma_end`` over all optimizer steps (:func:`sigma_at`; 0 at the end:
@@ -123,7 +123,7 @@ class ScheduleConfig:
 
     ``rarity_start``: the share of the label-free rarity prior in the evidence rank targets at the first step
     (``model.evidence.target`` targets mixed with each read cell's low-resolution rarity, see
-    ``workers.patches.cell_rarity``), decaying linearly to 0 at the fraction ``rarity_until`` of training:
+    ``workers.strata.cell_rarity``), decaying linearly to 0 at the fraction ``rarity_until`` of training:
     exploration towards rare-looking cells that is scheduled and then removed. 0 (default): off.
 
     ``rare_until``: with ``model.evidence.rare_cells``, the rare bag's weight decays linearly from ``model.evidence.rare_weight``
@@ -407,7 +407,7 @@ class Trainer:
         rare: float = 1.0,
         model: torch.nn.Module | None = None,
     ):
-        from workers.patches import forward_slide
+        from workers.slide_forward import forward_slide
 
         return forward_slide(
             self.model if model is None else model,

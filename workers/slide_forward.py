@@ -1,0 +1,176 @@
+"""One slide through the whole model, with the training losses: the training step's forward pass.
+
+:func:`forward_slide` runs low-res view -> scores -> selection -> patch reading -> features -> logits for one slide
+(slides differ in grid size, so B = 1 per call; the trainer accumulates over slides). In training it also reads
+the exploration, rare-bag and neutral cells and assembles the evidence losses (:mod:`operators.evidence`) into
+``ModelOutput.aux_losses``; :func:`color_jitter_patches` is the augmentation of the full-resolution patches.
+Geometry and reading are :mod:`workers.patches`, appearance strata :mod:`workers.strata`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from operators.evidence import neutral_loss
+from operators.model import FoveateModel, ModelOutput
+from workers.patches import gather_patches, prepare_slide, slide_geometry
+from workers.strata import cell_rarity, draw_cells, rare_cells, slide_strata
+
+__all__ = ["forward_slide", "color_jitter_patches"]
+
+
+def color_jitter_patches(x: torch.Tensor, strength: float, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Random per-patch, per-channel gain ``1 + U(-s, s)`` and offset ``U(-s/2, s/2)`` of float patches
+    ``x[..., 3, p, p]`` in [0, 1], clamped to [0, 1] (training-time augmentation against memorising a slide's
+    colours; ``s = strength``, 0 returns ``x``)."""
+    if strength <= 0:
+        return x
+    shape = (*x.shape[:-2], 1, 1)
+    dev = generator.device if generator is not None else x.device
+    gain = 1.0 + (torch.rand(shape, generator=generator, device=dev) * 2 - 1) * strength
+    off = (torch.rand(shape, generator=generator, device=dev) - 0.5) * strength
+    return (x * gain.to(x) + off.to(x)).clamp_(0.0, 1.0)
+
+
+def forward_slide(
+    model: FoveateModel,
+    store_or_sample: Any,
+    *,
+    training: bool,
+    sigma: float | None = None,
+    generator: torch.Generator | None = None,
+    target: int | None = None,
+    rarity: float = 0.0,
+    rare_scale: float = 1.0,
+) -> ModelOutput:
+    """The whole chain for ONE slide: low-res input -> scores -> selection -> patch reading -> features ->
+    logits.
+
+    Args:
+        model: the :class:`~operators.model.FoveateModel` (its parameters' device is used; patches are read
+            on the CPU and moved there).
+        store_or_sample: see :func:`prepare_slide`.
+        training: soft/stochastic selection (True) or hard top-k (False). Does not switch the module's
+            train/eval mode (call ``model.train()`` / ``model.eval()`` yourself).
+        sigma: perturbed top-k noise for this call (default ``model.selection.sigma``).
+        generator: RNG for the selection noise (on the model's device).
+        target: the slide's class index, in training only: with it, a model with an instance head
+            (``model.evidence.instance_weight > 0``) also reads ``model.evidence.explore_cells`` uniformly drawn candidate cells
+            and adds the evidence losses (``"instance"``, ``"rank"``; :mod:`operators.evidence`) to
+            ``aux_losses``. Ignored at inference.
+
+    Returns:
+        :class:`~operators.model.ModelOutput` (logits ``[1, C]``; add ``sum(out.aux_losses.values())`` to the
+        loss).
+    """
+    if not isinstance(model, FoveateModel):
+        raise TypeError(f"model must be a FoveateModel, got {type(model).__name__}")
+    slide = prepare_slide(store_or_sample, model.cfg)
+    param = next(model.parameters())
+    device, dtype = param.device, param.dtype
+    cell_mask = slide.cell_mask
+    geo = slide.geometry if slide.geometry is not None else slide_geometry(slide.store, model.cfg)
+    scores = model.score(slide.lowres_u8[None].to(device), cell_mask[None].to(device), geo)  # converted per tile
+    sel = model.select(
+        model.local_maxima(scores, tuple(cell_mask.shape)), training=training, sigma=sigma, generator=generator
+    )
+    patches, positions, cells_read = gather_patches(slide, sel, device=device, dtype=dtype, generator=generator)
+    cj = model.cfg.augment.color_jitter if training else 0.0
+    patches = color_jitter_patches(patches, cj, generator)
+
+    # Training reads more cells than the K selected ones (exploration, the rare bag, neutral cells): their pixels
+    # are prepared first, in the order the generator is drawn from (cells, read offsets, colour jitter), then
+    # every patch of this slide-step goes through the ResNet in one batch (the same features, one call).
+    groups: list[torch.Tensor] = []
+
+    def read_cells(cells: torch.Tensor, pixels: torch.Tensor | None = None) -> int:
+        """Queue the pixels of extra training reads (or ``pixels``, uint8 reads given), colour-jittered as the
+        selected patches are; returns the position of their features in the batch."""
+        if pixels is None:
+            pixels = slide.reader.read(cells.cpu())
+        groups.append(color_jitter_patches(pixels.to(device=device, dtype=dtype).div_(255.0), cj, generator))
+        return len(groups) - 1
+
+    cells = sel.primary[0]
+    aux_losses = model.aux_losses(sel)
+    extra_info: dict[str, float] = {}
+    k = patches.shape[1]
+    groups.append(patches.flatten(0, 1))
+    evidence = training and target is not None and model.uses_evidence
+    explore = rare = neutral = None
+    ev_cfg = model.cfg.evidence
+    if evidence:
+        strata = slide_strata(slide, ev_cfg.explore_strata) if ev_cfg.explore_strata > 0 else None
+        explore = draw_cells(scores[0], ev_cfg.explore_cells, generator, strata)
+        g_explore = read_cells(explore) if explore.numel() else None
+        cells_read += int(explore.numel())
+        if ev_cfg.rare_cells > 0 and rare_scale > 0:
+            key = (ev_cfg.rare_cells, ev_cfg.rare_strata)
+            if slide.rare is None or slide.rare[:2] != key:  # fixed per slide: found (and read) once
+                found = rare_cells(slide.lowres_u8, cell_mask, *key, slide_strata(slide, key[1]))
+                slide.rare = (*key, found, slide.reader.read(found))
+            rare, rare_pix = slide.rare[2], slide.rare[3]
+            g_rare = read_cells(rare, rare_pix)
+            cells_read += int(rare.numel())
+    if training and target is not None and ev_cfg.neutral_cells > 0:
+        neutral = draw_cells(scores[0], ev_cfg.neutral_cells, generator)  # uniform candidate cells
+        g_neutral = read_cells(neutral) if neutral.numel() else None
+        cells_read += int(neutral.numel())
+    feats_all = model.embed(torch.cat(groups) if len(groups) > 1 else groups[0])
+    parts = list(feats_all.split([g.shape[0] for g in groups]))
+    feats = parts[0]  # [K, D], the selected patches
+    logits = model.aggregate(feats.view(1, k, -1), positions, sel.slot_weights)
+    if evidence:
+        read = [cells]
+        if g_explore is not None:
+            feats = torch.cat([feats, parts[g_explore]])
+            read.append(explore.to(cells.device))
+        if rare is not None:
+            f_rare = parts[g_rare]
+            pos = slide.grid.cell_centres(rare).to(device=device, dtype=dtype)
+            logits_rare = model.aggregate(f_rare[None], pos[None], None)
+            tgt = torch.tensor([int(target)], device=logits_rare.device)
+            aux_losses["rare"] = (
+                rare_scale * ev_cfg.rare_weight * torch.nn.functional.cross_entropy(logits_rare.reshape(1, -1), tgt)
+            )
+            feats = torch.cat([feats, f_rare])
+            read.append(rare.to(cells.device))
+        read_idx = torch.cat(read)
+        read_pos = slide.grid.cell_centres(read_idx.cpu()).to(device=device, dtype=dtype)
+        prior = None
+        if rarity > 0:
+            if slide.rarity is None or slide.rarity[0] != ev_cfg.rare_strata:
+                n = ev_cfg.rare_strata
+                slide.rarity = (n, cell_rarity(slide.lowres_u8, cell_mask, n, slide_strata(slide, n)))
+            prior = slide.rarity[1].to(device=device, dtype=dtype)[read_idx]
+        ev_losses, extra_info = model.evidence_losses(
+            feats, scores[0, read_idx], int(target), read_pos, prior=prior, prior_weight=rarity
+        )
+        aux_losses.update(ev_losses)
+        extra_info["explore_cells"] = float(explore.numel())
+    if neutral is not None and neutral.numel():
+        pos = slide.grid.cell_centres(neutral.cpu()).to(device=device, dtype=dtype)
+        single = model.aggregate_each(parts[g_neutral], pos)  # each cell classified on its own
+        aux_losses["neutral"] = ev_cfg.neutral_weight * neutral_loss(single)
+    n_tissue = int(cell_mask.sum())
+    info = {
+        "num_cells": float(slide.grid.num_cells),
+        "num_candidates": float(torch.isfinite(scores[0]).sum()),
+        "tissue_fallback": float(n_tissue < model.cfg.selection.k),
+        "cells_read": float(cells_read),
+    }
+    if "kept_mass" in sel.aux:
+        info["kept_mass"] = float(sel.aux["kept_mass"].mean())
+    info.update(extra_info)
+    return ModelOutput(
+        logits=logits,
+        scores=scores[0],
+        cell_indices=cells,
+        coords_l0=slide.grid.cell_xy_l0(cells.cpu()),
+        patch_scores=scores[0, cells],
+        aux_losses=aux_losses,
+        selection=sel,
+        info=info,
+    )
