@@ -58,11 +58,15 @@ def _measure(code: Path, stores: list[tuple[str, str]]) -> dict:
     import zarr.storage
 
     import workers.store as ws
-    from operators.checkpoint import checkpoint_dict
     from operators.errors import ConfigError
     from operators.model import FoveateModel
     from pipeline.config import from_dict
     from workers.scoring import ClassifierWorker, ScorerWorker
+
+    if (code / "operators" / "checkpoint.py").is_file():
+        from operators.checkpoint import checkpoint_dict
+    else:  # code from before checkpoints had their own module
+        from pipeline.model_io import checkpoint_dict
 
     if (code / "operators" / "model_config.py").is_file():
         from operators.model_config import ModelConfig
@@ -248,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
             path = slides / f"slide{i}.svs"
             if not path.is_file():
                 write_synthetic_slide(path, width=args.size, height=args.size, label=i % 2, seed=i, fmt="svs")
-        inputs = discover_inputs([slides])
+        inputs = discover_inputs([slides / f"slide{i}.svs" for i in range(args.slides)])  # not others of a --work-dir
         opts = IngestOptions(tile_size=256, min_size=256)
         _, env = stack.enter_context(moto_s3(BUCKET))
         os.environ.update(env)  # the tiler writing to the bucket, and the children (they inherit it)
