@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 
 
 _PACKAGES = ("pipeline", "operators", "workers")
-_NOT_SERVING = ("ray",)  # runtime dependencies that serving does not need
+_NOT_SERVING = ("ray", "dask")  # runtime dependencies that serving does not need (dask: pipeline.lazy only)
 
 
 def _pip_requirements() -> list[str]:
