@@ -68,7 +68,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from pipeline.progress import Progress
-    from pipeline.synthetic import OBJECTS_DEFAULT_SIZE, check_task, synth_archive
+    from pipeline.synthetic.archive import synth_archive
+    from pipeline.synthetic.objects import OBJECTS_DEFAULT_SIZE
+    from pipeline.synthetic.tasks import check_task
 
     task = args.task
     classes = args.classes if args.classes is not None else (4 if task == "objects" else 2)

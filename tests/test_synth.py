@@ -13,15 +13,9 @@ import pandas as pd
 import pytest
 
 from pipeline.cli import main as cli_main
-from pipeline.synthetic import (
-    level_dimensions,
-    make_layout,
-    parse_size,
-    render_region,
-    sidecar_path,
-    synth_archive,
-    write_synthetic_slide,
-)
+from pipeline.synthetic.archive import parse_size, synth_archive
+from pipeline.synthetic.checker import make_layout, render_region
+from pipeline.synthetic.tiff import level_dimensions, sidecar_path, write_synthetic_slide
 
 W, H, SEED = 2400, 2100, 7  # not multiples of the tile size on purpose
 

@@ -14,18 +14,11 @@ import pandas as pd
 import pytest
 
 from pipeline.cli import main as cli_main
-from pipeline.synthetic import (
-    OBJECT_KINDS,
-    _tissue_field,
-    check_task,
-    make_objects_layout,
-    object_class_names,
-    render_objects_region,
-    render_region,
-    sidecar_path,
-    synth_archive,
-    write_synthetic_slide,
-)
+from pipeline.synthetic.archive import synth_archive
+from pipeline.synthetic.checker import _tissue_field, render_region
+from pipeline.synthetic.objects import OBJECT_KINDS, make_objects_layout, object_class_names, render_objects_region
+from pipeline.synthetic.tasks import check_task
+from pipeline.synthetic.tiff import sidecar_path, write_synthetic_slide
 
 S, SEED = 2400, 11  # three pyramid levels (1, 1/2, 1/4); a multiple of 16
 

@@ -1,0 +1,52 @@
+"""The task families by name: which module draws a slide's layout and renders its pixels.
+
+A family is one module with a layout builder (``width, height, label, seed[, classes]`` -> a frozen layout with
+``width``, ``height``, ``label``, ``seed`` and ``structure_boxes()``, and optionally ``sidecar_info()``: more
+ground truth for the slide's sidecar) and a renderer (``(layout, x, y, width, height)`` -> the intended
+``(height, width, 3)`` uint8 level-0 pixels of that window, the same for any tiling). A new family is a module
+plus its name in ``TASKS`` and a branch in :func:`check_task` and :func:`task_layout`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from pipeline.synthetic.checker import make_layout, render_region
+from pipeline.synthetic.objects import (
+    OBJECTS_MAX_CLASSES,
+    OBJECTS_MIN_CLASSES,
+    check_classes,
+    make_objects_layout,
+    render_objects_region,
+)
+
+__all__ = ["TASKS", "check_task", "task_layout"]
+
+TASKS = ("checker", "objects")
+
+
+def check_task(task: Any, classes: Any) -> tuple[str, int]:
+    """Validate a task family name and its number of classes; returns ``(task, classes)``."""
+    if task not in TASKS:
+        raise ValueError(f"task must be one of {TASKS}, got {task!r}")
+    if task == "checker":
+        if isinstance(classes, bool) or not isinstance(classes, (int, np.integer)) or int(classes) != 2:
+            raise ValueError(
+                f"classes must be 2 for task 'checker' (binary), got {classes!r}; "
+                f"task 'objects' takes {OBJECTS_MIN_CLASSES}..{OBJECTS_MAX_CLASSES}"
+            )
+        return task, 2
+    return task, check_classes(classes)
+
+
+def task_layout(
+    task: str, width: int, height: int, label: int, seed: int, classes: int
+) -> tuple[Any, Callable[..., np.ndarray]]:
+    """``(layout, renderer)`` of one slide of the family ``task`` (checked by :func:`check_task`); the layout
+    builder validates the size, label and seed."""
+    if task == "objects":
+        return make_objects_layout(width, height, label, seed, classes), render_objects_region
+    return make_layout(width, height, label, seed), render_region
