@@ -480,11 +480,10 @@ def test_chunks_and_region_markers_reach_the_disk_before_a_region_counts_as_done
     between a region's last chunk (shard) write and its done marker the filesystem is synced (one syncfs per
     region), and the tissue mask and metadata are synced before the completion marker, the marker after it;
     options.fsync=false turns it off."""
-    import workers.chunks as chunks_mod
     import workers.storage as storage_mod
 
     events: list[tuple[str, str]] = []
-    real_put, real_sync = storage_mod.put_bytes, chunks_mod.sync_filesystem
+    real_put, real_sync = storage_mod.put_bytes, storage_mod.sync_filesystem
 
     def put_bytes(store, items):
         pairs = list(items.items()) if isinstance(items, dict) else list(items)
@@ -502,7 +501,7 @@ def test_chunks_and_region_markers_reach_the_disk_before_a_region_counts_as_done
         events.clear()
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(storage_mod, "put_bytes", put_bytes)
-            mp.setattr(chunks_mod, "sync_filesystem", sync_filesystem)
+            mp.setattr(storage_mod, "sync_filesystem", sync_filesystem)
             store, row = _ingest_one(tmp_path / sub, synth_slides["svs"], codec=codec, threads=2, **kw)
         assert row["levels"] >= 2
 

@@ -21,6 +21,8 @@ from typing import Any
 
 import numpy as np
 
+from workers import storage
+
 __all__ = [
     "ChunkWriter",
     "LocalChunkReader",
@@ -28,38 +30,7 @@ __all__ = [
     "encode_shard",
     "level_codec_kwargs",
     "local_chunk_reader",
-    "sync_filesystem",
 ]
-
-
-_syncfs: Any = None
-
-
-def sync_filesystem(path: str) -> None:
-    """Flush everything written to the filesystem holding ``path`` — file data, new files and folders — with one
-    ``syncfs(2)`` (Linux; ``sync()`` elsewhere). One call per ingest region instead of an ``fdatasync`` per
-    chunk file: ``benchmarks/ingest.py --no-fsync-too`` measured 3-15 % against 22-31 % of the throughput
-    (RESULTS.md)."""
-    global _syncfs
-    if _syncfs is None:
-        import ctypes
-
-        try:
-            _syncfs = ctypes.CDLL(None, use_errno=True).syncfs
-        except (AttributeError, OSError):
-            _syncfs = False
-    if not _syncfs:
-        os.sync()
-        return
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        if _syncfs(fd) != 0:
-            import ctypes
-
-            err = ctypes.get_errno()
-            raise OSError(err, f"syncfs({path}) failed: {os.strerror(err)}")
-    finally:
-        os.close(fd)
 
 
 def level_codec_kwargs(
@@ -212,9 +183,7 @@ class ChunkWriter:
         (:func:`workers.storage.sync_local`); the tiler calls it before it marks a region done. A no-op unless
         ``durable`` (and on object storage, where a finished PUT is durable)."""
         if self.durable:
-            from workers.storage import sync_local
-
-            sync_local(self.store)
+            storage.sync_local(self.store)
 
     def _shard(self, level: int) -> int:
         return self.shard_sides[level] if self.shard_sides else 0
@@ -292,24 +261,22 @@ class ChunkWriter:
         self.write_encoded(level, x_lv, y_lv, w, h, {})
 
     def _store_row(self, level: int, encoded: dict[tuple[int, int], bytes | None]) -> None:
-        from workers.storage import delete_keys, put_bytes
-
-        put_bytes(self.store, [(f"{level}/c/0/{cy}/{cx}", d) for (cy, cx), d in encoded.items() if d is not None])
+        storage.put_bytes(
+            self.store, [(f"{level}/c/0/{cy}/{cx}", d) for (cy, cx), d in encoded.items() if d is not None]
+        )
         # (a re-run of a region never leaves a stale chunk)
-        delete_keys(self.store, [f"{level}/c/0/{cy}/{cx}" for (cy, cx), d in encoded.items() if d is None])
+        storage.delete_keys(self.store, [f"{level}/c/0/{cy}/{cx}" for (cy, cx), d in encoded.items() if d is None])
 
     def _store_shard(self, level: int, x_lv: int, y_lv: int, encoded: dict[tuple[int, int], bytes | None]) -> None:
-        from workers.storage import delete_keys, put_bytes
-
         s, t = self._shard(level), self.tile
         sy, sx = y_lv // s, x_lv // s
         n, cy0, cx0 = s // t, sy * (s // t), sx * (s // t)
         data = encode_shard({(cy - cy0, cx - cx0): d for (cy, cx), d in encoded.items() if d is not None}, n)
         key = f"{level}/c/0/{sy}/{sx}"
         if data is None:
-            delete_keys(self.store, [key])
+            storage.delete_keys(self.store, [key])
         else:
-            put_bytes(self.store, [(key, data)])
+            storage.put_bytes(self.store, [(key, data)])
 
     def _encode_row(
         self, codec: str, x_lv: int, y_lv: int, block: np.ndarray, oy: int

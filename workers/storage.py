@@ -47,6 +47,7 @@ __all__ = [
     "children",
     "remove_tree",
     "sync_local",
+    "sync_filesystem",
     "read_file",
     "write_file",
     "file_exists",
@@ -317,11 +318,39 @@ def sibling(location: str | os.PathLike, name: str) -> str:
     return str(Path(loc).with_name(name))
 
 
+_syncfs: Any = None
+
+
+def sync_filesystem(path: str) -> None:
+    """Flush everything written to the filesystem holding ``path`` — file data, new files and folders — with one
+    ``syncfs(2)`` (Linux; ``sync()`` elsewhere). One call per ingest region instead of an ``fdatasync`` per
+    chunk file: ``benchmarks/ingest.py --no-fsync-too`` measured 3-15 % against 22-31 % of the throughput
+    (RESULTS.md)."""
+    global _syncfs
+    if _syncfs is None:
+        import ctypes
+
+        try:
+            _syncfs = ctypes.CDLL(None, use_errno=True).syncfs
+        except (AttributeError, OSError):
+            _syncfs = False
+    if not _syncfs:
+        os.sync()
+        return
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if _syncfs(fd) != 0:
+            import ctypes
+
+            err = ctypes.get_errno()
+            raise OSError(err, f"syncfs({path}) failed: {os.strerror(err)}")
+    finally:
+        os.close(fd)
+
+
 def sync_local(store: Any) -> None:
     """Make what was written to a local store durable (one ``syncfs`` of its filesystem); nothing on object
     storage (a PUT that returned is durable)."""
     root = getattr(store, "root", None)
     if isinstance(root, Path) and root.exists():
-        from workers.chunks import sync_filesystem
-
         sync_filesystem(str(root))
