@@ -168,7 +168,7 @@ def run_baseline(name: str, train_recs, test_recs, model_cfg, epochs: int, max_t
                 cells = torch.arange(si.grid.num_cells)
             return si.reader.read(cells), rec.target  # uint8 [T, 3, p, p], read once
 
-        model = TilesMean(model_cfg.features)
+        model = TilesMean(model_cfg.features.resnet())
 
         def fwd(m, x, rng):
             idx = rng.choice(len(x), size=min(max_tiles, len(x)), replace=False)

@@ -44,7 +44,7 @@ def step_cost(store: str, model_cfg, chunk: int) -> dict[str, float]:
     read_s = time.perf_counter() - t0
 
     torch.manual_seed(0)
-    model = TilesMean(model_cfg.features)
+    model = TilesMean(model_cfg.features.resnet())
     features, head = model.features, model.head
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     t1 = time.perf_counter()

@@ -98,7 +98,7 @@ def main() -> None:
     print(f"read {time.time() - t0:.0f}s; object cells per slide {np.mean([len(g['obj']) for g, _ in train]):.1f}")
     torch.manual_seed(a.seed)
     model = FoveateModel(mc)
-    d = mc.features.feature_dim
+    d = model.feature_dim
     att = torch.nn.ModuleDict(
         {
             "V": torch.nn.Linear(d, 32),

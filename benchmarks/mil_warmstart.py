@@ -102,7 +102,7 @@ def main() -> None:
     )
     torch.manual_seed(a.seed)
     model = FoveateModel(mc)
-    d = mc.features.feature_dim
+    d = model.feature_dim
     att = torch.nn.ModuleDict(
         {
             "V": torch.nn.Linear(d, 32),

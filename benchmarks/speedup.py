@@ -112,7 +112,7 @@ def _features_and_head(cfg, seed: int = 0):
     from operators.resnet import ResNet
 
     torch.manual_seed(seed)
-    net = ResNet(cfg.features).train()
+    net = ResNet(cfg.features.resnet()).train()
     head = torch.nn.Linear(cfg.features.feature_dim, 2)
     opt = torch.optim.AdamW(list(net.parameters()) + list(head.parameters()), lr=1e-3)
     return net, head, opt

@@ -8,9 +8,10 @@ from operators.aggregators import (
     build_aggregator,
 )
 from operators.attention_sampling import AttentionSampler, attention_entropy, attention_sample, slot_mode_sample
+from operators.encoders import TorchScriptEncoder
 from operators.lapsum import LapSumTopK, lapsum_topk
 from operators.model import FoveateModel, ModelOutput, Selection
-from operators.model_config import ModelConfig, SlideGeometry
+from operators.model_config import FeaturesConfig, ModelConfig, SlideGeometry
 from operators.nms import MISTLoss, mist_loss, nms_topk, render_gaussian_heatmap
 from operators.resnet import ResNet, ResNetConfig
 from operators.scorer import ScorerCNN, ScorerConfig, cell_pool, minmax_normalise
@@ -22,6 +23,7 @@ from operators.topk_loss import TopKCrossEntropyLoss, topk_cross_entropy
 __all__ = [
     # model (H5)
     "AttentionMILAggregator",
+    "FeaturesConfig",
     "FoveateModel",
     "MaxAggregator",
     "MeanAggregator",
@@ -33,6 +35,7 @@ __all__ = [
     "ScorerCNN",
     "ScorerConfig",
     "Selection",
+    "TorchScriptEncoder",
     "TransformerAggregator",
     "build_aggregator",
     "cap_support",

@@ -7,11 +7,20 @@ A checkpoint (``*.pt``) is a dict that ``torch.load(path, weights_only=True)`` r
      "model_config": {...},                    # operators.model.ModelConfig as a plain dict
      "class_names": ["benign", "tumour"],      # class index -> name
      "train_config": {...} or None,            # the full resolved TrainConfig, for the record
-     "metadata": {...}}                        # e.g. run id, epoch
+     "metadata": {...},                        # e.g. run id, epoch
+     "torchscript": uint8 tensor}              # only with model.features.kind: torchscript (below)
 
 Both the driver (``pipeline.mlflow_model`` adds MLflow logging and loading by URI) and the actors
 (``workers.scoring``, ``pipeline.train_loop``) use this module; the model is always rebuilt from the
-checkpoint (code is never unpickled).
+checkpoint (Python code is never unpickled).
+
+A model whose feature network is a TorchScript file (``model.features.kind: torchscript``,
+:mod:`operators.encoders`) carries that file's bytes under ``"torchscript"`` as a 1-D uint8 tensor (written as they
+are; ``bytes`` would grow by about half under ``torch.save``'s pickle protocol 2) and the encoder's frozen weights
+are not repeated in ``state_dict`` (that would double the checkpoint); the model is
+rebuilt with ``torch.jit.load`` of those bytes, so the file need not exist where the checkpoint is loaded. A
+TorchScript module is TorchScript code run by the TorchScript interpreter (not Python; loading it unpickles no
+Python object), yet still code: load checkpoints from sources you trust.
 """
 
 from __future__ import annotations
@@ -53,8 +62,9 @@ def with_num_classes(model_config: Any, num_classes: int) -> Any:
     raise TypeError(f"{type(model_config).__name__} has none of the fields {_NUM_CLASSES_FIELDS}")
 
 
-def build_model(model_config: Any):
-    """A fresh ``FoveateModel`` from a ``ModelConfig`` or its plain-dict form."""
+def build_model(model_config: Any, *, torchscript: Any = None):
+    """A fresh ``FoveateModel`` from a ``ModelConfig`` or its plain-dict form (``torchscript``: a checkpoint's
+    TorchScript bytes, for ``model.features.kind: torchscript``)."""
     from operators.model import FoveateModel
     from operators.model_config import ModelConfig
 
@@ -65,7 +75,7 @@ def build_model(model_config: Any):
         model_config = from_dict(ModelConfig, upgrade_flat_keys(model_config)[0])
     if not isinstance(model_config, ModelConfig):
         raise TypeError(f"model_config must be a ModelConfig or a mapping, got {type(model_config).__name__}")
-    return FoveateModel(model_config), model_config
+    return FoveateModel(model_config, torchscript=torchscript), model_config
 
 
 def checkpoint_dict(
@@ -76,8 +86,8 @@ def checkpoint_dict(
     train_config: Mapping[str, Any] | None = None,
     metadata: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The checkpoint content (tensors on CPU, everything else plain)."""
-    return {
+    """The checkpoint content (tensors on CPU, everything else plain; a TorchScript encoder's file as bytes)."""
+    ckpt = {
         "format": CHECKPOINT_FORMAT,
         "state_dict": {k: v.detach().cpu() for k, v in model.state_dict().items()},
         "model_config": to_dict(model_config),
@@ -85,6 +95,12 @@ def checkpoint_dict(
         "train_config": to_dict(dict(train_config)) if train_config is not None else None,
         "metadata": to_dict(dict(metadata or {})),
     }
+    encoder = getattr(model, "features", None)
+    if callable(getattr(encoder, "torchscript_bytes", None)):  # operators.encoders.TorchScriptEncoder
+        from operators.encoders import as_tensor
+
+        ckpt["torchscript"] = as_tensor(encoder.torchscript_bytes())
+    return ckpt
 
 
 def save_checkpoint(
@@ -104,7 +120,12 @@ def model_from_checkpoint(ckpt: Mapping[str, Any]):
     if not isinstance(ckpt, Mapping) or ckpt.get("format") != CHECKPOINT_FORMAT:
         got = ckpt.get("format") if isinstance(ckpt, Mapping) else type(ckpt).__name__
         raise ValueError(f"not a foveate model checkpoint (format {got!r}, expected {CHECKPOINT_FORMAT!r})")
-    model, cfg = build_model(ckpt["model_config"])
+    data = ckpt.get("torchscript")
+    if data is not None:
+        from operators.encoders import as_bytes
+
+        data = as_bytes(data)
+    model, cfg = build_model(ckpt["model_config"], torchscript=data)
     model.load_state_dict(ckpt["state_dict"])
     model.eval()
     return model, cfg, list(ckpt["class_names"])
@@ -157,8 +178,8 @@ def load_local(path: str | Path, *, map_location: str | torch.device = "cpu"):
 
 def checkpoint_digest(ckpt: Mapping[str, Any]) -> str:
     """SHA-256 of what makes a checkpoint's predictions: its model config, class names and every tensor of its
-    state dict (name, dtype, shape, bytes; in name order). Equal for the same weights however they were
-    saved or loaded; training metadata does not enter."""
+    state dict (name, dtype, shape, bytes; in name order), and the embedded TorchScript file's bytes if any. Equal for
+    the same weights however they were saved or loaded; training metadata does not enter."""
     import hashlib
     import json
 
@@ -169,4 +190,8 @@ def checkpoint_digest(ckpt: Mapping[str, Any]) -> str:
         t = ckpt["state_dict"][name].detach().cpu().contiguous()
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
         h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    if ckpt.get("torchscript") is not None:
+        from operators.encoders import as_bytes
+
+        h.update(b"torchscript|" + hashlib.sha256(as_bytes(ckpt["torchscript"])).digest())
     return h.hexdigest()

@@ -106,6 +106,20 @@ class ModelOutput:
     info: dict[str, float] = field(default_factory=dict)
 
 
+def _build_features(cfg: ModelConfig, torchscript: bytes | torch.Tensor | None) -> nn.Module:
+    """``model.features``: the ResNet, or the frozen TorchScript encoder (from ``torchscript`` bytes or its path)."""
+    f = cfg.features
+    if f.kind == "resnet":
+        if torchscript is not None:
+            raise ValueError("torchscript bytes were given for a model whose model.features.kind is resnet")
+        return ResNet(f.resnet())
+    from operators.encoders import TorchScriptEncoder
+
+    g = cfg.geometry  # the dummy batch that finds the feature size: the patch side the encoder will see
+    side = g.patch_input or g.patch_size or (round(g.patch_size_um / cfg.mpp) if cfg.mpp else 224)
+    return TorchScriptEncoder(f, data=torchscript, probe_size=max(8, int(side)))
+
+
 def _inclusion_weights(att: torch.Tensor, k: int) -> torch.Tensor:
     """``[B, K]`` attention of the bag's cells -> ``pi / sum pi`` with ``pi = 1 - (1 - a)^K``, the probability of
     each cell being drawn at least once in K draws (``attention_weights: inclusion``)."""
@@ -114,27 +128,30 @@ def _inclusion_weights(att: torch.Tensor, k: int) -> torch.Tensor:
 
 
 class FoveateModel(nn.Module):
-    """Scorer CNN + selection + ResNet features + aggregator (see the module docstring for the stages).
+    """Scorer CNN + selection + features (the ResNet or a frozen TorchScript encoder) + aggregator (see the module
+    docstring for the stages).
 
     ``forward(patches[B,K,3,p,p], positions[B,K,2], slot_weights=None) -> logits[B,C]`` is
     :meth:`classify` (embed + aggregate), the part that runs after patch reading.
 
     Args:
         cfg: :class:`ModelConfig` (default: all defaults).
+        torchscript: with ``model.features.kind: torchscript``, the TorchScript file's bytes (a checkpoint's
+            ``"torchscript"``) instead of reading ``model.features.path``.
     """
 
-    def __init__(self, cfg: ModelConfig | None = None):
+    def __init__(self, cfg: ModelConfig | None = None, *, torchscript: bytes | torch.Tensor | None = None):
         super().__init__()
         cfg = cfg or ModelConfig()
         if not isinstance(cfg, ModelConfig):
             raise TypeError(f"cfg must be a ModelConfig, got {type(cfg).__name__}")
         self.cfg = cfg
         self.scorer = ScorerCNN(cfg.scorer)
-        self.features = ResNet(cfg.features)
+        self.features = _build_features(cfg, torchscript)
         agg = cfg.aggregator
         self.aggregator = build_aggregator(
             agg.kind,
-            cfg.features.feature_dim,
+            self.feature_dim,
             cfg.num_classes,
             hidden=agg.hidden,
             gated=agg.attention_mil.gated,
@@ -148,7 +165,12 @@ class FoveateModel(nn.Module):
         )
         # created only when used, so models without the evidence losses keep their parameters (and seeds)
         ev = cfg.evidence
-        self.instance_head = nn.Linear(cfg.features.feature_dim, cfg.num_classes) if ev.instance_weight > 0 else None
+        self.instance_head = nn.Linear(self.feature_dim, cfg.num_classes) if ev.instance_weight > 0 else None
+
+    @property
+    def feature_dim(self) -> int:
+        """D, the size of a patch's feature vector (``model.features.feature_dim``, or the TorchScript module's)."""
+        return int(self.features.feature_dim)
 
     @property
     def uses_evidence(self) -> bool:
@@ -429,7 +451,7 @@ class FoveateModel(nn.Module):
 
     # ------------------------------------------------------------------ stage 3: features
     def embed(self, patches: torch.Tensor) -> torch.Tensor:
-        """``patches[M, 3, p, p]`` float in [0, 1] -> ``features[M, D]`` (the ResNet)."""
+        """``patches[M, 3, p, p]`` float in [0, 1] -> ``features[M, D]`` (the ResNet or the TorchScript encoder)."""
         return self.features(patches)
 
     # ------------------------------------------------------------------ stage 4: aggregation

@@ -9,7 +9,7 @@ Every default is the recommended recipe, so a config file states only what diffe
       selection:    {selector: perturbed, k: 8, nms_radius: 1, ..., perturbed: {...}, sinkhorn: {...}, ...}
       evidence:     {explore_cells: 8, rare_cells: 32, neutral_cells: 8, instance_weight: 0.01, ...}
       augment:      {color_jitter: 0.2}
-      features:     {widths: [16, 32, 64], blocks: [1, 1, 1], feature_dim: 64}
+      features:     {kind: resnet, widths: [16, 32, 64], blocks: [1, 1, 1], feature_dim: 64}  # or torchscript
       aggregator:   {kind: mean, hidden: 64, attention_mil: {...}, transformer: {...}}
       experimental: {...}     # switches kept for study, off by default
 
@@ -21,6 +21,7 @@ unchanged. docs/model.md explains the model; benchmarks/RESULTS.md has the measu
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections.abc import Mapping
@@ -41,6 +42,8 @@ __all__ = [
     "SelectionConfig",
     "EvidenceConfig",
     "AugmentConfig",
+    "FEATURE_KINDS",
+    "FeaturesConfig",
     "AttentionMILConfig",
     "TransformerConfig",
     "AggregatorConfig",
@@ -384,6 +387,149 @@ class AugmentConfig:
         _num("model.augment.color_jitter", self.color_jitter, 0, 1)
 
 
+# ---------------------------------------------------------------------------------------------- features
+FEATURE_KINDS = ("resnet", "torchscript")
+_RESNET_DEFAULTS: dict[str, Any] = {"widths": (16, 32, 64), "blocks": (1, 1, 1), "norm": "group", "weights": None}
+
+
+@dataclass(frozen=True)
+class FeaturesConfig:
+    """The patch feature network: the project's small ResNet (``kind: resnet``, trained with the model), or a frozen
+    encoder from a local TorchScript file (``kind: torchscript``, :class:`operators.encoders.TorchScriptEncoder`: a
+    pathology foundation model exported elsewhere; nothing is downloaded). Either takes float patches in [0, 1],
+    ``[M, 3, s, s]``, and gives ``[M, feature_dim]``. ``input_size`` / ``input_um`` become the geometry's
+    ``patch_input`` / ``patch_size_um`` where the geometry leaves those unset (:class:`ModelConfig`). Mappings of
+    the earlier ResNet-only shape (widths, blocks, feature_dim, norm, frozen, weights) load unchanged."""
+
+    kind: Literal["resnet", "torchscript"] = "resnet"
+    """``resnet``: the ResNet of the fields below; ``torchscript``: the module in ``path`` (always frozen)."""
+    widths: tuple[int, ...] = (16, 32, 64)
+    """ResNet channels per stage: the first stage keeps the resolution, each later one halves it (resnet only)."""
+    blocks: tuple[int, ...] = (1, 1, 1)
+    """ResNet basic blocks per stage, one entry per entry of ``widths`` (resnet only)."""
+    feature_dim: int | None = None
+    """Size D of a patch's feature vector; None: 64 for resnet, for torchscript the module's own, found by running it
+    once on a dummy batch when the model is built (an int given for torchscript is checked against it)."""
+    norm: Literal["group", "batch"] = "group"
+    """ResNet normalisation, ``group`` (GroupNorm) or ``batch`` (BatchNorm2d) (resnet only)."""
+    frozen: bool = False
+    """No parameter of the network is trained and it stays in eval mode; torchscript encoders are always frozen
+    (this is set to true for them, whatever is given)."""
+    weights: str | None = None
+    """A ResNet ``state_dict`` file (``torch.save``) loaded when the model is built (resnet only)."""
+    path: str | None = None
+    """The TorchScript file (``torch.jit.save``; required for torchscript, torchscript only); read when the model is
+    built, its bytes embedded in every checkpoint, so a checkpoint is scored on another machine without it."""
+    input_size: int | None = None
+    """Side in pixels of the patches the encoder takes (each patch is resampled to it): the geometry's
+    ``patch_input`` when that is unset; both set must be equal. None: the geometry decides."""
+    input_um: float | None = None
+    """Side in µm of the patches the encoder was trained on: the geometry's ``patch_size_um`` unless the geometry
+    sets its own patch size (``patch_size_um`` must then be equal; a ``patch_size`` or ``stride`` in pixels is an
+    error). None: the geometry decides."""
+    mean: tuple[float, ...] | None = None
+    """Per-channel mean subtracted from the [0, 1] patches before the encoder (ImageNet's: [0.485, 0.456, 0.406]);
+    None: none (torchscript only; the ResNet centres its input itself)."""
+    std: tuple[float, ...] | None = None
+    """Per-channel std the patches are then divided by (ImageNet's: [0.229, 0.224, 0.225]); None: none
+    (torchscript only)."""
+
+    def __post_init__(self) -> None:
+        _choice("model.features.kind", self.kind, FEATURE_KINDS)
+        widths, blocks = tuple(self.widths), tuple(self.blocks)
+        if not widths or any(isinstance(w, bool) or not isinstance(w, int) or w < 1 for w in widths):
+            raise ConfigError(f"model.features.widths must be a non-empty list of ints >= 1, got {self.widths!r}")
+        if len(blocks) != len(widths) or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in blocks):
+            raise ConfigError(
+                f"model.features.blocks must list one int >= 1 per entry of widths ({len(widths)} stages), "
+                f"got {self.blocks!r}"
+            )
+        object.__setattr__(self, "widths", widths)
+        object.__setattr__(self, "blocks", blocks)
+        _choice("model.features.norm", self.norm, ("group", "batch"))
+        _bool("model.features.frozen", self.frozen)
+        if self.feature_dim is None and self.kind == "resnet":
+            object.__setattr__(self, "feature_dim", 64)
+        if self.feature_dim is not None:
+            _int("model.features.feature_dim", self.feature_dim, 1)
+        for name in ("weights", "path"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, str) or not v.strip()):
+                raise ConfigError(f"model.features.{name} must be a file path (a non-empty string) or null, got {v!r}")
+        if self.input_size is not None:
+            _int("model.features.input_size", self.input_size, 8)
+        if self.input_um is not None:
+            _num("model.features.input_um", self.input_um, 0, lo_open=True)
+        for name, lo in (("mean", -math.inf), ("std", 0.0)):
+            v = getattr(self, name)
+            if v is None:
+                continue
+            if not isinstance(v, (tuple, list)) or len(v) != 3:
+                raise ConfigError(f"model.features.{name} must be 3 numbers (one per RGB channel) or null, got {v!r}")
+            for i, x in enumerate(v):
+                _num(f"model.features.{name}[{i}]", x, lo, lo_open=name == "std")
+            object.__setattr__(self, name, tuple(float(x) for x in v))
+        if self.kind == "torchscript":
+            if self.path is None:
+                raise ConfigError(
+                    "model.features.path: kind torchscript needs the TorchScript file (saved with torch.jit.save or "
+                    "ScriptModule.save), got null"
+                )
+            for name, default in _RESNET_DEFAULTS.items():
+                if getattr(self, name) != default:
+                    raise ConfigError(
+                        f"model.features.{name} applies to kind resnet only, got {getattr(self, name)!r} with kind "
+                        f"torchscript; remove it (the TorchScript module is used as it is)"
+                    )
+            object.__setattr__(self, "frozen", True)
+        else:
+            if self.path is not None:
+                raise ConfigError(
+                    f"model.features.path applies to kind torchscript only, got {self.path!r} with kind resnet; set "
+                    "model.features.kind: torchscript, or model.features.weights for a ResNet state_dict file"
+                )
+            for name in ("mean", "std"):
+                if getattr(self, name) is not None:
+                    raise ConfigError(
+                        f"model.features.{name} applies to kind torchscript only (the ResNet centres its input "
+                        f"itself), got {getattr(self, name)!r} with kind resnet"
+                    )
+
+    def resnet(self) -> ResNetConfig:
+        """The ResNet's own config (:class:`operators.resnet.ResNetConfig`); ``kind: resnet`` only."""
+        if self.kind != "resnet":
+            raise ConfigError(f"model.features.kind is {self.kind!r}: there is no ResNet config")
+        return ResNetConfig(
+            widths=self.widths,
+            blocks=self.blocks,
+            feature_dim=int(self.feature_dim),
+            norm=self.norm,
+            frozen=self.frozen,
+            weights=self.weights,
+        )
+
+    @classmethod
+    def from_resnet(cls, cfg: ResNetConfig) -> FeaturesConfig:
+        """The ``kind: resnet`` section of a :class:`operators.resnet.ResNetConfig` (as earlier versions took it)."""
+        return cls(
+            widths=tuple(cfg.widths),
+            blocks=tuple(cfg.blocks),
+            feature_dim=cfg.feature_dim,
+            norm=cfg.norm,
+            frozen=cfg.frozen,
+            weights=cfg.weights,
+        )
+
+
+def _um_conflict(key: str, value: Any, input_um: float) -> ConfigError:
+    return ConfigError(
+        f"model.geometry.{key}={value!r} (level-0 pixels) and model.features.input_um={input_um!r} conflict: the "
+        f"encoder's patches are {input_um:g} µm, so the grid is in µm; remove model.geometry.{key} (patch_size_um "
+        "then follows model.features.input_um, stride_um sets the stride), or set model.features.input_um: null to "
+        "keep the grid in pixels"
+    )
+
+
 # ---------------------------------------------------------------------------------------------- aggregator
 @dataclass(frozen=True)
 class AttentionMILConfig:
@@ -489,8 +635,9 @@ class ModelConfig:
     """Exploration, rare and neutral cells and the evidence losses (training only)."""
     augment: AugmentConfig = field(default_factory=AugmentConfig)
     """Augmentation of the full-resolution patches (training only)."""
-    features: ResNetConfig = field(default_factory=ResNetConfig)
-    """The patch feature network."""
+    features: FeaturesConfig = field(default_factory=FeaturesConfig)
+    """The patch feature network (the ResNet or a frozen TorchScript encoder); its ``input_size`` / ``input_um``
+    fill the geometry's ``patch_input`` / ``patch_size_um`` where the geometry leaves them unset."""
     aggregator: AggregatorConfig = field(default_factory=AggregatorConfig)
     """Patch features to a slide prediction; a section per kind."""
     experimental: ExperimentalConfig = field(default_factory=ExperimentalConfig)
@@ -505,11 +652,55 @@ class ModelConfig:
         _int("model.num_classes", self.num_classes, 2)
         if self.mpp is not None:
             _num("model.mpp", self.mpp, 0, lo_open=True)
+        if isinstance(self.features, ResNetConfig):  # the network's own config, as earlier versions took it
+            object.__setattr__(self, "features", FeaturesConfig.from_resnet(self.features))
+        if not isinstance(self.features, FeaturesConfig):
+            raise ConfigError(f"model.features must be a FeaturesConfig, got {type(self.features).__name__}")
+        self._encoder_geometry()
+
+    def _encoder_geometry(self) -> None:
+        """The encoder's ``input_size`` / ``input_um`` -> the geometry's ``patch_input`` / ``patch_size_um`` where
+        the geometry leaves them unset (a :class:`GeometryConfig` at its default ``patch_size`` and ``stride`` counts
+        as unset; in a mapping, any ``patch_size`` or ``stride`` given counts as set: :meth:`__config_upgrade__`)."""
+        f, g = self.features, self.geometry
+        changes: dict[str, Any] = {}
+        if f.input_size is not None:
+            if g.patch_input is None:
+                changes["patch_input"] = f.input_size
+            elif g.patch_input != f.input_size:
+                raise ConfigError(
+                    f"model.geometry.patch_input={g.patch_input} and model.features.input_size={f.input_size} "
+                    f"conflict: the encoder takes {f.input_size}-px patches; remove model.geometry.patch_input (it "
+                    "follows model.features.input_size)"
+                )
+        if f.input_um is not None:
+            if g.patch_size_um is not None:
+                if not math.isclose(g.patch_size_um, f.input_um, rel_tol=1e-9):
+                    raise ConfigError(
+                        f"model.geometry.patch_size_um={g.patch_size_um} and model.features.input_um={f.input_um} "
+                        "conflict: the encoder was trained on patches of model.features.input_um; remove "
+                        "model.geometry.patch_size_um (it follows model.features.input_um)"
+                    )
+            elif g.stride is not None:
+                raise _um_conflict("stride", g.stride, f.input_um)
+            elif g.patch_size != GeometryConfig().patch_size:
+                raise _um_conflict("patch_size", g.patch_size, f.input_um)
+            else:
+                changes.update(patch_size=None, patch_size_um=float(f.input_um))
+        if changes:
+            object.__setattr__(self, "geometry", dataclasses.replace(g, **changes))
 
     @classmethod
     def __config_upgrade__(cls, data: Mapping[str, Any], where: str) -> tuple[dict[str, Any], list[str]]:
-        """:func:`operators.config.from_dict`'s hook: flat keys of earlier versions -> sections (notes to log)."""
-        return upgrade_flat_keys(data, where=where or "model")
+        """:func:`operators.config.from_dict`'s hook: flat keys of earlier versions -> sections (notes to log); a
+        ``geometry.patch_size`` or ``stride`` in pixels given beside ``features.input_um`` is refused."""
+        data, notes = upgrade_flat_keys(data, where=where or "model")
+        feats, geo = data.get("features"), data.get("geometry")
+        if isinstance(feats, Mapping) and feats.get("input_um") is not None and isinstance(geo, Mapping):
+            for key in ("patch_size", "stride"):
+                if geo.get(key) is not None:
+                    raise _um_conflict(key, geo[key], feats["input_um"])
+        return data, notes
 
     def slide_geometry(self, mpp: float | None = None, *, where: str = "the slide") -> SlideGeometry:
         """The grid, scorer scale and network input size on one slide, in that slide's level-0 pixels.

@@ -21,7 +21,8 @@ __all__ = ["ResNetConfig", "BasicBlock", "ResNet"]
 
 @dataclass(frozen=True)
 class ResNetConfig:
-    """Feature-network settings.
+    """The ResNet's own settings; the model builds them from its ``model.features`` section
+    (:meth:`operators.model_config.FeaturesConfig.resnet`, ``kind: resnet``).
 
     Attributes:
         widths: channels of the 4 (or any number of) stages; the first stage keeps resolution, each later
