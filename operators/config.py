@@ -64,7 +64,7 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         if origin is tuple and args and args[-1] is not Ellipsis:
             if len(args) != len(value):
                 raise ConfigError(f"{where}: expected {len(args)} items, got {len(value)}: {value!r}")
-            return tuple(_coerce(v, a, f"{where}[{i}]") for i, (v, a) in enumerate(zip(args, value)))
+            return tuple(_coerce(v, a, f"{where}[{i}]") for i, (a, v) in enumerate(zip(args, value)))
         item = args[0] if args else Any
         seq = [_coerce(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
         return tuple(seq) if origin is tuple else seq

@@ -45,3 +45,15 @@ def test_yaml_and_overrides(tmp_path):
         load_config(Outer, p, ["inner.sigma"])
     with pytest.raises(ConfigError, match="not found"):
         load_config(Outer, tmp_path / "missing.yaml")
+
+
+def test_fixed_length_tuples_take_each_item_with_its_own_type():
+    from dataclasses import dataclass
+
+    @dataclass(frozen=True)
+    class Pair:
+        t: tuple[float, int] = (0.0, 0)
+
+    assert from_dict(Pair, {"t": [1.5, 2]}) == Pair(t=(1.5, 2))
+    with pytest.raises(ConfigError, match=r"t\[1\]: expected an integer"):
+        from_dict(Pair, {"t": [1.5, 2.5]})
