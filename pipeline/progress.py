@@ -24,6 +24,7 @@ class Progress:
         self.total, self.desc, self.unit, self.every_s = total, desc, unit, every_s
         self.n = 0
         self.postfix: str | None = None  # the last one given, repeated in the log lines
+        self._logged: tuple | None = None  # (n, postfix) of the last log line
         self._bar = None
         tty = sys.stderr.isatty() if enable is None else enable
         if tty:
@@ -55,13 +56,14 @@ class Progress:
     def _log(self) -> None:
         tot = f"/{self.total}" if self.total is not None else ""
         extra = f" ({self.postfix})" if self.postfix else ""
+        self._logged = (self.n, self.postfix)
         log.info("%s: %d%s %s in %.1fs%s", self.desc, self.n, tot, self.unit, time.monotonic() - self._t0, extra)
 
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
-        else:
+        elif self._logged != (self.n, self.postfix):  # the last line, unless it was just logged
             self._log()
 
     def __enter__(self) -> Progress:
