@@ -14,8 +14,10 @@ The driver (:func:`train`) resolves the config, builds the slide table and its t
 (:mod:`pipeline.data`), sets ``model.num_classes`` from the data (logged), opens (or, with ``resume``,
 reopens) one MLflow run with the full resolved config as params, starts Ray (:func:`pipeline.runtime.init_ray`)
 and runs a :class:`ray.train.torch.TorchTrainer` with ``workers`` workers (gloo on CPU, nccl when the cluster
-has GPUs). After training it logs the model (:func:`pipeline.mlflow_model.log_model`) and, for a few validation
-slides, a heatmap of the scorer over the thumbnail and a gallery of the chosen patches.
+has GPUs). Training runs to ``optim.epochs`` or stops earlier by early stopping (``early_stopping``); either way
+the last checkpoint holds the best epoch's model. After training it logs that model
+(:func:`pipeline.mlflow_model.log_model`) and, for a few validation slides, a heatmap of the scorer over the
+thumbnail and a gallery of the chosen patches.
 
 Run directory: ``<workdir>/train/<run_name>/`` holds ``train_state.json`` (MLflow run id, resolved config)
 and Ray Train's storage (``ray/checkpoint_*``). Without ``MLFLOW_TRACKING_URI`` the tracking store is
@@ -45,9 +47,10 @@ from pipeline.data import SlideRecord, build_slide_table, split_train_val
 from pipeline.train_config import OptimConfig, ScheduleConfig, TrackingConfig, TrainConfig
 from pipeline.train_loop import MODEL_FILE, train_loop_per_worker
 from workers import storage
+from workers.early_stopping import stop_message
 from workers.metrics import classification_metrics, roc_auc
 from workers.reports import plot_gallery, plot_heatmap
-from workers.trainer import lr_factor, sigma_at
+from workers.trainer import earliest_stop_epoch, lr_factor, sigma_at
 
 __all__ = [
     "OptimConfig",
@@ -103,7 +106,25 @@ class TrainResult:
         }
         if shown:
             lines.append("final: " + ", ".join(f"{k}={v:.4g}" for k, v in sorted(shown.items())))
+        line = _stopping_line(self.config, self.metrics)
+        if line:
+            lines.append(line)
         return "\n".join(lines)
+
+
+def _stopping_line(cfg: TrainConfig, metrics: dict[str, float]) -> str | None:
+    """``epochs: 25 of at most 30 (early stop); the model is epoch 20's, best val_loss=0.04301`` (None when the
+    metrics do not say)."""
+    stopped = metrics.get("stopped_epoch")
+    if stopped is None:
+        return None
+    line = f"epochs: {int(stopped)} of at most {cfg.optim.epochs}"
+    if int(stopped) < cfg.optim.epochs:
+        line += " (early stop)"
+    name = f"best_{cfg.early_stopping.metric}"
+    if "best_epoch" in metrics and name in metrics:
+        line += f"; the model is epoch {int(metrics['best_epoch'])}'s, {name}={metrics[name]:.4g}"
+    return line
 
 
 # ---------------------------------------------------------------------------------------------- driver
@@ -268,6 +289,7 @@ def train(
 
     train_mpps = _check_grids(config.model, table.records, train=set(r.slide_id for r in train_recs))
     config = dataclasses.replace(config, model=with_training_mpp(config.model, train_mpps))
+    _log_early_stopping(config, val_recs)
     run_dir = _run_dir(config, resume)
     if config.tracking.run_name is None:
         config = dataclasses.replace(
@@ -342,6 +364,13 @@ def train(
             run_id,
         )
         metrics = {k: float(v) for k, v in (result.metrics or {}).items()}
+        stopped, best_name = metrics.get("stopped_epoch"), f"best_{config.early_stopping.metric}"
+        if stopped is not None and stopped < config.optim.epochs and best_name in metrics:
+            es = config.early_stopping
+            log.info(
+                "%s",
+                stop_message(es.metric, es.min_delta, int(stopped), int(metrics["best_epoch"]), metrics[best_name]),
+            )
         client.set_terminated(run_id, status="FINISHED")
     except BaseException:
         try:
@@ -373,6 +402,30 @@ def train(
         model=model,
     )
     return out
+
+
+def _log_early_stopping(cfg: TrainConfig, val_recs) -> None:
+    """One line on what ends the training: early stopping's metric, patience and earliest epoch, or the cap."""
+    es = cfg.early_stopping
+    if es.patience == 0:
+        log.info("early stopping off: %d epochs, the last epoch's model", cfg.optim.epochs)
+    elif not val_recs:
+        log.warning(
+            "early stopping: no validation slides (data.val_fraction %g): %d epochs, the last epoch's model",
+            cfg.data.val_fraction,
+            cfg.optim.epochs,
+        )
+    else:
+        floor = earliest_stop_epoch(es, cfg.optim.epochs, cfg.schedule, cfg.model)
+        log.info(
+            "early stopping on %s (patience %d, min_delta %g, not before epoch %d), at most %d epochs; the best "
+            "epoch's model is kept",
+            es.metric,
+            es.patience,
+            es.min_delta,
+            max(floor, 1),
+            cfg.optim.epochs,
+        )
 
 
 def _load_ckpt(result) -> dict:

@@ -2,7 +2,8 @@
 
 Each section validates itself in ``__post_init__`` and raises ``ConfigError``: ``model``
 (``operators.model.ModelConfig``), ``optim`` and ``schedule`` (``workers.trainer``), ``data``
-(``pipeline.data``), ``tracking`` (here). :class:`TrainConfig` checks only its own fields.
+(``pipeline.data``), ``early_stopping`` (``workers.early_stopping``), ``tracking`` (here).
+:class:`TrainConfig` checks only its own fields.
 """
 
 from __future__ import annotations
@@ -12,9 +13,17 @@ from dataclasses import dataclass, field
 from operators.errors import ConfigError
 from operators.model_config import ModelConfig
 from pipeline.data import DataConfig
+from workers.early_stopping import EarlyStoppingConfig
 from workers.trainer import OptimConfig, ScheduleConfig
 
-__all__ = ["PLACEMENT_STRATEGIES", "OptimConfig", "ScheduleConfig", "TrackingConfig", "TrainConfig"]
+__all__ = [
+    "PLACEMENT_STRATEGIES",
+    "EarlyStoppingConfig",
+    "OptimConfig",
+    "ScheduleConfig",
+    "TrackingConfig",
+    "TrainConfig",
+]
 
 #: Ray placement-group strategies for the training workers (``TrainConfig.placement_strategy``).
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
@@ -80,8 +89,10 @@ class TrainConfig:
         data: slides, labels, split.
         model: the model (``operators.model.ModelConfig``; its number of classes is set from the data, and
             ``foveate train`` logs when that changes the configured value).
-        optim: optimiser, schedule, loss weights.
+        optim: optimiser, schedule, loss weights; ``optim.epochs`` is the cap on the epochs.
         schedule: selection perturbation schedule.
+        early_stopping: stop when the validation metric has stopped improving and export the best epoch's model
+            (``workers.early_stopping.EarlyStoppingConfig``; on by default: ``val_loss``, patience 5).
         tracking: MLflow names.
         workers: Ray Train workers.
         use_gpu: None = use GPUs when the cluster has them.
@@ -101,6 +112,7 @@ class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    early_stopping: EarlyStoppingConfig = field(default_factory=EarlyStoppingConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     workers: int = 1
     use_gpu: bool | None = None

@@ -5,6 +5,11 @@ Per worker: read the rank and world size from Ray Train, build a :class:`~worker
 latest checkpoint, and per epoch train on this worker's shard (``pipeline.data.shard``), evaluate its
 validation shard, log metrics to MLflow from rank 0, and report a checkpoint (``train_state.pt`` = the
 trainer's state, ``model.pt`` = a model checkpoint, ``operators.checkpoint``) with ``ray.train.report``.
+
+Training ends at ``optim.epochs`` or earlier by early stopping (``early_stopping``; every rank gets the same
+decision from the trainer); the last checkpoint's ``model.pt`` then holds the best epoch's weights (its metadata
+names that ``epoch`` and the ``stopped_epoch``), rank 0 logs ``stopped_epoch`` and the run's tag
+``foveate.stop_reason`` (``patience`` or ``cap``), and a ``--resume`` of a finished run trains no further.
 """
 
 from __future__ import annotations
@@ -74,6 +79,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         collective=collective,
         on_step=on_step,
         log_every=cfg.tracking.log_every,
+        early_stopping=cfg.early_stopping,
     )
 
     ckpt = ray.train.get_checkpoint()
@@ -82,7 +88,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             trainer.load_state_dict(torch.load(Path(d) / WORKER_STATE, map_location="cpu", weights_only=True))
         log.info("rank %d: resumed from epoch %d, step %d", rank, trainer.epoch, trainer.global_step)
 
-    while trainer.epoch < cfg.optim.epochs:
+    while not trainer.finished:
         epoch = trainer.epoch
         metrics = trainer.run_epoch(
             shard(train_records, rank, world, epoch=epoch, seed=cfg.data.seed), shard(val_records, rank, world)
@@ -90,6 +96,11 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         if rank == 0:
             log_metrics(client, run_id, metrics, step=trainer.epoch)
             log.info("epoch %d: %s", trainer.epoch, ", ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
+            if trainer.stop_reason is not None:
+                client.set_tag(run_id, "foveate.stop_reason", trainer.stop_reason)
+        weights_epoch = trainer.epoch  # the epoch of the weights in model.pt: the best one once training ended
+        if trainer.stop_reason is not None and trainer.best_state is not None:
+            weights_epoch = trainer.stopper.best_epoch
 
         # checkpoint: every rank gathers the generator states, rank 0 writes, every rank reports
         state = trainer.state_dict()
@@ -103,7 +114,12 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
                         cfg.model,
                         class_names,
                         train_config=to_dict(cfg),
-                        metadata={"run_id": run_id, "epoch": trainer.epoch, "global_step": trainer.global_step},
+                        metadata={
+                            "run_id": run_id,
+                            "epoch": weights_epoch,
+                            "global_step": weights_epoch * trainer.steps_per_epoch,
+                            **({"stopped_epoch": trainer.epoch} if trainer.stop_reason is not None else {}),
+                        },
                     ),
                     Path(tmp) / MODEL_FILE,
                 )

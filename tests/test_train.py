@@ -2,13 +2,15 @@
 
 One tiny training crashes after its first epoch checkpoint and is resumed to the end (same MLflow run,
 epoch/step counters and optimizer state continuing); the logged model must give the trained model's
-predictions. A second run uses two workers through the CLI.
+predictions. A second run uses two workers through the CLI (and both stop early at the same epoch). A third
+stops early after a crash and a resume: the count continues, and the exported model is the best epoch's.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import os
 from pathlib import Path
@@ -157,6 +159,9 @@ def test_train_crash_resume_and_logged_model(tmp_path, slides, ray_local):
     run = client.get_run(run_id)
     assert run.info.status == "FINISHED"
     assert run.data.tags["foveate.resumed"] == "1"
+    # early stopping is on by default (patience 5): two epochs end at the cap, with the best epoch's model
+    assert run.data.tags["foveate.stop_reason"] == "cap" and run.data.metrics["stopped_epoch"] == 2
+    assert run.data.metrics["best_epoch"] in (1, 2)
     # params: the full resolved config, flattened
     expected = flatten_params(to_dict(result.config))
     assert run.data.params == expected
@@ -232,15 +237,23 @@ def test_train_crash_resume_and_logged_model(tmp_path, slides, ray_local):
     threads = torch.get_num_threads()
     torch.set_num_threads(c.threads or c.cpus_per_worker)  # as in the Ray Train worker: same float summation order
     try:
-        trainer = Trainer(c.model, c.optim, c.schedule, slides_per_epoch=len(train_recs), seed=c.seed)
-        for epoch in range(c.optim.epochs):
-            local = trainer.run_epoch(shard(train_recs, 0, 1, epoch=epoch, seed=c.data.seed), val_recs)
+        trainer = Trainer(
+            c.model,
+            c.optim,
+            c.schedule,
+            slides_per_epoch=len(train_recs),
+            seed=c.seed,
+            early_stopping=c.early_stopping,
+        )
+        while not trainer.finished:
+            local = trainer.run_epoch(shard(train_recs, 0, 1, epoch=trainer.epoch, seed=c.data.seed), val_recs)
     finally:
         torch.set_num_threads(threads)
     assert local["val_accuracy"] == result.metrics["val_accuracy"]
     assert local["epoch_train_loss"] == pytest.approx(result.metrics["epoch_train_loss"], rel=1e-9)
+    assert local["best_epoch"] == result.metrics["best_epoch"] and trainer.stop_reason == "cap"
     for k, v in result.model.state_dict().items():
-        assert torch.equal(v, trainer.model.state_dict()[k].cpu()), k
+        assert torch.equal(v, trainer.eval_model.state_dict()[k].cpu()), k
 
 
 @pytest.mark.e2e
@@ -258,11 +271,16 @@ def test_two_workers_through_the_cli(tmp_path, slides, ray_local, capsys):
             "--workers",
             "2",
             "--set",
-            "optim.epochs=1",
+            "optim.epochs=3",
             "--set",
             "tracking.run_name=two",
             "--set",
             "optim.accumulate=1",
+            # no epoch improves val_loss by 10 (~1.1 for 3 classes): both workers stop after epoch 2
+            "--set",
+            "early_stopping.patience=1",
+            "--set",
+            "early_stopping.min_delta=10",
         ]
     )
     assert rc == 0
@@ -272,9 +290,11 @@ def test_two_workers_through_the_cli(tmp_path, slides, ray_local, capsys):
     client = mlflow.MlflowClient(os.environ["MLFLOW_TRACKING_URI"])
     run = client.get_run(state["run_id"])
     assert run.info.status == "FINISHED" and run.data.params["workers"] == "2"
-    # 3 training slides over 2 workers: 2 slides each (one repeated by padding), 1 per step -> 2 steps
-    assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == [1, 2]
-    assert run.data.metrics["epoch"] == 1
+    # 3 training slides over 2 workers: 2 slides each (one repeated by padding), 1 per step -> 2 steps per epoch
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == [1, 2, 3, 4]
+    assert run.data.metrics["epoch"] == 2 and run.data.metrics["stopped_epoch"] == 2
+    assert run.data.tags["foveate.stop_reason"] == "patience" and run.data.metrics["best_epoch"] == 1
+    assert "epochs: 2 of at most 3 (early stop); the model is epoch 1's, best_val_loss=" in out
 
 
 def test_weight_average_follows_its_recursion_and_is_what_is_evaluated_and_saved(tmp_path, slides):
@@ -321,3 +341,147 @@ def test_weight_average_follows_its_recursion_and_is_what_is_evaluated_and_saved
     plain = load_config(TrainConfig, _config_file(tmp_path, slides))
     off = Trainer(c.model, plain.optim, plain.schedule, slides_per_epoch=len(train_recs), seed=0)
     assert off.eval_model is off.model and "ema" not in off.state_dict()
+
+
+# ------------------------------------------------------------------------------------------ early stopping
+# val_loss (cross-entropy of 3 classes, about 1.1) never improves by 10: epoch 1 stays the best
+NO_IMPROVEMENT = ["early_stopping.min_delta=10"]
+
+
+def test_trainer_restores_the_best_epoch_and_resumes_the_count(tmp_path, slides):
+    from pipeline.data import build_slide_table, shard, split_train_val
+    from workers.trainer import Trainer
+
+    c = load_config(
+        TrainConfig,
+        _config_file(tmp_path, slides),
+        ["optim.epochs=4", "optim.ema_epochs=1", "early_stopping.patience=1", *NO_IMPROVEMENT],
+    )
+    table = build_slide_table(c.data)
+    c = dataclasses.replace(c, model=dataclasses.replace(c.model, num_classes=table.num_classes))
+    train_recs, val_recs = split_train_val(table.records, c.data.val_fraction, c.data.seed)
+    averages = {}  # the weight average after each epoch's last step (before any restore)
+
+    def make(seed: int = c.seed) -> Trainer:
+        def on_step(metrics, step):
+            averages[step] = weights(tr.ema_model)
+
+        tr = Trainer(
+            c.model,
+            c.optim,
+            c.schedule,
+            slides_per_epoch=len(train_recs),
+            seed=seed,
+            early_stopping=c.early_stopping,
+            on_step=on_step,
+            log_every=10**6,  # on_step at each epoch's end only
+        )
+        return tr
+
+    def epoch(tr: Trainer) -> dict[str, float]:
+        return tr.run_epoch(shard(train_recs, 0, 1, epoch=tr.epoch, seed=c.data.seed), val_recs)
+
+    def weights(module) -> dict[str, torch.Tensor]:
+        return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+    def same(a, b) -> bool:
+        return all(torch.equal(v, b[k]) for k, v in a.items())
+
+    trainer = make()
+    m1 = epoch(trainer)
+    best = weights(trainer.eval_model)  # the weight average after epoch 1: what was evaluated
+    assert same(best, averages[trainer.global_step])
+    assert m1["best_epoch"] == 1 and m1["best_val_loss"] == m1["val_loss"] and "stopped_epoch" not in m1
+    torch.save(trainer.state_dict(), tmp_path / "epoch1.pt")
+    m2 = epoch(trainer)
+    assert trainer.finished and trainer.stop_reason == "patience" and trainer.epoch == 2 < c.optim.epochs
+    assert m2["stopped_epoch"] == 2 and m2["best_epoch"] == 1 and m2["best_val_loss"] == m1["val_loss"]
+    assert not same(averages[trainer.global_step], best)  # epoch 2 moved the average ...
+    assert trainer.eval_model is trainer.ema_model and same(weights(trainer.eval_model), best)  # ... it is back
+    last_trained = weights(trainer.model)  # the trained weights stay the last ones
+    state = trainer.state_dict()
+    assert state["stop_reason"] == "patience" and state["early_stopping"]["bad_epochs"] == 1
+    assert same(state["best_model"], best)
+    torch.save(state, tmp_path / "stopped.pt")
+
+    # resumed from epoch 1's state, the count goes on: epoch 2 is not an improvement, so it stops there
+    again = make(seed=c.seed + 1)
+    again.load_state_dict(torch.load(tmp_path / "epoch1.pt", weights_only=True))
+    assert again.stopper.best_epoch == 1 and not again.finished
+    epoch(again)
+    assert again.finished and again.stop_reason == "patience" and again.epoch == 2
+    assert same(weights(again.eval_model), best)
+    assert same(weights(again.model), last_trained)  # the same training: same seeds and generator states
+    # a stopped trainer's state: finished, nothing left to train, the best weights are the evaluated ones
+    done = make()
+    done.load_state_dict(torch.load(tmp_path / "stopped.pt", weights_only=True))
+    assert done.finished and done.stop_reason == "patience" and done.stopper.stopped_epoch == 2
+    assert same(weights(done.eval_model), best)
+    # off: no rule, no copies, the last weights
+    es = dataclasses.replace(c.early_stopping, patience=0)
+    off = Trainer(c.model, c.optim, c.schedule, slides_per_epoch=len(train_recs), early_stopping=es)
+    assert off.stopper is None and "early_stopping" not in off.state_dict() and not off.finished
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_early_stop_after_a_resume_exports_the_best_epoch(tmp_path, slides, ray_local, caplog):
+    import mlflow
+
+    from pipeline.mlflow_model import load_model
+
+    def crash_after_first_epoch(epoch: int) -> None:  # runs in every Ray Train worker (shipped by value)
+        if epoch == 1:
+            raise RuntimeError("simulated crash after checkpointing epoch 1")
+
+    cfg = load_config(
+        TrainConfig,
+        _config_file(tmp_path, slides),
+        ["tracking.run_name=early", "optim.epochs=5", "early_stopping.patience=2", *NO_IMPROVEMENT],
+    )
+    with pytest.raises(Exception, match="simulated crash"):
+        train(cfg, after_epoch=crash_after_first_epoch)
+    run_dir = tmp_path / "work" / "train" / "early"
+    (first,) = sorted(p for p in (run_dir / "ray").glob("checkpoint_*") if p.is_dir())
+    epoch1 = torch.load(first / "model.pt", weights_only=True)  # the best epoch's checkpoint
+    assert epoch1["metadata"]["epoch"] == 1
+
+    with caplog.at_level(logging.INFO, logger="pipeline.train"):
+        result = train(cfg, resume=True)
+    # the rule's state came back with epoch 1's checkpoint: epochs 2 and 3 did not improve, so it stops after 3
+    assert (
+        "early stop at epoch 3: val_loss has not improved by more than 10 for 2 epochs; best epoch 1: val_loss = "
+        in caplog.text
+    )
+    client = mlflow.MlflowClient(os.environ["MLFLOW_TRACKING_URI"])
+    run = client.get_run(result.run_id)
+    val_loss = sorted(client.get_metric_history(result.run_id, "val_loss"), key=lambda m: m.step)
+    assert [m.step for m in val_loss] == [1, 2, 3]
+    assert run.data.metrics["stopped_epoch"] == 3 < cfg.optim.epochs and run.data.metrics["best_epoch"] == 1
+    assert run.data.metrics["best_val_loss"] == val_loss[0].value
+    assert run.data.tags["foveate.stop_reason"] == "patience"
+    assert result.metrics["stopped_epoch"] == 3 and result.metrics["best_epoch"] == 1
+    assert "epochs: 3 of at most 5 (early stop); the model is epoch 1's, best_val_loss=" in result.summary()
+    # the exported, logged model is epoch 1's checkpoint, not the last epoch's weights
+    logged, _, _ = load_model(result.model_uri, tracking_uri=os.environ["MLFLOW_TRACKING_URI"])
+    for k, v in epoch1["state_dict"].items():
+        assert torch.equal(result.model.state_dict()[k], v), k
+        assert torch.equal(logged.state_dict()[k], v), k
+    # ... and so is the last checkpoint's model, beside the rule's state
+    last = sorted(p for p in (run_dir / "ray").glob("checkpoint_*") if p.is_dir())[-1]
+    final = torch.load(last / "model.pt", weights_only=True)
+    assert final["metadata"]["epoch"] == 1 and final["metadata"]["stopped_epoch"] == 3
+    assert all(torch.equal(v, epoch1["state_dict"][k]) for k, v in final["state_dict"].items())
+    state = torch.load(last / "train_state.pt", weights_only=True)
+    assert state["epoch"] == 3 and state["stop_reason"] == "patience"
+    assert {k: state["early_stopping"][k] for k in ("best_epoch", "bad_epochs", "stopped_epoch")} == {
+        "best_epoch": 1,
+        "bad_epochs": 2,
+        "stopped_epoch": 3,
+    }
+
+    # a resume of the stopped run trains no further and exports the same model
+    again = train(cfg, resume=True)
+    assert [m.step for m in client.get_metric_history(result.run_id, "val_loss")] == [1, 2, 3]
+    for k, v in epoch1["state_dict"].items():
+        assert torch.equal(again.model.state_dict()[k], v), k

@@ -15,9 +15,15 @@ directly, so DDP's forward hooks do not apply and gradients are all-reduced expl
 ``pipeline.train_loop.train_loop_per_worker`` wraps a :class:`Trainer` for Ray Train (rank-0 MLflow
 logging, checkpoint reporting); a benchmark drives one in-process with the same numerics::
 
-    trainer = Trainer(cfg.model, cfg.optim, cfg.schedule, slides_per_epoch=len(train), seed=cfg.seed)
-    for epoch in range(cfg.optim.epochs):
-        metrics = trainer.run_epoch(shard(train, 0, 1, epoch=epoch, seed=cfg.data.seed), val)
+    trainer = Trainer(cfg.model, cfg.optim, cfg.schedule, slides_per_epoch=len(train), seed=cfg.seed,
+                      early_stopping=cfg.early_stopping)
+    while not trainer.finished:
+        metrics = trainer.run_epoch(shard(train, 0, 1, epoch=trainer.epoch, seed=cfg.data.seed), val)
+
+Early stopping (``early_stopping``, :mod:`workers.early_stopping`): after each epoch's validation the rule gets
+rank 0's value of the metric (shared with every rank, so all workers stop after the same epoch); the evaluated
+weights of the best epoch are kept, and loaded back into :attr:`Trainer.eval_model` when training ends, by
+patience or at the cap (``optim.epochs``), so the model checkpointed last and exported is the best epoch's.
 """
 
 from __future__ import annotations
@@ -35,12 +41,14 @@ import numpy as np
 import torch
 
 from operators.errors import ConfigError
+from workers.early_stopping import EarlyStopping, EarlyStoppingConfig
 from workers.metrics import classification_metrics
 
 __all__ = [
     "OptimConfig",
     "ScheduleConfig",
     "decay_to_zero_at",
+    "earliest_stop_epoch",
     "Collective",
     "LocalCollective",
     "TorchDistCollective",
@@ -156,6 +164,21 @@ def decay_to_zero_at(step: int, total_steps: int, start: float, until: float) ->
         return 0.0
     t = max(step, 0) / max(total_steps, 1)
     return float(start * max(0.0, 1.0 - t / until))
+
+
+def earliest_stop_epoch(
+    early_stopping: EarlyStoppingConfig, epochs: int, schedule: ScheduleConfig, model_config=None
+) -> int:
+    """The first epoch early stopping may stop after: ``early_stopping.min_epochs``, and no earlier than the
+    scheduled exploration terms end (``schedule.rarity_until`` of ``epochs`` when ``schedule.rarity_start`` > 0;
+    ``schedule.rare_until`` of ``epochs`` when the model reads a rare bag, ``model.evidence.rare_cells`` > 0)."""
+    floor = int(early_stopping.min_epochs)
+    if schedule.rarity_start > 0:
+        floor = max(floor, math.ceil(schedule.rarity_until * epochs - 1e-9))
+    rare_cells = getattr(getattr(model_config, "evidence", None), "rare_cells", 0)
+    if schedule.rare_until is not None and rare_cells > 0:
+        floor = max(floor, math.ceil(schedule.rare_until * epochs - 1e-9))
+    return floor
 
 
 # ---------------------------------------------------------------------------------------------- schedules
@@ -328,6 +351,8 @@ class Trainer:
         on_step: called as ``on_step(metrics, global_step)`` every ``log_every`` optimizer steps and at the end
             of each epoch (pass it on one rank only to log once).
         log_every: see ``on_step``.
+        early_stopping: :class:`~workers.early_stopping.EarlyStoppingConfig`; None or ``patience`` 0: off
+            (:attr:`finished` at ``optim.epochs``, the last weights kept).
     """
 
     def __init__(
@@ -342,6 +367,7 @@ class Trainer:
         collective: Collective | None = None,
         on_step: StepCallback | None = None,
         log_every: int = 1,
+        early_stopping: EarlyStoppingConfig | None = None,
     ):
         from operators.model import FoveateModel
 
@@ -371,6 +397,17 @@ class Trainer:
         if optim.ema_epochs > 0:
             self.ema_decay = 1.0 - 1.0 / max(optim.ema_epochs * self.steps_per_epoch, 1.0)
             self.ema_model = copy.deepcopy(self.model).eval().requires_grad_(False)
+        self.stopper: EarlyStopping | None = None
+        if early_stopping is not None and early_stopping.patience > 0:
+            floor = earliest_stop_epoch(early_stopping, optim.epochs, schedule, model_config)
+            self.stopper = EarlyStopping.from_config(early_stopping, min_epochs=floor)
+        self.best_state: dict[str, torch.Tensor] | None = None  # eval_model's weights at stopper.best_epoch (CPU)
+        self.stop_reason: str | None = None  # "patience" or "cap" once training has ended
+
+    @property
+    def finished(self) -> bool:
+        """Training has ended: stopped early (``stop_reason`` ``"patience"``) or at ``optim.epochs``."""
+        return self.stop_reason is not None or self.epoch >= self.optim_cfg.epochs
 
     @property
     def eval_model(self) -> torch.nn.Module:
@@ -555,7 +592,37 @@ class Trainer:
             metrics["epoch_seconds_per_step"] = ep.step_seconds / max(self.steps_per_epoch, 1)
             metrics["epoch_peak_memory_mb"] = peak_memory_mb(self.device)
             metrics["train_seconds"] = self.train_seconds
+        self._early_stopping(metrics)
         return metrics
+
+    def _early_stopping(self, metrics: dict[str, float]) -> None:
+        """After an epoch's validation: feed rank 0's metric to the stopping rule on every rank (the same value,
+        so every worker decides the same), keep the weights of a new best epoch, and when training ends here
+        (patience or the cap) load the best epoch's weights back into :attr:`eval_model`. Adds ``best_epoch``,
+        ``best_<metric>`` and, at the end, ``stopped_epoch`` to rank 0's ``metrics``."""
+        cap = self.optim_cfg.epochs
+        stop = False
+        if self.stopper is not None:
+            name = self.stopper.metric
+            value = self.collective.all_gather(metrics.get(name) if self.rank == 0 else None)[0]
+            stop = self.stopper.update(self.epoch, math.nan if value is None else float(value))
+            if self.stopper.best_epoch == self.epoch:
+                self.best_state = {k: v.detach().to("cpu", copy=True) for k, v in self.eval_model.state_dict().items()}
+            if self.rank == 0 and self.stopper.best is not None:
+                metrics["best_epoch"] = self.stopper.best_epoch
+                metrics[f"best_{name}"] = self.stopper.best
+        if stop and self.epoch < cap:
+            self.stop_reason = "patience"
+            if self.rank == 0:
+                log.info("%s", self.stopper.message())
+        elif self.epoch >= cap:
+            self.stop_reason = "cap"
+        if self.stop_reason is None:
+            return
+        if self.best_state is not None and self.stopper.best_epoch != self.epoch:
+            self.eval_model.load_state_dict(self.best_state)
+        if self.rank == 0:
+            metrics["stopped_epoch"] = self.epoch
 
     # ------------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict[str, Any]:
@@ -570,6 +637,12 @@ class Trainer:
             "train_seconds": self.train_seconds,
             "generators": self.collective.all_gather(self.generator.get_state()),
             **({"ema": self.ema_model.state_dict()} if self.ema_model is not None else {}),
+            "stop_reason": self.stop_reason,
+            **(
+                {"early_stopping": self.stopper.state_dict(), "best_model": self.best_state}
+                if self.stopper is not None
+                else {}
+            ),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -584,3 +657,7 @@ class Trainer:
         gen_states = state.get("generators") or []
         if self.rank < len(gen_states):
             self.generator.set_state(gen_states[self.rank])
+        self.stop_reason = state.get("stop_reason")
+        if self.stopper is not None and state.get("early_stopping") is not None:
+            self.stopper.load_state_dict(state["early_stopping"])
+            self.best_state = state.get("best_model")

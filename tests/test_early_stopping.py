@@ -1,0 +1,152 @@
+"""Early stopping's rule (workers/early_stopping.py) and its config section, without Ray or a model.
+
+The trainer's side (the best epoch's weights kept, restored and checkpointed) and a real ``foveate train`` that
+stops, resumes and exports the best epoch: tests/test_train.py.
+"""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from pipeline.config import ConfigError, load_config, to_dict
+from pipeline.train_config import EarlyStoppingConfig, ScheduleConfig, TrainConfig
+from workers.early_stopping import EarlyStopping, stop_message
+from workers.trainer import earliest_stop_epoch
+
+
+def _run(rule: EarlyStopping, values, start: int = 1) -> list[bool]:
+    return [rule.update(epoch, v) for epoch, v in enumerate(values, start)]
+
+
+def test_lower_is_better_for_the_loss_and_patience_counts_epochs_since_the_best():
+    rule = EarlyStopping("val_loss", patience=3)
+    assert rule.mode == "min"
+    assert _run(rule, [1.0, 0.9, 0.95, 0.92, 0.91]) == [False] * 4 + [True]
+    assert (rule.best, rule.best_epoch, rule.bad_epochs, rule.stopped_epoch) == (0.9, 2, 3, 5)
+    assert rule.stopped
+    # an improvement resets the count
+    rule = EarlyStopping("val_loss", patience=2)
+    assert _run(rule, [1.0, 1.1, 0.8, 0.9, 0.85]) == [False, False, False, False, True]
+    assert rule.best_epoch == 3
+
+
+def test_higher_is_better_for_auc_and_accuracy_and_min_delta_is_the_margin():
+    for metric in ("val_auc", "val_accuracy"):
+        assert EarlyStopping(metric).mode == "max"
+    rule = EarlyStopping("val_auc", patience=3, min_delta=0.1)
+    assert _run(rule, [0.5, 0.55, 0.58, 0.6]) == [False, False, False, True]  # 0.6 is not more than 0.5 + 0.1
+    assert rule.best_epoch == 1 and rule.best == 0.5
+    rule = EarlyStopping("val_auc", patience=3, min_delta=0.04)
+    assert _run(rule, [0.5, 0.55, 0.58, 0.585, 0.6]) == [False] * 5
+    assert rule.best_epoch == 5 and rule.bad_epochs == 0  # 0.58, 0.585 within 0.04 of 0.55; 0.6 beyond
+    # a tie is no improvement: the first epoch to reach the best stays the best
+    rule = EarlyStopping("val_accuracy", patience=2)
+    assert _run(rule, [1.0, 1.0, 1.0]) == [False, False, True] and rule.best_epoch == 1
+
+
+def test_min_epochs_holds_the_stop_back_and_the_message_counts_the_epochs():
+    rule = EarlyStopping("val_loss", patience=1, min_epochs=4)
+    assert _run(rule, [1, 2, 3, 4, 5]) == [False, False, False, True, True]
+    assert rule.stopped_epoch == 5 and rule.bad_epochs == 4
+    rule = EarlyStopping("val_loss", patience=1, min_epochs=4)
+    _run(rule, [1, 2, 3, 4])
+    assert rule.message() == (
+        "early stop at epoch 4: val_loss has not improved by more than 0 for 3 epochs; best epoch 1: "
+        "val_loss = 1, restored"
+    )
+    assert stop_message("val_auc", 0.01, 9, 4, 0.97) == (
+        "early stop at epoch 9: val_auc has not improved by more than 0.01 for 5 epochs; best epoch 4: "
+        "val_auc = 0.97, restored"
+    )
+
+
+def test_nan_is_never_an_improvement_and_without_a_best_it_never_stops():
+    rule = EarlyStopping("val_auc", patience=1)
+    assert _run(rule, [math.nan] * 5) == [False] * 5
+    assert rule.best is None and rule.best_epoch == 0 and not rule.stopped
+    assert _run(rule, [0.7, math.nan], start=6) == [False, True]
+    assert rule.best_epoch == 6 and rule.stopped_epoch == 7
+
+
+def test_state_round_trip_continues_the_count_exactly():
+    values = [0.9, 0.8, 0.85, 0.7, 0.75, 0.72, 0.71, 0.74]
+    whole = EarlyStopping("val_loss", patience=3, min_delta=0.01)
+    expected = _run(whole, values)
+    assert expected == [False] * 6 + [True, True]
+    for cut in range(1, len(values)):
+        first = EarlyStopping("val_loss", patience=3, min_delta=0.01)
+        got = _run(first, values[:cut])
+        state = first.state_dict()
+        # plain values: a checkpoint loaded with weights_only=True reads them back
+        assert all(isinstance(v, (str, int, float, type(None))) for v in state.values())
+        again = EarlyStopping("val_loss", patience=3, min_delta=0.01)
+        again.load_state_dict(state)
+        got += _run(again, values[cut:], start=cut + 1)
+        assert got == expected, cut
+        assert again.state_dict() == whole.state_dict()
+    with pytest.raises(ValueError, match="val_auc"):
+        EarlyStopping("val_auc").load_state_dict(whole.state_dict())
+
+
+def test_state_survives_torch_save(tmp_path):
+    rule = EarlyStopping("val_auc", patience=2)
+    _run(rule, [0.6, 0.8, 0.7])
+    torch.save({"early_stopping": rule.state_dict()}, tmp_path / "s.pt")
+    again = EarlyStopping("val_auc", patience=2)
+    again.load_state_dict(torch.load(tmp_path / "s.pt", weights_only=True)["early_stopping"])
+    assert again.state_dict() == rule.state_dict()
+    assert again.update(4, 0.79) is True and again.best_epoch == 2
+
+
+def test_rule_arguments_are_checked():
+    with pytest.raises(ValueError, match="mode"):
+        EarlyStopping("val_f1")
+    with pytest.raises(ValueError, match="patience"):
+        EarlyStopping("val_loss", patience=0)
+    assert EarlyStopping("val_f1", mode="max").mode == "max"
+
+
+# ------------------------------------------------------------------------------------------ config
+def test_config_section_defaults_and_errors():
+    cfg = load_config(TrainConfig, None)
+    assert cfg.early_stopping == EarlyStoppingConfig(metric="val_loss", patience=5, min_delta=0.0, min_epochs=0)
+    assert to_dict(cfg)["early_stopping"] == {"metric": "val_loss", "patience": 5, "min_delta": 0.0, "min_epochs": 0}
+    cfg = load_config(TrainConfig, None, ["early_stopping.metric=val_auc", "early_stopping.patience=0"])
+    assert cfg.early_stopping.metric == "val_auc" and cfg.early_stopping.patience == 0
+    with pytest.raises(ConfigError, match=r"early_stopping.metric.*'val_loss', 'val_auc', 'val_accuracy'"):
+        load_config(TrainConfig, None, ["early_stopping.metric=val_f1"])
+    with pytest.raises(ConfigError, match=r"must be one of \['val_loss', 'val_auc', 'val_accuracy'\]"):
+        EarlyStoppingConfig(metric="auc")
+    with pytest.raises(ConfigError, match="early_stopping.patience: got -1"):
+        load_config(TrainConfig, None, ["early_stopping.patience=-1"])
+    with pytest.raises(ConfigError, match="early_stopping.min_delta: got -0.1"):
+        load_config(TrainConfig, None, ["early_stopping.min_delta=-0.1"])
+    with pytest.raises(ConfigError, match="early_stopping.min_epochs"):
+        EarlyStoppingConfig(min_epochs=-2)
+    with pytest.raises(ConfigError, match=r"unknown config key\(s\) \['early_stopping.mode'\]"):
+        load_config(TrainConfig, None, ["early_stopping.mode=max"])
+
+
+def test_config_show_prints_the_section(capsys):
+    from pipeline.cli import main
+
+    assert main(["config", "show", "--section", "early_stopping", "--set", "early_stopping.patience=3"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "early_stopping:"
+    assert any(line.startswith("  metric: val_loss") and line.endswith("# default") for line in out)
+    assert any(line.startswith("  patience: 3") and line.endswith("# --set") for line in out)
+
+
+def test_no_stop_before_the_scheduled_exploration_ends():
+    es = EarlyStoppingConfig()
+    demo = ScheduleConfig(sigma_start=0.05, sigma_end=0.05, rarity_start=0.8, rare_until=0.5)
+    assert earliest_stop_epoch(es, 30, demo) == 15  # the rarity prior is on until half-way
+    assert earliest_stop_epoch(es, 20, ScheduleConfig(rarity_start=0.0, rare_until=0.7)) == 0  # no rare bag read
+    model = SimpleNamespace(evidence=SimpleNamespace(rare_cells=32))  # a ModelConfig's part that counts
+    assert earliest_stop_epoch(es, 20, ScheduleConfig(rarity_start=0.0, rare_until=0.7), model) == 14
+    assert earliest_stop_epoch(es, 7, ScheduleConfig(rarity_start=0.5, rarity_until=0.5)) == 4  # 3.5 -> 4
+    assert earliest_stop_epoch(EarlyStoppingConfig(min_epochs=25), 30, demo) == 25
