@@ -89,7 +89,7 @@ def demo(
     from pipeline.config import load_config
     from pipeline.runtime import init_ray
     from pipeline.tracking import resolve_tracking_uri
-    from pipeline.train import TrainConfig, train
+    from pipeline.train import TrainConfig, stopping_line, train
 
     wd = Path(workdir).expanduser().resolve()
     wd.mkdir(parents=True, exist_ok=True)
@@ -179,6 +179,7 @@ def demo(
         "slides_scored": int(len(table)),
         "score_accuracy_all_slides": accuracy,
         "val_metrics": {k: v for k, v in result.metrics.items() if k.startswith("val_")},
+        "stopping": stopping_line(result.config, result.metrics),
         "seconds": {**{k: round(v, 1) for k, v in timings.items()}, "total": round(time.monotonic() - t_start, 1)},
     }
     return summary
@@ -204,7 +205,10 @@ def run(args: argparse.Namespace) -> int:
         f"  model           {s['model_uri']}",
         f"  predictions     {s['predictions']}  ({s['slides_scored']} slides; accuracy over all slides "
         f"{s['score_accuracy_all_slides']:.2f}, train and validation together)",
-        "  validation      " + (", ".join(f"{k}={v:.3f}" for k, v in sorted(s["val_metrics"].items())) or "n/a"),
+        "  validation      "
+        + (", ".join(f"{k}={v:.3f}" for k, v in sorted(s["val_metrics"].items())) or "n/a")
+        + " (last epoch)",
+        f"  training        {s['stopping'] or 'n/a'}",
         f"  comparison      {s['compare']}",
         "  seconds         " + ", ".join(f"{k} {v}" for k, v in s["seconds"].items()),
         "",

@@ -63,6 +63,7 @@ __all__ = [
     "roc_auc",
     "classification_metrics",
     "train",
+    "stopping_line",
     "train_loop_per_worker",
     "plot_heatmap",
     "plot_gallery",
@@ -106,13 +107,13 @@ class TrainResult:
         }
         if shown:
             lines.append("final: " + ", ".join(f"{k}={v:.4g}" for k, v in sorted(shown.items())))
-        line = _stopping_line(self.config, self.metrics)
+        line = stopping_line(self.config, self.metrics)
         if line:
             lines.append(line)
         return "\n".join(lines)
 
 
-def _stopping_line(cfg: TrainConfig, metrics: dict[str, float]) -> str | None:
+def stopping_line(cfg: TrainConfig, metrics: dict[str, float]) -> str | None:
     """``epochs: 25 of at most 30 (early stop); the model is epoch 20's, best val_loss=0.04301`` (None when the
     metrics do not say)."""
     stopped = metrics.get("stopped_epoch")
