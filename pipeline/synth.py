@@ -1,7 +1,7 @@
 """``foveate synth OUT_DIR``: write synthetic slides (Aperio SVS / generic tiled TIFF) and ``labels.csv``.
 
-Two task families (``--task``): ``checker`` (default; binary) and ``objects`` (``--classes 2..5``); see
-:mod:`pipeline.synthetic`.
+Three task families (``--task``): ``checker`` (default; binary), ``objects`` (``--classes 2..5``) and ``shapes``
+(``--classes 2..10``); see :mod:`pipeline.synthetic`.
 
 The work is done by :mod:`pipeline.synthetic`; this module is the command line around it.
 """
@@ -22,23 +22,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--count", type=int, default=4, help="number of slides (default 4)")
     parser.add_argument(
         "--task",
-        choices=("checker", "objects"),
+        choices=("checker", "objects", "shapes"),
         default="checker",
         help="task family: checker (3..6 dark round structures, label = checkerboard vs flat "
-        "texture inside them) or objects (label = the kind of the majority of 3..6 small "
-        "textured objects among 20..60 textured distractor strokes/rings) (default checker)",
+        "texture inside them), objects (label = the kind of the majority of 3..6 small "
+        "textured objects among 20..60 textured distractor strokes/rings) or shapes (label = the "
+        "glyph of the majority, 3 of 5, of small distorted ink drawings among 30..80 ink scribbles "
+        "per megapixel of tissue) (default checker)",
     )
     parser.add_argument(
         "--classes",
         type=int,
         default=None,
-        help="number of classes: 2..5 for --task objects (default 4); checker is binary (2)",
+        help="number of classes: 2..5 for --task objects, 2..10 for --task shapes (default 4); checker is binary (2)",
     )
     parser.add_argument(
         "--size",
         default=None,
         help="level-0 size: N (square), WxH, or LO:HI (width and height each drawn from the range); "
-        "sides in [2000, 100000] (default 4096; 8192 for --task objects)",
+        "sides in [2000, 100000] (default 4096; 8192 for --task objects and shapes)",
     )
     parser.add_argument(
         "--format",
@@ -53,7 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=None,
         help="fraction of label-1 slides, exact up to rounding (default 0.5; checker only: "
-        "the objects task has balanced classes)",
+        "the objects and shapes tasks have balanced classes)",
     )
     parser.add_argument(
         "--jobs",
@@ -70,14 +72,17 @@ def run(args: argparse.Namespace) -> int:
     from pipeline.progress import Progress
     from pipeline.synthetic.archive import synth_archive
     from pipeline.synthetic.objects import OBJECTS_DEFAULT_SIZE
+    from pipeline.synthetic.shapes import SHAPES_DEFAULT_CLASSES, SHAPES_DEFAULT_SIZE
     from pipeline.synthetic.tasks import check_task
 
     task = args.task
-    classes = args.classes if args.classes is not None else (4 if task == "objects" else 2)
+    default_classes = {"objects": 4, "shapes": SHAPES_DEFAULT_CLASSES}.get(task, 2)
+    classes = args.classes if args.classes is not None else default_classes
     check_task(task, classes)  # ValueError naming what is allowed
-    if task == "objects" and args.positive_fraction is not None:
-        raise ValueError("--positive-fraction applies to --task checker only (the objects task has balanced classes)")
-    size = args.size if args.size is not None else (str(OBJECTS_DEFAULT_SIZE) if task == "objects" else "4096")
+    if task != "checker" and args.positive_fraction is not None:
+        raise ValueError(f"--positive-fraction applies to --task checker only (the {task} task has balanced classes)")
+    default_size = {"objects": OBJECTS_DEFAULT_SIZE, "shapes": SHAPES_DEFAULT_SIZE}.get(task, 4096)
+    size = args.size if args.size is not None else str(default_size)
     positive_fraction = 0.5 if args.positive_fraction is None else args.positive_fraction
     out = Path(args.out_dir)
     bar = Progress(None, "synth", unit="tile")
@@ -100,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
         )
     finally:
         bar.close()
-    if task == "objects":
+    if task != "checker":
         counts = df["label"].value_counts()
         per = ", ".join(f"{n} {name}" for name, n in sorted(counts.items()))
         print(f"wrote {len(df)} slides ({per}) and {out / 'labels.csv'}")

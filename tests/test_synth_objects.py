@@ -205,14 +205,14 @@ def test_cli_validation(tmp_path, capsys, caplog):
     with pytest.raises(SystemExit) as e:
         cli_main(["synth", out, "--task", "stripes"])
     assert e.value.code == 2
-    assert "invalid choice: 'stripes' (choose from 'checker', 'objects')" in capsys.readouterr().err
+    assert "invalid choice: 'stripes' (choose from 'checker', 'objects', 'shapes')" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
 
 
 @pytest.mark.parametrize(
     "kwargs,match",
     [
-        ({"task": "dots"}, r"task must be one of \('checker', 'objects'\), got 'dots'"),
+        ({"task": "dots"}, r"task must be one of \('checker', 'objects', 'shapes'\), got 'dots'"),
         ({"task": "objects", "classes": 6}, r"classes must be an int in \[2, 5\] for task 'objects'"),
         ({"task": "checker", "classes": 4}, r"classes must be 2 for task 'checker'"),
         ({"task": "objects", "classes": 4, "label": 4}, r"label must be in \[0, 3\], got 4"),

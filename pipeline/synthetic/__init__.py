@@ -5,6 +5,8 @@ One module per concept:
 - :mod:`pipeline.synthetic.checker`: the ``checker`` task family (and the tissue background every family
   paints on);
 - :mod:`pipeline.synthetic.objects`: the ``objects`` task family;
+- :mod:`pipeline.synthetic.shapes`: the ``shapes`` task family (the majority of a few distorted glyphs among
+  ink scribbles);
 - :mod:`pipeline.synthetic.tasks`: the families by name (``task=``), the one place a new family is added;
 - :mod:`pipeline.synthetic.tiff`: the writer of one slide (:func:`write_synthetic_slide`);
 - :mod:`pipeline.synthetic.archive`: the archive driver behind ``foveate synth`` (:func:`synth_archive`).

@@ -17,8 +17,7 @@ from typing import Any
 import numpy as np
 
 from pipeline.synthetic.checker import MAX_SIDE, MIN_SIDE, _check_int
-from pipeline.synthetic.objects import object_class_names
-from pipeline.synthetic.tasks import check_task
+from pipeline.synthetic.tasks import check_task, task_class_names
 from pipeline.synthetic.tiff import EXTENSIONS, level_dimensions, write_synthetic_slide
 
 __all__ = ["ARCHIVE_FORMATS", "parse_size", "synth_archive"]
@@ -106,18 +105,19 @@ def synth_archive(
         tile_size, mpp, quality: see :func:`pipeline.synthetic.tiff.write_synthetic_slide`.
         progress: called as ``progress(n_tiles, slide_name)`` as tiles are written.
         on_total: called once with the total number of tiles (all slides, all levels) before writing.
-        task: ``"checker"`` (default) or ``"objects"`` (:func:`pipeline.synthetic.objects.make_objects_layout`). For ``objects`` the
+        task: ``"checker"`` (default), ``"objects"`` (:func:`pipeline.synthetic.objects.make_objects_layout`) or
+            ``"shapes"`` (:func:`pipeline.synthetic.shapes.make_shapes_layout`). For ``objects`` and ``shapes`` the
             classes are balanced (``count // classes`` slides each, the remainder to the first classes, in an
             order shuffled by ``seed``), ``positive_fraction`` is ignored and ``label`` holds the class
-            *name* (the majority kind, e.g. ``horizontal``).
-        classes: number of classes of the ``objects`` task, in [2, 5] (2 for ``checker``).
+            *name* (the majority kind or glyph, e.g. ``horizontal``, ``ring``).
+        classes: number of classes: ``objects`` in [2, 5], ``shapes`` in [2, 10], ``checker`` 2.
         jobs: slides written at once, each in its own process (1..256; default 1: in this process). The bytes
             do not depend on it (every slide has its own seed); with ``jobs > 1`` ``progress`` is called once
             per slide, when it is complete, with all of its tiles.
 
     Returns:
         pandas.DataFrame with columns ``path`` (absolute, str) and ``label`` (int; the class name for
-        ``objects``), as in labels.csv.
+        ``objects`` and ``shapes``), as in labels.csv.
     """
     import pandas as pd
 
@@ -143,8 +143,9 @@ def synth_archive(
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    if task == "objects":  # balanced classes; labels.csv holds the class names
-        names = list(object_class_names(classes))
+    class_names = task_class_names(task, classes)
+    if class_names is not None:  # objects, shapes: balanced classes; labels.csv holds the class names
+        names = list(class_names)
         rng = np.random.default_rng(np.random.SeedSequence([seed, 0x0B1EC7, classes]))
         labels = np.arange(count, dtype=np.int64) % classes
     else:

@@ -4,7 +4,7 @@ A family is one module with a layout builder (``width, height, label, seed[, cla
 ``width``, ``height``, ``label``, ``seed`` and ``structure_boxes()``, and optionally ``sidecar_info()``: more
 ground truth for the slide's sidecar) and a renderer (``(layout, x, y, width, height)`` -> the intended
 ``(height, width, 3)`` uint8 level-0 pixels of that window, the same for any tiling). A new family is a module
-plus its name in ``TASKS`` and a branch in :func:`check_task` and :func:`task_layout`.
+plus its name in ``TASKS`` and a branch in :func:`check_task`, :func:`task_class_names` and :func:`task_layout`.
 """
 
 from __future__ import annotations
@@ -20,12 +20,21 @@ from pipeline.synthetic.objects import (
     OBJECTS_MIN_CLASSES,
     check_classes,
     make_objects_layout,
+    object_class_names,
     render_objects_region,
 )
+from pipeline.synthetic.shapes import (
+    SHAPES_MAX_CLASSES,
+    SHAPES_MIN_CLASSES,
+    check_shape_classes,
+    make_shapes_layout,
+    render_shapes_region,
+    shape_class_names,
+)
 
-__all__ = ["TASKS", "check_task", "task_layout"]
+__all__ = ["TASKS", "check_task", "task_class_names", "task_layout"]
 
-TASKS = ("checker", "objects")
+TASKS = ("checker", "objects", "shapes")
 
 
 def check_task(task: Any, classes: Any) -> tuple[str, int]:
@@ -36,10 +45,23 @@ def check_task(task: Any, classes: Any) -> tuple[str, int]:
         if isinstance(classes, bool) or not isinstance(classes, (int, np.integer)) or int(classes) != 2:
             raise ValueError(
                 f"classes must be 2 for task 'checker' (binary), got {classes!r}; "
-                f"task 'objects' takes {OBJECTS_MIN_CLASSES}..{OBJECTS_MAX_CLASSES}"
+                f"task 'objects' takes {OBJECTS_MIN_CLASSES}..{OBJECTS_MAX_CLASSES}, "
+                f"task 'shapes' {SHAPES_MIN_CLASSES}..{SHAPES_MAX_CLASSES}"
             )
         return task, 2
+    if task == "shapes":
+        return task, check_shape_classes(classes)
     return task, check_classes(classes)
+
+
+def task_class_names(task: str, classes: int) -> tuple[str, ...] | None:
+    """The class names (index -> name) of a multi-class family (its labels.csv holds names, its classes are
+    balanced); None for ``checker`` (binary labels 0 / 1)."""
+    if task == "objects":
+        return object_class_names(classes)
+    if task == "shapes":
+        return shape_class_names(classes)
+    return None
 
 
 def task_layout(
@@ -49,4 +71,6 @@ def task_layout(
     builder validates the size, label and seed."""
     if task == "objects":
         return make_objects_layout(width, height, label, seed, classes), render_objects_region
+    if task == "shapes":
+        return make_shapes_layout(width, height, label, seed, classes), render_shapes_region
     return make_layout(width, height, label, seed), render_region
