@@ -29,7 +29,9 @@ Tasks (``--tasks``): ``checker`` (the 80-slide task of ``benchmarks/accuracy.py`
 ``objects-binary`` and ``objects-4class`` (``foveate synth --task objects``, 128 slides of 4096 px by default:
 38–40 of them held out; on 64 a held-out set of 19–20 slides put one slide at 0.05 of accuracy;
 ``--count`` / ``--size`` change every task's size), and quick variants ``checker-quick`` (32 x 2048),
-``objects-binary-quick`` and ``objects-4class-quick`` (32 x 4096).
+``objects-binary-quick`` and ``objects-4class-quick`` (32 x 4096); ``shapes-binary`` (128 x 4096) and
+``shapes-8class`` (160 x 4096) (``foveate synth --task shapes``: the label is the majority glyph, 3 of 5, among
+ink strokes of the same colour) and their ``-quick`` variants (32 x 4096).
 
 Usage:
   python benchmarks/robustness.py --tasks objects-binary-quick --configs perturbed_mean --seeds 0,1,2 --epochs 10
@@ -71,7 +73,7 @@ NOT_CONFIGS = ("demo", "runtime_env")
 @dataclass(frozen=True)
 class Task:
     name: str
-    family: str  # "checker" | "objects"
+    family: str  # "checker" | "objects" | "shapes"
     classes: int
     count: int
     size: str
@@ -89,6 +91,10 @@ TASKS = {
     "checker-quick": Task("checker-quick", "checker", 2, 32, "2048", "zstd"),
     "objects-binary-quick": Task("objects-binary-quick", "objects", 2, 32, "4096", "jpeg"),
     "objects-4class-quick": Task("objects-4class-quick", "objects", 4, 32, "4096", "jpeg"),
+    "shapes-binary": Task("shapes-binary", "shapes", 2, 128, "4096", "jpeg"),
+    "shapes-8class": Task("shapes-8class", "shapes", 8, 160, "4096", "jpeg"),
+    "shapes-binary-quick": Task("shapes-binary-quick", "shapes", 2, 32, "4096", "jpeg"),
+    "shapes-8class-quick": Task("shapes-8class-quick", "shapes", 8, 32, "4096", "jpeg"),
 }
 
 
@@ -136,8 +142,8 @@ def prepare_data(task: Task, workdir: Path, seed: int = 0, synth_jobs: int = 1) 
             "--jobs",
             str(synth_jobs),
         ]
-        if task.family == "objects":
-            cmd += ["--task", "objects", "--classes", str(task.classes)]
+        if task.family in ("objects", "shapes"):
+            cmd += ["--task", task.family, "--classes", str(task.classes)]
         _run(cmd, log)
     t1 = time.perf_counter()
     _run(
