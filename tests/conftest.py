@@ -1,9 +1,15 @@
 """Shared test fixtures and markers.
 
-Markers (``pyproject.toml``): ``ray`` = uses an in-process Ray (every test using the :func:`ray_local` fixture
-gets it automatically); ``cluster`` = starts a real Ray head and MLflow server (``infra/local/up.sh``);
-``slow`` = takes more than ~30 s; ``gpu`` = needs CUDA. E.g. ``pytest -m "not ray and not cluster"`` runs the
-fast, Ray-free part.
+Markers (``pyproject.toml``): ``ray`` = starts or uses Ray (every test using the :func:`ray_local` or
+:func:`ray_own` fixture gets it automatically; a test that starts Ray through a command or a subprocess carries it
+explicitly); ``e2e`` = runs a foveate command or a subprocess pipeline end to end; ``cluster`` = starts a real Ray
+head and MLflow server (``infra/local/up.sh``); ``slow`` = takes more than ~10 s; ``gpu`` = needs CUDA.
+``pytest -m "not slow"`` is the quick loop; ``pytest -m "not ray and not cluster"`` runs the Ray-free part.
+
+Ray in tests: :func:`ray_local` is one in-process Ray shared by every module that only submits work to it, started
+on first use and again after a module that needed its own (:func:`ray_own`: modules whose tests kill actors or need
+Ray started after their own set-up); a test marked ``ray`` or ``cluster`` that uses neither fixture starts Ray its
+own way and runs with the shared one shut down. Test order does not matter.
 
 Real OpenSlide fixtures come from ``$FOVEATE_OPENSLIDE_FIXTURES`` (default ``../shared/fixtures/openslide``
 beside the clone); tests needing them skip with a clear reason where the folder is absent.
@@ -67,25 +73,85 @@ def _mlflow_tracking_uri(tmp_path, monkeypatch):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
 
 
-@pytest.fixture(scope="module")
-def ray_local():
-    """One in-process Ray per test module (2 CPUs, small object store, the source tree on the workers'
-    PYTHONPATH, one OpenMP thread per worker), shut down after the module."""
+RAY_INIT_ARGS = {  # 2 CPUs, small object store, the source tree on the workers' PYTHONPATH, one OpenMP thread each
+    "num_cpus": 2,
+    "include_dashboard": False,
+    "object_store_memory": 80 * 1024**2,
+    "configure_logging": False,
+    "log_to_driver": False,
+    "runtime_env": {"env_vars": {"PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}},
+}
+_RAY = {"shared": None, "own": None}  # the head node id of the shared Ray / of a module's own Ray, when up
+
+
+def _ray_node() -> str | None:
     import ray
 
-    ray.init(
-        num_cpus=2,
-        include_dashboard=False,
-        object_store_memory=80 * 1024**2,
-        configure_logging=False,
-        log_to_driver=False,
-        runtime_env={"env_vars": {"PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}},
-    )
+    return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+
+
+def stop_shared_ray() -> None:
+    """Shut the shared in-process Ray down if it is the one running (it starts again at its next use)."""
+    import ray
+
+    if _RAY["shared"] is not None and _ray_node() == _RAY["shared"]:
+        ray.shutdown()
+    _RAY["shared"] = None
+
+
+@pytest.fixture(scope="session")
+def _ray_session():
     yield
-    ray.shutdown()
+    stop_shared_ray()
+
+
+@pytest.fixture()
+def ray_local(_ray_session):
+    """The shared in-process Ray (:data:`RAY_INIT_ARGS`), kept up across tests and modules; started lazily, so
+    also after a module that ran its own Ray (:func:`ray_own`) or a test that needed none running."""
+    import ray
+
+    node = _ray_node()
+    if node is not None and node == _RAY["own"]:
+        raise pytest.UsageError("a module that uses ray_own cannot use ray_local too")
+    if node is None or node != _RAY["shared"]:
+        if node is not None:
+            ray.shutdown()  # a Ray some test left running: not ours to share
+        ray.init(**RAY_INIT_ARGS)
+        _RAY["shared"] = _ray_node()
+    yield
+
+
+@pytest.fixture(scope="module")
+def ray_own():
+    """A module's own in-process Ray (same arguments as the shared one), started after the module fixtures
+    requested before it (e.g. environment the workers must inherit) and shut down after the module; the shared
+    Ray is shut down first. For modules whose tests kill actors or processes of Ray."""
+    import ray
+
+    stop_shared_ray()
+    if ray.is_initialized():
+        ray.shutdown()
+    ray.init(**RAY_INIT_ARGS)
+    _RAY["own"] = _ray_node()
+    try:
+        yield
+    finally:
+        _RAY["own"] = None
+        ray.shutdown()
+
+
+@pytest.fixture(autouse=True)
+def _no_shared_ray_for_tests_that_start_their_own(request):
+    """A test marked ``ray``/``cluster`` without a Ray fixture starts Ray its own way (a command in-process, a
+    subprocess, a cluster whose clients join with ``--address auto``): the shared Ray must not be running then."""
+    if {"ray_local", "ray_own"}.isdisjoint(request.fixturenames) and (
+        request.node.get_closest_marker("ray") or request.node.get_closest_marker("cluster")
+    ):
+        stop_shared_ray()
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if "ray_local" in getattr(item, "fixturenames", ()):
+        if {"ray_local", "ray_own"} & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.ray)

@@ -116,7 +116,7 @@ def _other_model(root: Path) -> Path:
     return save_checkpoint(root / "other.pt", FoveateModel(_model_config()).eval(), _model_config(), CLASSES)
 
 
-@pytest.mark.ray
+@pytest.mark.e2e
 def test_score_exit_code_and_resume_identity(data, ray_local, tmp_path, capsys):
     """4 good + 3 broken stores: exit 1 (0 with --allow-failures); resuming the file with another model is
     refused, --overwrite replaces it, the same model resumes."""
@@ -188,6 +188,7 @@ def test_csv_manifest_faults(tmp_path):
         discover_inputs([conflict])
 
 
+@pytest.mark.e2e
 def test_blank_csv_row_fails_its_own_row_in_ingest(tmp_path, ray_local, openslide_fixtures):
     """End to end: a CSV with one real slide and a blank path: the slide is ingested, the blank row fails with
     a reason naming the CSV line, nothing else is ingested."""
@@ -307,6 +308,7 @@ def test_a_second_writer_is_refused_and_a_dead_holder_releases(tmp_path, caplog)
 
 
 @pytest.mark.ray
+@pytest.mark.e2e
 def test_two_real_ingests_with_overwrite_into_one_out(tmp_path):
     """Case 1 as the user met it: two `foveate ingest --overwrite` processes started together on one --out. One
     takes the lock and completes; the other exits 2 naming the holder, having written nothing; every store that
@@ -340,6 +342,7 @@ def test_two_real_ingests_with_overwrite_into_one_out(tmp_path):
 
 
 @pytest.mark.ray
+@pytest.mark.e2e
 def test_no_ray_process_outlives_a_killed_command(tmp_path):
     """Case 5: `kill -9` of a command that started an in-process Ray; within 15 s none of the Ray processes it
     started is left (without the watcher of pipeline/reaper.py, Ray 2.60's dashboard and runtime-env agents
@@ -414,6 +417,7 @@ def test_model_records_its_mpp_and_scoring_checks_it(tmp_path, caplog):
 
 
 @pytest.mark.ray
+@pytest.mark.e2e
 def test_sigterm_ends_the_mlflow_run_as_failed(data, tmp_path):
     """`kill` (SIGTERM) of a scoring command mid-run: the command ends through its finally blocks, so its MLflow
     run is FAILED rather than RUNNING forever, and the exit code is not 0."""

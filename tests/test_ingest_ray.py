@@ -25,7 +25,8 @@ def synth_svs(tmp_path_factory):
     return p
 
 
-def test_cli_bad_inputs_fail_their_own_rows_and_the_rest_complete(ray_local, tmp_path, openslide_fixtures, capsys):
+@pytest.mark.e2e
+def test_cli_bad_inputs_fail_their_own_rows_and_the_rest_complete(ray_own, tmp_path, openslide_fixtures, capsys):
     bad = tmp_path / "bad"
     bad.mkdir()
     (bad / "zero.svs").write_bytes(b"")
@@ -96,7 +97,8 @@ def test_cli_bad_inputs_fail_their_own_rows_and_the_rest_complete(ray_local, tmp
     assert rc == 0 and "3 failed" in capsys.readouterr().out
 
 
-def test_killed_actor_mid_slide_then_rerun_resumes_with_identical_arrays(ray_local, tmp_path, synth_svs):
+@pytest.mark.e2e
+def test_killed_actor_mid_slide_then_rerun_resumes_with_identical_arrays(ray_own, tmp_path, synth_svs):
     from pipeline.ingest import ingest
 
     opts = IngestOptions(tile_size=256, min_size=256, region_tiles=2)

@@ -34,7 +34,7 @@ from pathlib import Path
 import pytest
 from local_services import live_pids_mentioning, moto_s3
 
-pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.e2e]
 
 pytest.importorskip("moto.server", reason="moto[server] is in the test extras (pip install -e '.[test]')")
 

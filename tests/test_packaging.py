@@ -33,6 +33,7 @@ def test_shipped_configs_from_the_checkout():
 
 
 @pytest.mark.slow
+@pytest.mark.e2e
 def test_wheel_installs_and_runs_without_the_checkout(tmp_path, fresh_venv):
     import shutil
 

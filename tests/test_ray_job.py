@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from local_services import live_pids_mentioning
 
-pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.e2e]
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent

@@ -236,7 +236,8 @@ workdir: {workdir}
 """
 
 
-def test_ingest_train_score_resume_with_every_path_on_s3(s3, ray_local, slide_csv, tmp_path):
+@pytest.mark.e2e
+def test_ingest_train_score_resume_with_every_path_on_s3(s3, ray_own, slide_csv, tmp_path):
     from pipeline.config import load_config
     from pipeline.ingest import ingest
     from pipeline.score import score

@@ -19,7 +19,7 @@ def test_unreachable_actor_errors():
     assert not _unreachable(RayTaskError("f", "traceback", ValueError("x")))
 
 
-def test_a_call_of_an_actor_the_pool_replaced_is_marked_superseded(ray_local):
+def test_a_call_of_an_actor_the_pool_replaced_is_marked_superseded(ray_own):
     """Two calls in flight on one actor that dies: the first failure replaces (kills) the actor; the other call then
     fails too ('killed by ray.kill', not an unreachable-node error) and is marked ``superseded``, so scoring
     resubmits it instead of writing an error row for a slide that did nothing wrong (seen in the two-node test)."""

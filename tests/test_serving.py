@@ -144,6 +144,7 @@ def test_logged_model_artifacts_hold_no_pickle_and_installable_requirements(logg
 
 
 @pytest.mark.slow
+@pytest.mark.e2e
 def test_logged_model_loads_in_an_interpreter_without_the_checkout(logged, tmp_path, fresh_venv):
     py = fresh_venv()
     script = tmp_path / "load.py"
@@ -188,6 +189,7 @@ def _post(url: str, body: bytes) -> tuple[int, dict]:
 
 
 @pytest.mark.slow
+@pytest.mark.e2e
 def test_mlflow_models_serve_answers_like_foveate_score(logged, ray_local, tmp_path):
     from pipeline.score import score
 

@@ -147,6 +147,7 @@ def test_bad_handoffs(stores, ckpt):
 
 
 @pytest.mark.slow  # about a minute on 2 cores: an in-process Ray and two actor pools
+@pytest.mark.e2e
 def test_one_open_per_slide_across_ray_actors(stores, ckpt, ray_local, tmp_path):
     """``foveate score`` on Ray: each scorer and classifier actor records the stores it verified (in its own
     process); over the run, every slide was verified exactly once, by a scorer."""

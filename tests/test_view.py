@@ -222,6 +222,7 @@ def _start_cli(data) -> tuple[subprocess.Popen, str]:
     return proc, m.group(0).rstrip("/")
 
 
+@pytest.mark.e2e
 def test_cli_serves(data):
     proc, url = _start_cli(data)
     try:
@@ -240,6 +241,7 @@ def _chromium() -> str | None:
 
 
 @pytest.mark.slow
+@pytest.mark.e2e
 def test_browser(data):
     """The page in a headless Chromium: every store listed, a slide's tiles at two zoom levels without console
     errors, the patch overlay drawn where the patches are, a click on a box naming its /patch address."""
