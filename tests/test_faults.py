@@ -116,6 +116,7 @@ def _other_model(root: Path) -> Path:
     return save_checkpoint(root / "other.pt", FoveateModel(_model_config()).eval(), _model_config(), CLASSES)
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 def test_score_exit_code_and_resume_identity(data, ray_local, tmp_path, capsys):
     """4 good + 3 broken stores: exit 1 (0 with --allow-failures); resuming the file with another model is
@@ -188,6 +189,7 @@ def test_csv_manifest_faults(tmp_path):
         discover_inputs([conflict])
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 def test_blank_csv_row_fails_its_own_row_in_ingest(tmp_path, ray_local, openslide_fixtures):
     """End to end: a CSV with one real slide and a blank path: the slide is ingested, the blank row fails with
@@ -307,6 +309,7 @@ def test_a_second_writer_is_refused_and_a_dead_holder_releases(tmp_path, caplog)
     assert time.monotonic() - t < 1
 
 
+@pytest.mark.slow
 @pytest.mark.ray
 @pytest.mark.e2e
 def test_two_real_ingests_with_overwrite_into_one_out(tmp_path):
@@ -341,6 +344,7 @@ def test_two_real_ingests_with_overwrite_into_one_out(tmp_path):
     assert len(list(out.glob("*.zarr"))) == 3
 
 
+@pytest.mark.slow
 @pytest.mark.ray
 @pytest.mark.e2e
 def test_no_ray_process_outlives_a_killed_command(tmp_path):
@@ -416,6 +420,7 @@ def test_model_records_its_mpp_and_scoring_checks_it(tmp_path, caplog):
     assert strict.score_one("near", str(near.path))["status"] == "ok"
 
 
+@pytest.mark.slow
 @pytest.mark.ray
 @pytest.mark.e2e
 def test_sigterm_ends_the_mlflow_run_as_failed(data, tmp_path):

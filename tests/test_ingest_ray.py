@@ -25,6 +25,7 @@ def synth_svs(tmp_path_factory):
     return p
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 def test_cli_bad_inputs_fail_their_own_rows_and_the_rest_complete(ray_own, tmp_path, openslide_fixtures, capsys):
     bad = tmp_path / "bad"
@@ -97,6 +98,7 @@ def test_cli_bad_inputs_fail_their_own_rows_and_the_rest_complete(ray_own, tmp_p
     assert rc == 0 and "3 failed" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 def test_killed_actor_mid_slide_then_rerun_resumes_with_identical_arrays(ray_own, tmp_path, synth_svs):
     from pipeline.ingest import ingest

@@ -236,6 +236,7 @@ workdir: {workdir}
 """
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 def test_ingest_train_score_resume_with_every_path_on_s3(s3, ray_own, slide_csv, tmp_path):
     from pipeline.config import load_config

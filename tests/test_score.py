@@ -133,6 +133,7 @@ def test_arguments(data, tmp_path):
     assert [s for s, _ in list_stores(data["stores"])] == sorted(GOOD + list(BAD))
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 def test_score_with_killed_actors_errors_mlflow_and_resume(data, ray_own, tmp_path, monkeypatch):
     """Score from an MLflow runs:/ URI while each stage's actor kills its own process (os._exit) mid-run: Ray

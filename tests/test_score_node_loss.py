@@ -19,6 +19,7 @@ def test_unreachable_actor_errors():
     assert not _unreachable(RayTaskError("f", "traceback", ValueError("x")))
 
 
+@pytest.mark.slow  # an own Ray (~10 s to start on 2 cores) for one actor
 def test_a_call_of_an_actor_the_pool_replaced_is_marked_superseded(ray_own):
     """Two calls in flight on one actor that dies: the first failure replaces (kills) the actor; the other call then
     fails too ('killed by ray.kill', not an unreachable-node error) and is marked ``superseded``, so scoring

@@ -190,6 +190,7 @@ def test_archive_labels_and_csv(tmp_path):
         assert s.dimensions == (side["width"], side["height"])
 
 
+@pytest.mark.slow
 def test_archive_jobs_write_the_same_bytes(tmp_path):
     """--jobs 2 (one process per slide) writes the same files and labels.csv rows as one process."""
     kw = dict(count=3, size="2000:2100", fmt="mixed", seed=5, positive_fraction=0.5)

@@ -161,6 +161,7 @@ def test_boxes_match_rendered_pixels(slides):
         assert full[int(o["cy"]), int(o["cx"])].mean() < 190 < base[int(o["cy"]), int(o["cx"])].mean() + 60
 
 
+@pytest.mark.slow
 def test_archive_and_cli(tmp_path, capsys):
     df = synth_archive(tmp_path / "a", count=5, size=2048, fmt="tiff", seed=2, task="objects", classes=2)
     assert sorted(df["label"]) == ["horizontal", "horizontal", "horizontal", "vertical", "vertical"]

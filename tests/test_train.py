@@ -125,6 +125,7 @@ def test_config_errors_are_clear(tmp_path, slides, capsys):
 
 
 # ------------------------------------------------------------------------------------------ real training
+@pytest.mark.slow
 @pytest.mark.e2e
 def test_train_crash_resume_and_logged_model(tmp_path, slides, ray_local):
     import mlflow
@@ -256,6 +257,7 @@ def test_train_crash_resume_and_logged_model(tmp_path, slides, ray_local):
         assert torch.equal(v, trainer.eval_model.state_dict()[k].cpu()), k
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 def test_two_workers_through_the_cli(tmp_path, slides, ray_local, capsys):
     import mlflow
