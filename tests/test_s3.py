@@ -117,6 +117,7 @@ def test_slides_on_s3_are_listed_and_copied_to_bounded_scratch(s3, svs, svs_url,
     assert not scratch.exists() or not any(scratch.rglob("*.svs"))
 
 
+@pytest.mark.slow
 def test_killed_tiler_on_s3_leaves_no_complete_store_and_resumes_by_region(s3, svs, svs_url, tmp_path):
     opts = IngestOptions(tile_size=256, min_size=256, region_tiles=2)
     (inp,) = discover_inputs([svs_url])  # the slide itself is read from the bucket too
@@ -180,6 +181,7 @@ def test_killed_tiler_on_s3_leaves_no_complete_store_and_resumes_by_region(s3, s
         SlideStore(plan2.store_path)
 
 
+@pytest.mark.slow
 def test_shards_against_one_object_per_chunk_on_s3(s3, svs):
     (inp,) = discover_inputs([svs])
     counts = {}

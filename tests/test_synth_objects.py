@@ -57,7 +57,9 @@ def test_sidecar_lists_objects_and_distractors(slides):
     assert all(b == boxes[0] for b in boxes) and all(b == dboxes[0] for b in dboxes)
 
 
-@pytest.mark.parametrize("classes", [2, 4, 5])
+@pytest.mark.parametrize(
+    "classes", [2, pytest.param(4, marks=pytest.mark.slow), pytest.param(5, marks=pytest.mark.slow)]
+)
 def test_label_is_the_majority_kind_with_one_minority_object(classes):
     for seed in range(12):
         for label in range(classes):
@@ -107,6 +109,7 @@ def test_deterministic(tmp_path, slides):
         np.testing.assert_array_equal(render_objects_region(lay, x, y, w, h), big[y : y + h, x : x + w])
 
 
+@pytest.mark.slow
 def test_label_invisible_at_quarter_scale_visible_at_full_resolution(slides):
     lays = [make_objects_layout(S, S, label, SEED, 4) for label in range(4)]
     intent = [render_objects_region(lay, 0, 0, S, S) for lay in lays]

@@ -235,6 +235,7 @@ def test_openslide_reads_the_glyphs(slides, fmt, vendor):
         assert np.abs(got - want).mean() < 6, b  # JPEG noise only
 
 
+@pytest.mark.slow
 def test_archive_balanced_and_cli(tmp_path, capsys):
     df = synth_archive(tmp_path / "a", count=7, size=2000, fmt="tiff", seed=2, task="shapes", classes=3)
     assert sorted(df["label"].value_counts().tolist()) == [2, 2, 3] and set(df["label"]) == set(SHAPE_CLASSES[:3])

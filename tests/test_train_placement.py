@@ -35,7 +35,10 @@ def test_strategy_reaches_the_scaling_config(monkeypatch, tmp_path):
 
     monkeypatch.setattr(ray.train.torch, "TorchTrainer", FakeTrainer)
     cfg = TrainConfig(workers=2, use_gpu=False, placement_strategy="SPREAD")
-    assert train_mod._fit(cfg, str(tmp_path / "run"), [], [], ["0", "1"], "sqlite:///x.db", "rid") == "fitted"
+    assert (
+        train_mod._fit(cfg, str(tmp_path / "run"), [], [], ["0", "1"], f"sqlite:///{tmp_path / 'x.db'}", "rid")
+        == "fitted"
+    )
     sc = seen["scaling_config"]
     assert (sc.num_workers, sc.placement_strategy, sc.use_gpu) == (2, "SPREAD", False)
     assert sc.resources_per_worker == {"CPU": 1}
