@@ -54,14 +54,15 @@ def test_k_above_the_grid_fails_before_ray_or_mlflow(tmp_path, data):
         [
             f"data.stores={data['stores']}",
             f"data.labels={labels}",
-            "model.patch_size=32",
-            "model.k=500",
+            "model.geometry.patch_size=32",
+            "model.geometry.stride=32",
+            "model.selection.k=500",
             f"workdir={tmp_path / 'work'}",
             "tracking.experiment=k-too-big",
         ],
     )
     was_running = ray.is_initialized()
-    with pytest.raises(ConfigError, match=r"model.k: got 500,.* slide s\d \(400 x 300 px .* has 130"):
+    with pytest.raises(ConfigError, match=r"model.selection.k: got 500,.* slide s\d \(400 x 300 px .* has 130"):
         train(cfg)
     assert ray.is_initialized() == was_running
     client = mlflow.MlflowClient(os.environ["MLFLOW_TRACKING_URI"])

@@ -218,7 +218,7 @@ def test_ingest_train_score_as_ray_jobs(cluster, tmp_path, monkeypatch):
     m = run.data.metrics
     for key in ("val_accuracy", "val_auc", "epoch_train_loss", "train_seconds", "epoch_patches_per_second"):
         assert key in m, (key, sorted(m))
-    assert run.data.params["model.selector"] == "perturbed"
+    assert run.data.params["model.selection.selector"] == "perturbed"
     models = client.search_logged_models([exp.experiment_id])
     assert [lm.source_run_id for lm in models] == [run.info.run_id]
     assert "checkpoint/model.pt" in [a.path for a in client.list_artifacts(run.info.run_id, "checkpoint")]
@@ -246,7 +246,7 @@ def test_ingest_train_score_as_ray_jobs(cluster, tmp_path, monkeypatch):
     assert len(slide_ids) == 4
     assert sorted(table["slide_id"]) == slide_ids and table["slide_id"].is_unique
     assert (table["status"] == "ok").all(), table[["slide_id", "error"]]
-    k = int(run.data.params["model.k"])
+    k = int(run.data.params["model.selection.k"])
     assert all(len(p) == k for p in table["patches"])
     score_exp = client.get_experiment_by_name("foveate-score")
     score_runs = client.search_runs([score_exp.experiment_id])
