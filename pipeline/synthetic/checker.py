@@ -99,14 +99,9 @@ class SlideLayout:
         """Ground-truth candidate structures as level-0 boxes (integer ``x, y, width, height`` enclosing the disk)."""
         out = []
         for cx, cy, r in self.structures:
-            x0, y0 = int(math.floor(cx - r)), int(math.floor(cy - r))
-            x1, y1 = int(math.ceil(cx + r)), int(math.ceil(cy + r))
             out.append(
                 {
-                    "x": x0,
-                    "y": y0,
-                    "width": x1 - x0,
-                    "height": y1 - y0,
+                    **_disk_box(cx, cy, r),
                     "cx": float(cx),
                     "cy": float(cy),
                     "radius": float(r),
@@ -114,6 +109,20 @@ class SlideLayout:
                 }
             )
         return out
+
+
+def _check_class_count(classes: Any, lo: int, hi: int, task: str, allowed: str) -> int:
+    """``classes`` as an int in ``[lo, hi]`` for ``task``, else ValueError naming the range and ``allowed``."""
+    if isinstance(classes, bool) or not isinstance(classes, (int, np.integer)) or not lo <= int(classes) <= hi:
+        raise ValueError(f"classes must be an int in [{lo}, {hi}] for task {task!r} ({allowed}), got {classes!r}")
+    return int(classes)
+
+
+def _disk_box(cx: float, cy: float, r: float) -> dict[str, int]:
+    """The integer level-0 box ``x, y, width, height`` enclosing the disk of radius ``r`` at ``(cx, cy)``."""
+    x0, y0 = int(math.floor(cx - r)), int(math.floor(cy - r))
+    x1, y1 = int(math.ceil(cx + r)), int(math.ceil(cy + r))
+    return {"x": x0, "y": y0, "width": x1 - x0, "height": y1 - y0}
 
 
 def _check_int(name: str, value: Any, lo: int, hi: int) -> int:

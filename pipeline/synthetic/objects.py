@@ -39,7 +39,9 @@ from pipeline.synthetic.checker import (
     MAX_SIDE,
     MIN_SIDE,
     SlideLayout,
+    _check_class_count,
     _check_int,
+    _disk_box,
     _draw_waves,
     _noise_texture,
     _tissue_field,
@@ -77,16 +79,8 @@ _STROKE_POINTS = 17
 
 def check_classes(classes: Any) -> int:
     """Validate the number of classes of the ``objects`` task; returns it as an int."""
-    if (
-        isinstance(classes, bool)
-        or not isinstance(classes, (int, np.integer))
-        or not OBJECTS_MIN_CLASSES <= int(classes) <= OBJECTS_MAX_CLASSES
-    ):
-        raise ValueError(
-            f"classes must be an int in [{OBJECTS_MIN_CLASSES}, {OBJECTS_MAX_CLASSES}] for task "
-            f"'objects' (kinds {OBJECT_KINDS[:OBJECTS_MAX_CLASSES]}), got {classes!r}"
-        )
-    return int(classes)
+    kinds = f"kinds {OBJECT_KINDS[:OBJECTS_MAX_CLASSES]}"
+    return _check_class_count(classes, OBJECTS_MIN_CLASSES, OBJECTS_MAX_CLASSES, "objects", kinds)
 
 
 def object_class_names(classes: int) -> tuple[str, ...]:
@@ -131,14 +125,9 @@ class ObjectsLayout:
         radius, kind``."""
         out = []
         for cx, cy, r, kind in self.objects:
-            x0, y0 = int(math.floor(cx - r)), int(math.floor(cy - r))
-            x1, y1 = int(math.ceil(cx + r)), int(math.ceil(cy + r))
             out.append(
                 {
-                    "x": x0,
-                    "y": y0,
-                    "width": x1 - x0,
-                    "height": y1 - y0,
+                    **_disk_box(cx, cy, r),
                     "cx": float(cx),
                     "cy": float(cy),
                     "radius": float(r),
@@ -152,14 +141,9 @@ class ObjectsLayout:
         """Distractors as level-0 boxes plus ``shape`` (``ring`` / ``stroke``) and ``kind``."""
         out = []
         for cx, cy, ro, ri, kind in self.rings:
-            x0, y0 = int(math.floor(cx - ro)), int(math.floor(cy - ro))
-            x1, y1 = int(math.ceil(cx + ro)), int(math.ceil(cy + ro))
             out.append(
                 {
-                    "x": x0,
-                    "y": y0,
-                    "width": x1 - x0,
-                    "height": y1 - y0,
+                    **_disk_box(cx, cy, ro),
                     "shape": "ring",
                     "cx": float(cx),
                     "cy": float(cy),

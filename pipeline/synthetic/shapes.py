@@ -42,6 +42,7 @@ from pipeline.synthetic.checker import (
     MAX_SIDE,
     MIN_SIDE,
     SlideLayout,
+    _check_class_count,
     _check_int,
     _noise_texture,
     _tissue_field,
@@ -104,16 +105,8 @@ _SALT = 0x5A4E5
 
 def check_shape_classes(classes: Any) -> int:
     """Validate the number of classes of the ``shapes`` task; returns it as an int."""
-    if (
-        isinstance(classes, bool)
-        or not isinstance(classes, (int, np.integer))
-        or not SHAPES_MIN_CLASSES <= int(classes) <= SHAPES_MAX_CLASSES
-    ):
-        raise ValueError(
-            f"classes must be an int in [{SHAPES_MIN_CLASSES}, {SHAPES_MAX_CLASSES}] for task 'shapes' (at most "
-            f"{SHAPES_MAX_CLASSES}: the glyph classes {', '.join(SHAPE_CLASSES)}), got {classes!r}"
-        )
-    return int(classes)
+    glyphs = f"at most {SHAPES_MAX_CLASSES}: the glyph classes {', '.join(SHAPE_CLASSES)}"
+    return _check_class_count(classes, SHAPES_MIN_CLASSES, SHAPES_MAX_CLASSES, "shapes", glyphs)
 
 
 def shape_class_names(classes: int) -> tuple[str, ...]:
