@@ -313,7 +313,7 @@ class PatchReader:
     def read(self, cell_indices: Any, offsets_l0: torch.Tensor | None = None) -> torch.Tensor:
         """Patches of ``cell_indices`` (LongTensor ``[M]``, repeats allowed) -> uint8 ``[M, 3, s, s]``
         (``s = out_size``). ``offsets_l0``: optional ``[M, 2]`` integer ``(dx, dy)`` shifts of each read window in
-        level-0 pixels (training-time jitter); pixels outside the slide read as white (255)."""
+        level-0 pixels; pixels outside the slide read as white (255)."""
         out = self._read_l0(cell_indices, offsets_l0)
         if self.out_size == self.grid.patch_size:
             return out
@@ -518,7 +518,6 @@ def gather_patches(
     *,
     device: torch.device | str | None = None,
     dtype: torch.dtype = torch.float32,
-    generator: torch.Generator | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Read the selected patches of one slide and form each slot's (soft) patch.
 
@@ -530,7 +529,6 @@ def gather_patches(
         slide: from :func:`prepare_slide`.
         selection: for this slide (``B = 1``).
         device, dtype: of the returned patches (default: the selection weights' device).
-        generator: unused (kept for callers that pass the step's generator).
 
     Returns:
         ``(patches[1, K, 3, s, s] in [0, 1], positions[1, K, 2], cells_read)`` (``s = geometry.patch_input``,

@@ -76,12 +76,12 @@ def forward_slide(
     sel = model.select(
         model.local_maxima(scores, tuple(cell_mask.shape)), training=training, sigma=sigma, generator=generator
     )
-    patches, positions, cells_read = gather_patches(slide, sel, device=device, dtype=dtype, generator=generator)
+    patches, positions, cells_read = gather_patches(slide, sel, device=device, dtype=dtype)
     cj = model.cfg.augment.color_jitter if training else 0.0
     patches = color_jitter_patches(patches, cj, generator)
 
     # Training reads more cells than the K selected ones (exploration, the rare bag, neutral cells): their pixels
-    # are prepared first, in the order the generator is drawn from (cells, read offsets, colour jitter), then
+    # are prepared first, in the order the generator is drawn from (cells, colour jitter), then
     # every patch of this slide-step goes through the ResNet in one batch (the same features, one call).
     groups: list[torch.Tensor] = []
 
