@@ -86,14 +86,21 @@ def checkpoint_dict(
     train_config: Mapping[str, Any] | None = None,
     metadata: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The checkpoint content (tensors on CPU, everything else plain; a TorchScript encoder's file as bytes)."""
+    """The checkpoint content (tensors on CPU, everything else plain; a TorchScript encoder's file as bytes).
+
+    The encoder's initial weights (``model.features.init``) are in the state dict: the checkpoint's model config has
+    ``init: null`` (so it loads without that file) and its metadata records the source as ``features_init``."""
+    config, init = _without_init(to_dict(model_config))
+    meta = to_dict(dict(metadata or {}))
+    if init is not None:
+        meta.setdefault("features_init", init)
     ckpt = {
         "format": CHECKPOINT_FORMAT,
         "state_dict": {k: v.detach().cpu() for k, v in model.state_dict().items()},
-        "model_config": to_dict(model_config),
+        "model_config": config,
         "class_names": [str(c) for c in class_names],
         "train_config": to_dict(dict(train_config)) if train_config is not None else None,
-        "metadata": to_dict(dict(metadata or {})),
+        "metadata": meta,
     }
     encoder = getattr(model, "features", None)
     if callable(getattr(encoder, "torchscript_bytes", None)):  # operators.encoders.TorchScriptEncoder
@@ -101,6 +108,23 @@ def checkpoint_dict(
 
         ckpt["torchscript"] = as_tensor(encoder.torchscript_bytes())
     return ckpt
+
+
+def _without_init(config: Mapping[str, Any]) -> tuple[dict[str, Any], str | None]:
+    """A model config mapping with ``features.init`` (or its older name ``weights``) unset, and the value it had:
+    a checkpoint's weights are its state dict, never the initial file again."""
+    config = dict(config)
+    features = config.get("features")
+    if not isinstance(features, Mapping):
+        return config, None
+    features = dict(features)
+    init = None
+    for key in ("init", "weights"):
+        if features.get(key) is not None:
+            init = init or str(features[key])
+            features[key] = None
+    config["features"] = features
+    return config, init
 
 
 def save_checkpoint(
@@ -125,7 +149,7 @@ def model_from_checkpoint(ckpt: Mapping[str, Any]):
         from operators.encoders import as_bytes
 
         data = as_bytes(data)
-    model, cfg = build_model(ckpt["model_config"], torchscript=data)
+    model, cfg = build_model(_without_init(ckpt["model_config"])[0], torchscript=data)
     model.load_state_dict(ckpt["state_dict"])
     model.eval()
     return model, cfg, list(ckpt["class_names"])

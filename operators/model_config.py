@@ -44,6 +44,7 @@ __all__ = [
     "AugmentConfig",
     "FEATURE_KINDS",
     "FeaturesConfig",
+    "is_init_uri",
     "AttentionMILConfig",
     "TransformerConfig",
     "AggregatorConfig",
@@ -389,7 +390,15 @@ class AugmentConfig:
 
 # ---------------------------------------------------------------------------------------------- features
 FEATURE_KINDS = ("resnet", "torchscript")
-_RESNET_DEFAULTS: dict[str, Any] = {"widths": (16, 32, 64), "blocks": (1, 1, 1), "norm": "group", "weights": None}
+_RESNET_DEFAULTS: dict[str, Any] = {"widths": (16, 32, 64), "blocks": (1, 1, 1), "norm": "group", "init": None}
+# older names of FeaturesConfig fields (still accepted, one deprecation line each when given a value)
+_FEATURES_RENAMED = {"frozen": "freeze", "weights": "init"}
+_FEATURES_OLD_DEFAULTS = {"frozen": False, "weights": None}
+
+
+def is_init_uri(init: str | None) -> bool:
+    """``model.features.init`` names an MLflow location (``runs:/...``, ``models:/...``), not a local file."""
+    return isinstance(init, str) and init.startswith(("runs:/", "models:/"))
 
 
 @dataclass(frozen=True)
@@ -399,7 +408,9 @@ class FeaturesConfig:
     pathology foundation model exported elsewhere; nothing is downloaded). Either takes float patches in [0, 1],
     ``[M, 3, s, s]``, and gives ``[M, feature_dim]``. ``input_size`` / ``input_um`` become the geometry's
     ``patch_input`` / ``patch_size_um`` where the geometry leaves those unset (:class:`ModelConfig`). Mappings of
-    the earlier ResNet-only shape (widths, blocks, feature_dim, norm, frozen, weights) load unchanged."""
+    the earlier ResNet-only shape (widths, blocks, feature_dim, norm, frozen, weights) load unchanged: ``frozen`` and
+    ``weights`` are the older names of ``freeze`` and ``init`` (accepted as keys and as keyword arguments, read as
+    attributes; giving both names of one field with different values is an error)."""
 
     kind: Literal["resnet", "torchscript"] = "resnet"
     """``resnet``: the ResNet of the fields below; ``torchscript``: the module in ``path`` (always frozen)."""
@@ -412,11 +423,14 @@ class FeaturesConfig:
     once on a dummy batch when the model is built (an int given for torchscript is checked against it)."""
     norm: Literal["group", "batch"] = "group"
     """ResNet normalisation, ``group`` (GroupNorm) or ``batch`` (BatchNorm2d) (resnet only)."""
-    frozen: bool = False
+    freeze: bool = False
     """No parameter of the network is trained and it stays in eval mode; torchscript encoders are always frozen
-    (this is set to true for them, whatever is given)."""
-    weights: str | None = None
-    """A ResNet ``state_dict`` file (``torch.save``) loaded when the model is built (resnet only)."""
+    (this is set to true for them, whatever is given). Older name: ``frozen``."""
+    init: str | None = None
+    """Initial ResNet weights (resnet only): a ``state_dict`` file (``torch.save``), or the encoder of a
+    ``foveate pretrain`` run, ``runs:/<run_id>[/encoder]`` or ``models:/<name>/<version|@alias>`` (resolved through
+    MLflow by ``foveate train``). The architecture (widths, blocks, feature_dim, norm) must match the file's; the
+    weights end up in every checkpoint's state dict, so scoring never needs the file. Older name: ``weights``."""
     path: str | None = None
     """The TorchScript file (``torch.jit.save``; required for torchscript, torchscript only); read when the model is
     built, its bytes embedded in every checkpoint, so a checkpoint is scored on another machine without it."""
@@ -434,6 +448,38 @@ class FeaturesConfig:
     """Per-channel std the patches are then divided by (ImageNet's: [0.229, 0.224, 0.225]); None: none
     (torchscript only)."""
 
+    @property
+    def frozen(self) -> bool:
+        """Older name of ``freeze``."""
+        return self.freeze
+
+    @property
+    def weights(self) -> str | None:
+        """Older name of ``init``."""
+        return self.init
+
+    @classmethod
+    def __config_upgrade__(cls, data: Mapping[str, Any], where: str) -> tuple[dict[str, Any], list[str]]:
+        """:func:`operators.config.from_dict`'s hook: the older keys ``frozen`` / ``weights`` -> ``freeze`` / ``init``
+        (a note when given a value other than their default; both names of one field: an error)."""
+        out, notes = dict(data), []
+        where = "model.features" if where in ("", "features") else where
+        for old, new in _FEATURES_RENAMED.items():
+            if old not in out:
+                continue
+            value = out.pop(old)
+            if new in out:
+                if out[new] != value:
+                    raise ConfigError(
+                        f"{where}.{old}={value!r} and {where}.{new}={out[new]!r}: {old} is the older name of {new}; "
+                        f"keep only {where}.{new}"
+                    )
+                continue
+            out[new] = value
+            if value != _FEATURES_OLD_DEFAULTS[old]:
+                notes.append(f"{where}.{old} is deprecated: use {where}.{new}")
+        return out, notes
+
     def __post_init__(self) -> None:
         _choice("model.features.kind", self.kind, FEATURE_KINDS)
         widths, blocks = tuple(self.widths), tuple(self.blocks)
@@ -447,12 +493,12 @@ class FeaturesConfig:
         object.__setattr__(self, "widths", widths)
         object.__setattr__(self, "blocks", blocks)
         _choice("model.features.norm", self.norm, ("group", "batch"))
-        _bool("model.features.frozen", self.frozen)
+        _bool("model.features.freeze", self.freeze)
         if self.feature_dim is None and self.kind == "resnet":
             object.__setattr__(self, "feature_dim", 64)
         if self.feature_dim is not None:
             _int("model.features.feature_dim", self.feature_dim, 1)
-        for name in ("weights", "path"):
+        for name in ("init", "path"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, str) or not v.strip()):
                 raise ConfigError(f"model.features.{name} must be a file path (a non-empty string) or null, got {v!r}")
@@ -481,12 +527,12 @@ class FeaturesConfig:
                         f"model.features.{name} applies to kind resnet only, got {getattr(self, name)!r} with kind "
                         f"torchscript; remove it (the TorchScript module is used as it is)"
                     )
-            object.__setattr__(self, "frozen", True)
+            object.__setattr__(self, "freeze", True)
         else:
             if self.path is not None:
                 raise ConfigError(
                     f"model.features.path applies to kind torchscript only, got {self.path!r} with kind resnet; set "
-                    "model.features.kind: torchscript, or model.features.weights for a ResNet state_dict file"
+                    "model.features.kind: torchscript, or model.features.init for a ResNet state_dict file"
                 )
             for name in ("mean", "std"):
                 if getattr(self, name) is not None:
@@ -504,8 +550,8 @@ class FeaturesConfig:
             blocks=self.blocks,
             feature_dim=int(self.feature_dim),
             norm=self.norm,
-            frozen=self.frozen,
-            weights=self.weights,
+            frozen=self.freeze,
+            weights=None if is_init_uri(self.init) else self.init,  # MLflow URIs: loaded by the trainer
         )
 
     @classmethod
@@ -516,9 +562,31 @@ class FeaturesConfig:
             blocks=tuple(cfg.blocks),
             feature_dim=cfg.feature_dim,
             norm=cfg.norm,
-            frozen=cfg.frozen,
-            weights=cfg.weights,
+            freeze=cfg.frozen,
+            init=cfg.weights,
         )
+
+
+_features_init = FeaturesConfig.__init__
+
+
+def _features_init_with_old_names(self: FeaturesConfig, *args: Any, **kwargs: Any) -> None:
+    """``FeaturesConfig(frozen=..., weights=...)``: the older keyword names of ``freeze`` / ``init`` (not fields, so
+    ``dataclasses.replace`` and :func:`operators.config.to_dict` see only the new ones)."""
+    for old, new in _FEATURES_RENAMED.items():
+        if old not in kwargs:
+            continue
+        value = kwargs.pop(old)
+        if new in kwargs and kwargs[new] != value:
+            raise ConfigError(
+                f"model.features.{old}={value!r} and model.features.{new}={kwargs[new]!r}: {old} is the older name "
+                f"of {new}; give only {new}"
+            )
+        kwargs[new] = value
+    _features_init(self, *args, **kwargs)
+
+
+FeaturesConfig.__init__ = _features_init_with_old_names  # type: ignore[method-assign]
 
 
 def _um_conflict(key: str, value: Any, input_um: float) -> ConfigError:

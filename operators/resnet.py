@@ -10,13 +10,15 @@ available for experiments.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["ResNetConfig", "BasicBlock", "ResNet"]
+__all__ = ["ResNetConfig", "BasicBlock", "ResNet", "architecture_of", "check_architecture"]
 
 
 @dataclass(frozen=True)
@@ -122,8 +124,12 @@ class ResNet(nn.Module):
         if cfg.weights:
             path = Path(cfg.weights)
             if not path.is_file():
-                raise ValueError(f"features.weights must be an existing state_dict file, got {cfg.weights!r}")
-            self.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+                raise ValueError(
+                    f"features.weights (model.features.init) must be an existing state_dict file, got {cfg.weights!r}"
+                )
+            state = torch.load(path, map_location="cpu", weights_only=True)
+            check_architecture(cfg, state, where=f"model.features.init {cfg.weights!r}")
+            self.load_state_dict(state)
         if cfg.frozen:
             self.requires_grad_(False)
             super().train(False)
@@ -148,3 +154,58 @@ class ResNet(nn.Module):
         x = (patches - self.mean.to(patches.dtype)) / self.std.to(patches.dtype)
         x = self.stages(self.stem(x))
         return self.proj(x.mean(dim=(2, 3)))
+
+
+def architecture_of(state_dict: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+    """The ``widths``, ``blocks``, ``feature_dim`` and ``norm`` of the :class:`ResNet` that wrote ``state_dict``
+    (read from its tensor names and shapes: a stage starts at each block with a strided shortcut).
+
+    Raises:
+        ValueError: ``state_dict`` is not a ResNet state dict of this module.
+    """
+    if not isinstance(state_dict, Mapping) or not all(isinstance(v, torch.Tensor) for v in state_dict.values()):
+        raise ValueError(f"a ResNet state_dict must be a mapping of names to tensors, got {type(state_dict).__name__}")
+    blocks = sorted(
+        {int(k.split(".")[1]) for k in state_dict if k.startswith("stages.") and k.endswith(".conv1.weight")}
+    )
+    if "stem.0.weight" not in state_dict or "proj.weight" not in state_dict or blocks != list(range(len(blocks))):
+        raise ValueError(
+            "not a state_dict of foveate's ResNet (expected stem.0.weight, stages.<i>.conv1.weight, proj.weight), got "
+            f"keys {sorted(state_dict)[:6]}{' ...' if len(state_dict) > 6 else ''}"
+        )
+    widths: list[int] = []
+    counts: list[int] = []
+    for i in blocks:
+        w = int(state_dict[f"stages.{i}.conv1.weight"].shape[0])
+        strided = f"stages.{i}.short.0.weight" in state_dict and i > 0
+        if not widths or strided:
+            widths.append(w)
+            counts.append(1)
+        else:
+            counts[-1] += 1
+    if not widths:
+        widths, counts = [int(state_dict["stem.0.weight"].shape[0])], [0]
+    norm = "batch" if "stem.1.running_mean" in state_dict else "group"
+    return {
+        "widths": tuple(widths),
+        "blocks": tuple(counts),
+        "feature_dim": int(state_dict["proj.weight"].shape[0]),
+        "norm": norm,
+    }
+
+
+def check_architecture(cfg: ResNetConfig, state_dict: Mapping[str, torch.Tensor], *, where: str) -> None:
+    """Raise ``ValueError`` (naming ``where``, the configured and the file's architecture) unless ``state_dict``
+    was written by a :class:`ResNet` of ``cfg``'s widths, blocks, feature_dim and norm."""
+    found = architecture_of(state_dict)
+    want = {"widths": tuple(cfg.widths), "blocks": tuple(cfg.blocks), "feature_dim": cfg.feature_dim, "norm": cfg.norm}
+    if found != want:
+        diff = [k for k in want if want[k] != found[k]]
+
+        def show(d: dict[str, Any]) -> str:
+            return ", ".join(f"{k}={list(v) if isinstance(v, tuple) else v}" for k, v in d.items())
+
+        raise ValueError(
+            f"{where}: the encoder's architecture differs from model.features in {diff}: model.features has "
+            f"{show(want)}; the pretrained encoder has {show(found)}; set model.features to the encoder's"
+        )

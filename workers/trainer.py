@@ -353,6 +353,9 @@ class Trainer:
         log_every: see ``on_step``.
         early_stopping: :class:`~workers.early_stopping.EarlyStoppingConfig`; None or ``patience`` 0: off
             (:attr:`finished` at ``optim.epochs``, the last weights kept).
+        features_init: the ResNet's initial ``state_dict`` when ``model.features.init`` is an MLflow URI (the
+            driver resolves it: ``pipeline.encoder_init.resolve_init``); a local ``init`` file is read when the
+            model is built. Loaded before the workers' start is made identical.
     """
 
     def __init__(
@@ -368,8 +371,10 @@ class Trainer:
         on_step: StepCallback | None = None,
         log_every: int = 1,
         early_stopping: EarlyStoppingConfig | None = None,
+        features_init: dict[str, torch.Tensor] | None = None,
     ):
         from operators.model import FoveateModel
+        from operators.model_config import is_init_uri
 
         self.optim_cfg, self.schedule = optim, schedule
         self.collective = collective if collective is not None else LocalCollective()
@@ -378,7 +383,19 @@ class Trainer:
         self.on_step, self.log_every = on_step, int(log_every)
 
         torch.manual_seed(seed)
-        self.model = FoveateModel(model_config).to(self.device)
+        self.model = FoveateModel(model_config)
+        init = model_config.features.init
+        if features_init is not None:
+            from operators.resnet import check_architecture
+
+            check_architecture(self.model.features.cfg, features_init, where=f"model.features.init {init!r}")
+            self.model.features.load_state_dict(features_init)
+        elif is_init_uri(init):
+            raise ValueError(
+                f"model.features.init={init!r} is an MLflow URI: the driver resolves it "
+                "(pipeline.encoder_init.resolve_init) and passes the state dict as features_init"
+            )
+        self.model = self.model.to(self.device)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         groups = [[q for q in child.parameters() if q.requires_grad] for child in self.model.children()]
         self._clip_groups = [g for g in groups if g]
