@@ -177,9 +177,9 @@ def with_training_mpp(model_cfg, mpps: list[float]):
     return model_cfg
 
 
-def _run_dir(cfg: TrainConfig, resume: bool) -> str:
-    """The run folder (a local path or an object-storage URL under ``<workdir>/train``)."""
-    runs = storage.join(cfg.workdir, "train")
+def _run_dir(cfg: TrainConfig, resume: bool, stage: str = "train") -> str:
+    """The run folder (a local path or an object-storage URL under ``<workdir>/<stage>``)."""
+    runs = storage.join(cfg.workdir, stage)
     if cfg.tracking.run_name:
         run_dir = storage.join(runs, cfg.tracking.run_name)
         if resume and not storage.file_exists(storage.join(run_dir, STATE_FILE)):
@@ -298,6 +298,7 @@ def train(
         )
     uri = resolve_tracking_uri(default_dir=config.workdir)
     client = client_for(uri)
+    features_init = _features_init(config, uri)
     resolved = to_dict(config)
     if resume:
         state = json.loads(storage.read_file(storage.join(run_dir, STATE_FILE)) or b"{}")
@@ -339,7 +340,7 @@ def train(
 
     started = init_ray(address, num_cpus=max(2, config.workers * config.cpus_per_worker))
     try:
-        result = _fit(config, run_dir, train_recs, val_recs, table.class_names, uri, run_id, after_epoch)
+        result = _fit(config, run_dir, train_recs, val_recs, table.class_names, uri, run_id, after_epoch, features_init)
         ckpt = _load_ckpt(result)
         model, model_cfg, class_names = model_from_checkpoint(ckpt)
         import pandas as pd
@@ -429,6 +430,21 @@ def _log_early_stopping(cfg: TrainConfig, val_recs) -> None:
         )
 
 
+def _features_init(config: TrainConfig, uri: str) -> dict[str, torch.Tensor] | None:
+    """``model.features.init`` checked before Ray starts (the file or MLflow encoder exists, its architecture is the
+    config's); the state dict to ship to the workers when it is an MLflow URI (a local file is read where the
+    model is built)."""
+    f = config.model.features
+    if f.kind != "resnet" or f.init is None:
+        return None
+    from operators.model_config import is_init_uri
+    from pipeline.encoder_init import resolve_init
+
+    state = resolve_init(f, tracking_uri=uri)
+    log.info("model.features.init: the encoder of %s%s", f.init, " (frozen)" if f.freeze else "")
+    return state if is_init_uri(f.init) else None
+
+
 def _load_ckpt(result) -> dict:
     if result.checkpoint is None:
         raise RuntimeError("training finished without a checkpoint")
@@ -445,14 +461,9 @@ def _fit(
     uri: str,
     run_id: str,
     after_epoch: Callable[[int], None] | None = None,
+    features_init: dict[str, torch.Tensor] | None = None,
 ):
-    import ray
-    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
-
-    use_gpu = cfg.use_gpu
-    if use_gpu is None:
-        use_gpu = ray.cluster_resources().get("GPU", 0) >= 1
+    use_gpu = resolve_use_gpu(cfg)
     loop_config = {
         "config": to_dict(cfg),
         "train": [list(dataclasses.astuple(r)) for r in train_recs],
@@ -463,8 +474,35 @@ def _fit(
     }
     if after_epoch is not None:
         loop_config["after_epoch"] = after_epoch
+    if features_init is not None:
+        loop_config["features_init"] = features_init
+    trainer = torch_trainer(train_loop_per_worker, loop_config, cfg, run_dir, use_gpu=use_gpu)
+    steps_per_epoch = math.ceil(math.ceil(len(train_recs) / cfg.workers) / cfg.optim.accumulate)
+    with _TrainProgress(uri, run_id, steps_per_epoch, cfg.optim.epochs):
+        return trainer.fit()
+
+
+def resolve_use_gpu(cfg: TrainConfig) -> bool:
+    """``cfg.use_gpu``, or (None) whether the Ray cluster has a GPU."""
+    if cfg.use_gpu is not None:
+        return bool(cfg.use_gpu)
+    import ray
+
+    return ray.cluster_resources().get("GPU", 0) >= 1
+
+
+def torch_trainer(
+    loop: Callable[[dict], None], loop_config: dict[str, Any], cfg: TrainConfig, run_dir: str, *, use_gpu: bool
+):
+    """The :class:`ray.train.torch.TorchTrainer` of ``foveate train`` and ``foveate pretrain``: ``cfg.workers``
+    workers placed by ``cfg.placement_strategy`` (``cfg.cpus_per_worker`` CPUs each, a GPU each with ``use_gpu``;
+    gloo on CPU, nccl on GPUs), Ray Train's storage in ``<run_dir>/ray``, ``cfg.max_failures`` restarts from the
+    latest checkpoint."""
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
     trainer = TorchTrainer(
-        train_loop_per_worker,
+        loop,
         train_loop_config=loop_config,
         torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
         scaling_config=ScalingConfig(
@@ -487,9 +525,7 @@ def _fit(
         "GPU/nccl" if use_gpu else "CPU/gloo",
         storage.join(run_dir, "ray"),
     )
-    steps_per_epoch = math.ceil(math.ceil(len(train_recs) / cfg.workers) / cfg.optim.accumulate)
-    with _TrainProgress(uri, run_id, steps_per_epoch, cfg.optim.epochs):
-        return trainer.fit()
+    return trainer
 
 
 class _TrainProgress:
@@ -499,10 +535,12 @@ class _TrainProgress:
     (and at each epoch's end) and the epoch metrics after each epoch. A thread reads them back every ``every_s``
     seconds while ``trainer.fit()`` runs; a read that fails (a busy sqlite file) is skipped."""
 
-    def __init__(self, uri: str, run_id: str, steps_per_epoch: int, epochs: int, every_s: float = 3.0):
+    def __init__(
+        self, uri: str, run_id: str, steps_per_epoch: int, epochs: int, every_s: float = 3.0, desc: str = "train"
+    ):
         import threading
 
-        self.uri, self.run_id, self.every_s = uri, run_id, every_s
+        self.uri, self.run_id, self.every_s, self.desc = uri, run_id, every_s, desc
         self.steps_per_epoch, self.epochs = max(1, steps_per_epoch), epochs
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._poll, name="foveate-train-progress", daemon=True)
@@ -511,7 +549,7 @@ class _TrainProgress:
     def __enter__(self) -> _TrainProgress:
         from pipeline.progress import Progress
 
-        self._bar = Progress(self.steps_per_epoch * self.epochs, "train", unit="step")
+        self._bar = Progress(self.steps_per_epoch * self.epochs, self.desc, unit="step")
         self._thread.start()
         return self
 

@@ -2,7 +2,8 @@
 
 Each section validates itself in ``__post_init__`` and raises ``ConfigError``: ``model``
 (``operators.model.ModelConfig``), ``optim`` and ``schedule`` (``workers.trainer``), ``data``
-(``pipeline.data``), ``early_stopping`` (``workers.early_stopping``), ``tracking`` (here).
+(``pipeline.data``), ``early_stopping`` (``workers.early_stopping``), ``pretrain`` (``workers.pretrain``, read by
+``foveate pretrain`` only), ``tracking`` (here).
 :class:`TrainConfig` checks only its own fields.
 """
 
@@ -14,12 +15,14 @@ from operators.errors import ConfigError
 from operators.model_config import ModelConfig
 from pipeline.data import DataConfig
 from workers.early_stopping import EarlyStoppingConfig
+from workers.pretrain import PretrainConfig
 from workers.trainer import OptimConfig, ScheduleConfig
 
 __all__ = [
     "PLACEMENT_STRATEGIES",
     "EarlyStoppingConfig",
     "OptimConfig",
+    "PretrainConfig",
     "ScheduleConfig",
     "TrackingConfig",
     "TrainConfig",
@@ -89,6 +92,8 @@ class TrainConfig:
         data: slides, labels, split.
         model: the model (``operators.model.ModelConfig``; its number of classes is set from the data, and
             ``foveate train`` logs when that changes the configured value).
+        pretrain: self-supervised pretraining of the encoder (``foveate pretrain`` only;
+            ``workers.pretrain.PretrainConfig``).
         optim: optimiser, schedule, loss weights; ``optim.epochs`` is the cap on the epochs.
         schedule: selection perturbation schedule.
         early_stopping: stop when the validation metric has stopped improving and export the best epoch's model
@@ -110,6 +115,7 @@ class TrainConfig:
 
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
+    pretrain: PretrainConfig = field(default_factory=PretrainConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     early_stopping: EarlyStoppingConfig = field(default_factory=EarlyStoppingConfig)

@@ -42,7 +42,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     """Runs inside each Ray Train worker. ``loop_config``: ``config`` (the resolved :class:`TrainConfig` as a
     dict), ``train``/``val`` (slide records as rows), ``class_names``, ``tracking_uri``, ``run_id``, and
     optionally ``after_epoch`` (a callable ``f(epoch)`` run on every worker after each epoch's checkpoint:
-    fault-injection tests pass one that raises)."""
+    fault-injection tests pass one that raises) and ``features_init`` (the encoder's initial state dict when
+    ``model.features.init`` is an MLflow URI, resolved by the driver)."""
     import ray
     import ray.train
     import ray.train.torch
@@ -80,6 +81,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         on_step=on_step,
         log_every=cfg.tracking.log_every,
         early_stopping=cfg.early_stopping,
+        features_init=loop_config.get("features_init"),
     )
 
     ckpt = ray.train.get_checkpoint()

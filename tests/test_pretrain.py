@@ -4,7 +4,9 @@ end to end (in-process Ray Train, sqlite MLflow) followed by a training that sta
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
+import os
 from pathlib import Path
 
 import numpy as np
@@ -136,3 +138,52 @@ def test_trainer_starts_from_the_given_encoder_and_checkpoints_stay_self_contain
     assert ckpt["model_config"]["features"]["init"] is None and ckpt["metadata"]["features_init"] == "runs:/0123abcd"
     model, _, _ = model_from_checkpoint(ckpt)  # no MLflow, no file: the weights are in the state dict
     assert all(torch.equal(model.features.state_dict()[k], v) for k, v in state.items())
+
+
+# ------------------------------------------------------------------------------------------ end to end
+@pytest.mark.slow
+@pytest.mark.e2e
+def test_pretrain_cli_then_train_starts_from_the_encoder(tmp_path, slides, ray_local, capsys):
+    import mlflow
+
+    from pipeline.cli import main
+    from pipeline.encoder_init import resolve_init
+    from pipeline.mlflow_model import load_model
+
+    stores, labels = slides
+    cfg = tmp_path / "tiny.yaml"
+    cfg.write_text(TINY.format(stores=stores, labels=labels, workdir=tmp_path / "work", model=json.dumps(MODEL)))
+    argv = ["pretrain", "--config", str(cfg), "--objective", "byol", "--epochs", "2"]
+    assert main([*argv, "--set", "pretrain.registered_model=test-encoder"]) == 0
+    out = capsys.readouterr().out
+    run_id = out.split("run id: ", 1)[1].split()[0]
+    assert f"encoder: runs:/{run_id}/encoder" in out and "final: epoch=2" in out
+    client = mlflow.MlflowClient(os.environ["MLFLOW_TRACKING_URI"])
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED" and run.data.tags["foveate.stage"] == "pretrain"
+    assert run.data.params["pretrain.objective"] == "byol" and run.data.params["pretrain.epochs"] == "2"
+    assert [m.step for m in client.get_metric_history(run_id, "epoch_loss")] == [1, 2]
+    # 4 slides x 4 patches / batch 8: 2 steps an epoch
+    assert [m.step for m in client.get_metric_history(run_id, "loss")] == [1, 2, 3, 4]
+    features = _model().features
+    encoder = resolve_init(dataclasses.replace(features, init=f"runs:/{run_id}"))
+    registered = resolve_init(dataclasses.replace(features, init="models:/test-encoder/1"))
+    assert all(torch.equal(registered[k], v) for k, v in encoder.items())
+    info = json.loads(Path(client.download_artifacts(run_id, "encoder/features.json", str(tmp_path))).read_text())
+    assert info["features"]["widths"] == [4, 8] and info["objective"] == "byol"
+    with pytest.raises(ConfigError, match=r"differs from model.features in \['feature_dim'\]"):
+        resolve_init(dataclasses.replace(features, feature_dim=16, init=f"runs:/{run_id}"))
+
+    # training from it, frozen: the exported model's encoder is the pretrained one (a checkpoint without the URI)
+    assert (
+        main(
+            ["train", "--config", str(cfg), "--set", f"model.features.init=runs:/{run_id}"]
+            + ["--set", "model.features.freeze=true", "--set", "tracking.run_name=from-pretrained"]
+        )
+        == 0
+    )
+    train_id = capsys.readouterr().out.split("run id: ", 1)[1].split()[0]
+    model, model_cfg, _ = load_model(f"runs:/{train_id}")
+    assert all(torch.equal(model.features.state_dict()[k], v) for k, v in encoder.items())
+    assert model_cfg.features.freeze and model_cfg.features.init is None
+    assert client.get_run(train_id).data.params["model.features.init"] == f"runs:/{run_id}"
