@@ -96,8 +96,9 @@ def _candidates(init: str) -> list[str]:
 def _download(init: str, tracking_uri: str | None, where: str) -> dict[str, torch.Tensor]:
     import mlflow
 
-    if tracking_uri:
-        mlflow.set_tracking_uri(tracking_uri)
+    from pipeline.tracking import resolve_tracking_uri
+
+    mlflow.set_tracking_uri(resolve_tracking_uri(tracking_uri))
     errors = []
     with tempfile.TemporaryDirectory(prefix="foveate-init-") as tmp:
         for i, cand in enumerate(_candidates(init)):
@@ -123,7 +124,8 @@ def resolve_init(features: FeaturesConfig, *, tracking_uri: str | None = None) -
 
     Args:
         features: ``model.features`` (``kind: resnet``, ``init`` set).
-        tracking_uri: the MLflow tracking URI for ``runs:/`` and ``models:/`` (default: MLflow's current one).
+        tracking_uri: the MLflow tracking URI for ``runs:/`` and ``models:/`` (default: ``$MLFLOW_TRACKING_URI``, else
+            MLflow's current one).
 
     Raises:
         ConfigError: the file or the MLflow encoder cannot be found, or its widths / blocks / feature_dim / norm
