@@ -1,6 +1,7 @@
 """Linear probe of a frozen patch encoder: self-supervised pretraining (``foveate pretrain``) against a random init.
 
-On a synthetic ``objects`` archive (``foveate synth --task objects``; synth + ingest once, as
+On a synthetic ``objects`` (or, ``--family shapes``, ``shapes``: the crops are the glyphs) archive
+(``foveate synth --task objects|shapes``; synth + ingest once, as
 ``benchmarks/robustness.py`` prepares its data), every informative object of a slide's ground-truth sidecar
 (``<slide>.json``, ``structures``: level-0 box and ``kind``) gives one crop of the model's patch size centred on it,
 read from the store by :class:`workers.patches.PatchReader` at ``model.geometry.patch_input``. Each encoder embeds the
@@ -97,6 +98,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--count", type=int, default=16, help="synthetic slides")
     ap.add_argument("--size", default="2048", help="level-0 side of each slide (foveate synth --size)")
     ap.add_argument("--classes", type=int, default=4, help="object kinds (foveate synth --classes)")
+    ap.add_argument(
+        "--family", choices=("objects", "shapes"), default="objects", help="foveate synth --task (default objects)"
+    )
     ap.add_argument("--config", default=str(ROOT / "configs" / "demo.yaml"), help="training config (model section)")
     ap.add_argument("--set", dest="overrides", action="append", default=[], help="config override key=value")
     ap.add_argument("--objective", choices=("simclr", "byol"), default=None, help="default: pretrain.objective")
@@ -114,7 +118,11 @@ def main(argv: list[str] | None = None) -> int:
     from workers.pretrain import Pretrainer
     from workers.store import SlideStore
 
-    task = Task("probe-objects", "objects", args.classes, args.count, args.size, "zstd")
+    if args.family == "objects":
+        task = Task("probe-objects", "objects", args.classes, args.count, args.size, "zstd")
+    else:  # named as benchmarks/robustness.py names it, so a --workdir of that benchmark's data is reused
+        name = "shapes-binary" if args.classes == 2 else f"shapes-{args.classes}class"
+        task = Task(name, "shapes", args.classes, args.count, args.size, "jpeg")
     stores = prepare_data(task, Path(args.workdir).resolve(), seed=args.seed)
     cfg = load_config(TrainConfig, args.config, args.overrides)
     pc = dataclasses.replace(

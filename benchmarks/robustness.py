@@ -254,7 +254,14 @@ def run_training_in_process(
     train, val = split_train_val(table.records, cfg.data.val_fraction, cfg.data.seed)
     model_cfg = dataclasses.replace(cfg.model, num_classes=table.num_classes)
     t0 = time.perf_counter()
-    trainer = Trainer(model_cfg, cfg.optim, cfg.schedule, slides_per_epoch=len(train), seed=cfg.seed)
+    trainer = Trainer(
+        model_cfg,
+        cfg.optim,
+        cfg.schedule,
+        slides_per_epoch=len(train),
+        seed=cfg.seed,
+        features_init=_uri_init(model_cfg),
+    )
     metrics: dict[str, float] = {}
     with open(log, "w") as fh:
         for epoch in range(cfg.optim.epochs):
@@ -272,6 +279,18 @@ def run_training_in_process(
         "run_id": "",
         "wall_seconds": time.perf_counter() - t0,
     }
+
+
+def _uri_init(model_cfg) -> dict | None:
+    """The encoder state dict of a ``model.features.init`` that is an MLflow URI (resolved as ``foveate train``'s
+    driver does); None for a local file (the model loads it when built) or no init."""
+    from operators.model_config import is_init_uri
+
+    if not is_init_uri(model_cfg.features.init):
+        return None
+    from pipeline.encoder_init import resolve_init
+
+    return resolve_init(model_cfg.features)
 
 
 # ---------------------------------------------------------------------------------------------- ground truth
@@ -432,6 +451,9 @@ def run_oracle(config: str, split: Split, seed: int, epochs: int, overrides: lis
     mcfg = with_num_classes(cfg.model, len(split.class_names))
     torch.manual_seed(seed)
     model, mcfg = build_model(mcfg)
+    state = _uri_init(mcfg)
+    if state is not None:  # build_model loads a local init file itself, an MLflow URI only through the trainer
+        model.features.load_state_dict(state)
     rng = np.random.default_rng(seed)
 
     def item(rec):
