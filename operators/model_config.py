@@ -425,7 +425,10 @@ class FeaturesConfig:
     """ResNet normalisation, ``group`` (GroupNorm) or ``batch`` (BatchNorm2d) (resnet only)."""
     freeze: bool = False
     """No parameter of the network is trained and it stays in eval mode; torchscript encoders are always frozen
-    (this is set to true for them, whatever is given). Older name: ``frozen``."""
+    (this is set to true for them, whatever is given). Older name: ``frozen``. A frozen encoder's features are
+    cached per cell by ``foveate train`` (``feature_cache``, :mod:`workers.feature_cache`): evaluation always
+    uses the cache, training only with ``model.augment.color_jitter`` 0 and one-cell slots (not the perturbed
+    selector's soft patches)."""
     init: str | None = None
     """Initial ResNet weights (resnet only): a ``state_dict`` file (``torch.save``), or the encoder of a
     ``foveate pretrain`` run, ``runs:/<run_id>[/encoder]`` or ``models:/<name>/<version|@alias>`` (resolved through

@@ -476,10 +476,29 @@ def _fit(
         loop_config["after_epoch"] = after_epoch
     if features_init is not None:
         loop_config["features_init"] = features_init
+    cache_dir = feature_cache_dir(cfg, run_dir)
+    if cache_dir is not None:
+        loop_config["feature_cache"] = cache_dir
     trainer = torch_trainer(train_loop_per_worker, loop_config, cfg, run_dir, use_gpu=use_gpu)
     steps_per_epoch = math.ceil(math.ceil(len(train_recs) / cfg.workers) / cfg.optim.accumulate)
     with _TrainProgress(uri, run_id, steps_per_epoch, cfg.optim.epochs):
         return trainer.fit()
+
+
+def feature_cache_dir(cfg: TrainConfig, run_dir: str) -> str | None:
+    """The frozen-feature cache folder of a run (``cfg.feature_cache``): None when off, when the encoder is
+    trained, or for ``auto`` with a run dir on object storage (the cache is a local Zarr folder)."""
+    from workers.feature_cache import features_frozen
+
+    value = str(cfg.feature_cache)
+    if value == "off" or not features_frozen(cfg.model):
+        return None
+    if value != "auto":
+        return value
+    if storage.is_url(run_dir):
+        log.info("feature cache: off (run dir %s is not local; set feature_cache to a local folder)", run_dir)
+        return None
+    return storage.join(run_dir, "feature_cache")
 
 
 def resolve_use_gpu(cfg: TrainConfig) -> bool:

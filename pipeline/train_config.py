@@ -111,6 +111,15 @@ class TrainConfig:
         seed: model initialisation and selection noise.
         workdir: run directories and (without ``MLFLOW_TRACKING_URI``) the sqlite tracking store.
         max_failures: worker-group restarts Ray Train makes from the latest checkpoint after a crash.
+        feature_cache: the frozen-feature cache (``workers.feature_cache``): ``auto`` (default) keeps the features
+            of every patch read in ``<run dir>/feature_cache`` when the encoder is frozen (``model.features.freeze``
+            or ``kind: torchscript``), so later epochs skip the read and the encoder for cells already seen;
+            ``off`` (or false) disables it; any other value is the cache folder (a local path; a run dir on object storage
+            gets no cache unless one is given). Never used for a trained encoder. Rule: evaluation always uses it;
+            training only with ``model.augment.color_jitter`` 0 (jittered pixels have other features; one log
+            line says so), and the selected slots only when each is one cell (the perturbed selector's soft
+            patches are encoded as before). Keyed by the encoder's weights, the features config and the patch
+            geometry, so a change gets a fresh cache; each worker writes its own sub-folder.
     """
 
     data: DataConfig = field(default_factory=DataConfig)
@@ -128,6 +137,7 @@ class TrainConfig:
     seed: int = 0
     workdir: str = "runs"
     max_failures: int = 0
+    feature_cache: bool | str = "auto"
 
     def __post_init__(self) -> None:
         _check("workers", self.workers, self.workers >= 1, ">= 1")
@@ -140,3 +150,11 @@ class TrainConfig:
             " or ".join(PLACEMENT_STRATEGIES),
         )
         _check("max_failures", self.max_failures, self.max_failures >= -1, ">= -1 (-1 = unlimited)")
+        if isinstance(self.feature_cache, bool):  # YAML reads a bare off / on as a bool
+            object.__setattr__(self, "feature_cache", "auto" if self.feature_cache else "off")
+        _check(
+            "feature_cache",
+            self.feature_cache,
+            isinstance(self.feature_cache, str) and bool(self.feature_cache),
+            "'auto', 'off' or a folder",
+        )

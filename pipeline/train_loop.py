@@ -43,7 +43,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     dict), ``train``/``val`` (slide records as rows), ``class_names``, ``tracking_uri``, ``run_id``, and
     optionally ``after_epoch`` (a callable ``f(epoch)`` run on every worker after each epoch's checkpoint:
     fault-injection tests pass one that raises) and ``features_init`` (the encoder's initial state dict when
-    ``model.features.init`` is an MLflow URI, resolved by the driver)."""
+    ``model.features.init`` is an MLflow URI, resolved by the driver) and ``feature_cache`` (the frozen-feature cache
+    folder, ``pipeline.train.feature_cache_dir``)."""
     import ray
     import ray.train
     import ray.train.torch
@@ -82,6 +83,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         log_every=cfg.tracking.log_every,
         early_stopping=cfg.early_stopping,
         features_init=loop_config.get("features_init"),
+        feature_cache=loop_config.get("feature_cache"),
     )
 
     ckpt = ray.train.get_checkpoint()

@@ -9,16 +9,21 @@ Geometry and reading are :mod:`workers.patches`, appearance strata :mod:`workers
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
 
 from operators.evidence import neutral_loss
 from operators.model import FoveateModel, ModelOutput
+from workers.feature_cache import FeatureCache, features_frozen
 from workers.patches import gather_patches, prepare_slide, slide_geometry
 from workers.strata import cell_rarity, draw_cells, rare_cells, slide_strata
 
 __all__ = ["forward_slide", "color_jitter_patches"]
+
+log = logging.getLogger(__name__)
+_JITTER_NOTED: set[int] = set()
 
 
 def color_jitter_patches(x: torch.Tensor, strength: float, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -34,6 +39,88 @@ def color_jitter_patches(x: torch.Tensor, strength: float, generator: torch.Gene
     return (x * gain.to(x) + off.to(x)).clamp_(0.0, 1.0)
 
 
+def _usable_cache(model: FoveateModel, cache: FeatureCache | None, jitter: float) -> FeatureCache | None:
+    """``cache`` where it gives the features the encoder would: a frozen encoder, no pixel augmentation."""
+    if cache is None or not features_frozen(model.cfg):
+        return None
+    if jitter > 0:
+        if id(cache) not in _JITTER_NOTED:
+            _JITTER_NOTED.add(id(cache))
+            log.info(
+                "feature cache: not used in training while model.augment.color_jitter=%g changes the patch pixels "
+                "(used in evaluation only)",
+                jitter,
+            )
+        return None
+    return cache
+
+
+def _embed_cached(
+    model: FoveateModel,
+    slide: Any,
+    groups: list[torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]],
+    cache: FeatureCache,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> tuple[list[torch.Tensor], dict[str, float]]:
+    """Features of each group: pixel groups (float patches) through the encoder; cell groups ``(cells, uint8
+    pixels or None)`` from the cache where filled, the rest read (unless given), encoded in the same batch and
+    written to the cache."""
+    loc, n_cells = slide.store.location, slide.grid.num_cells
+    cell_groups = [g for g in groups if not isinstance(g, torch.Tensor)]
+    batch = [g for g in groups if isinstance(g, torch.Tensor)]
+    hits = 0
+    if cell_groups:  # every distinct cell of the slide-step looked up, read and encoded once
+        all_cells = torch.cat([c for c, _ in cell_groups])
+        uniq = torch.unique(all_cells, sorted=True)
+        hit, cached = cache.lookup(loc, n_cells, uniq)
+        miss = uniq[~hit]
+        hits = int(hit.sum())
+        if miss.numel():
+            pix = torch.empty((miss.numel(), 0), dtype=torch.uint8)
+            given = torch.zeros(miss.numel(), dtype=torch.bool)
+            for cells, pixels in cell_groups:  # reads given (the rare bag) are used, not read again
+                if pixels is None:
+                    continue
+                where = torch.searchsorted(miss, cells)
+                ok = (where < miss.numel()) & (miss[where.clamp(max=miss.numel() - 1)] == cells)
+                if bool(ok.any()):
+                    if pix.shape[1] == 0:
+                        pix = pixels.new_empty((miss.numel(), *pixels.shape[1:]))
+                    pix[where[ok]] = pixels[ok]
+                    given[where[ok]] = True
+            if bool(given.all()):
+                batch.append(pix.to(device=device, dtype=dtype).div_(255.0))
+            else:
+                read = slide.reader.read(miss[~given])
+                if bool(given.any()):
+                    pix[~given] = read
+                else:
+                    pix = read
+                batch.append(pix.to(device=device, dtype=dtype).div_(255.0))
+    computed: list[torch.Tensor] = []
+    if batch:
+        feats = model.embed(torch.cat(batch) if len(batch) > 1 else batch[0])
+        computed = list(feats.split([b.shape[0] for b in batch]))
+    if cell_groups:
+        table = torch.empty((uniq.numel(), model.feature_dim), device=device, dtype=dtype)
+        if cached.shape[0]:
+            table[hit.to(device)] = cached.to(device=device, dtype=dtype)
+        if miss.numel():
+            new = computed[-1].detach()
+            table[(~hit).to(device)] = new
+            cache.write(loc, n_cells, miss, new)
+    parts: list[torch.Tensor] = []
+    i = 0
+    for g in groups:
+        if isinstance(g, torch.Tensor):
+            parts.append(computed[i])
+            i += 1
+        else:
+            parts.append(table[torch.searchsorted(uniq, g[0]).to(device)])
+    return parts, {"cache_hits": float(hits)}
+
+
 def forward_slide(
     model: FoveateModel,
     store_or_sample: Any,
@@ -44,6 +131,7 @@ def forward_slide(
     target: int | None = None,
     rarity: float = 0.0,
     rare_scale: float = 1.0,
+    feature_cache: FeatureCache | None = None,
 ) -> ModelOutput:
     """The whole chain for ONE slide: low-res input -> scores -> selection -> patch reading -> features ->
     logits.
@@ -60,6 +148,10 @@ def forward_slide(
             (``model.evidence.instance_weight > 0``) also reads ``model.evidence.explore_cells`` uniformly drawn candidate cells
             and adds the evidence losses (``"instance"``, ``"rank"``; :mod:`operators.evidence`) to
             ``aux_losses``. Ignored at inference.
+        feature_cache: a :class:`~workers.feature_cache.FeatureCache` of the model's frozen encoder: cells
+            already cached skip the read and the encoder, new ones are written. Used at inference, and in
+            training only without colour jitter (the selected slots only when each is one cell, ``S = 1``); see
+            :mod:`workers.feature_cache`.
 
     Returns:
         :class:`~operators.model.ModelOutput` (logits ``[1, C]``; add ``sum(out.aux_losses.values())`` to the
@@ -76,18 +168,28 @@ def forward_slide(
     sel = model.select(
         model.local_maxima(scores, tuple(cell_mask.shape)), training=training, sigma=sigma, generator=generator
     )
-    patches, positions, cells_read = gather_patches(slide, sel, device=device, dtype=dtype)
     cj = model.cfg.augment.color_jitter if training else 0.0
-    patches = color_jitter_patches(patches, cj, generator)
+    cache = _usable_cache(model, feature_cache, cj)
+    one_cell = sel.indices.shape[-1] == 1 and not sel.weights.requires_grad and bool((sel.weights == 1).all())
+    if cache is not None and one_cell:  # each slot is one cell's patch: its features can come from the cache
+        patches, positions = None, slide.grid.cell_centres(sel.primary.cpu()).to(device=device, dtype=dtype)
+        cells_read = int(torch.unique(sel.primary).numel())
+    else:
+        patches, positions, cells_read = gather_patches(slide, sel, device=device, dtype=dtype)
+        patches = color_jitter_patches(patches, cj, generator)
 
     # Training reads more cells than the K selected ones (exploration, the rare bag, neutral cells): their pixels
     # are prepared first, in the order the generator is drawn from (cells, colour jitter), then
     # every patch of this slide-step goes through the ResNet in one batch (the same features, one call).
-    groups: list[torch.Tensor] = []
+    # With a feature cache, a group is the cells themselves (pixels read only for the cells not cached yet).
+    groups: list[torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]] = []
 
     def read_cells(cells: torch.Tensor, pixels: torch.Tensor | None = None) -> int:
         """Queue the pixels of extra training reads (or ``pixels``, uint8 reads given), colour-jittered as the
         selected patches are; returns the position of their features in the batch."""
+        if cache is not None:
+            groups.append((cells.cpu(), pixels))
+            return len(groups) - 1
         if pixels is None:
             pixels = slide.reader.read(cells.cpu())
         groups.append(color_jitter_patches(pixels.to(device=device, dtype=dtype).div_(255.0), cj, generator))
@@ -96,8 +198,8 @@ def forward_slide(
     cells = sel.primary[0]
     aux_losses = model.aux_losses(sel)
     extra_info: dict[str, float] = {}
-    k = patches.shape[1]
-    groups.append(patches.flatten(0, 1))
+    k = sel.indices.shape[1]
+    groups.append(patches.flatten(0, 1) if patches is not None else (cells.cpu(), None))
     evidence = training and target is not None and model.uses_evidence
     explore = rare = neutral = None
     ev_cfg = model.cfg.evidence
@@ -118,8 +220,11 @@ def forward_slide(
         neutral = draw_cells(scores[0], ev_cfg.neutral_cells, generator)  # uniform candidate cells
         g_neutral = read_cells(neutral) if neutral.numel() else None
         cells_read += int(neutral.numel())
-    feats_all = model.embed(torch.cat(groups) if len(groups) > 1 else groups[0])
-    parts = list(feats_all.split([g.shape[0] for g in groups]))
+    if cache is None:
+        feats_all = model.embed(torch.cat(groups) if len(groups) > 1 else groups[0])
+        parts = list(feats_all.split([g.shape[0] for g in groups]))
+    else:
+        parts, cache_info = _embed_cached(model, slide, groups, cache, device, dtype)  # info "cache_hits"
     feats = parts[0]  # [K, D], the selected patches
     logits = model.aggregate(feats.view(1, k, -1), positions, sel.slot_weights)
     if evidence:
@@ -164,6 +269,8 @@ def forward_slide(
     if "kept_mass" in sel.aux:
         info["kept_mass"] = float(sel.aux["kept_mass"].mean())
     info.update(extra_info)
+    if cache is not None:
+        info.update(cache_info)
     return ModelOutput(
         logits=logits,
         scores=scores[0],

@@ -356,6 +356,11 @@ class Trainer:
         features_init: the ResNet's initial ``state_dict`` when ``model.features.init`` is an MLflow URI (the
             driver resolves it: ``pipeline.encoder_init.resolve_init``); a local ``init`` file is read when the
             model is built. Loaded before the workers' start is made identical.
+        feature_cache: a folder for the frozen-feature cache (:class:`~workers.feature_cache.FeatureCache`, in
+            its ``worker<rank>`` sub-folder): with a frozen encoder the features of every cell read are kept there
+            and later reads of the same cell skip the read and the encoder (in evaluation always, in training only
+            while ``model.augment.color_jitter`` is 0). None: off; ignored (one log line) for an encoder that
+            is trained.
     """
 
     def __init__(
@@ -372,6 +377,7 @@ class Trainer:
         log_every: int = 1,
         early_stopping: EarlyStoppingConfig | None = None,
         features_init: dict[str, torch.Tensor] | None = None,
+        feature_cache: str | Any | None = None,
     ):
         from operators.model import FoveateModel
         from operators.model_config import is_init_uri
@@ -420,6 +426,15 @@ class Trainer:
             self.stopper = EarlyStopping.from_config(early_stopping, min_epochs=floor)
         self.best_state: dict[str, torch.Tensor] | None = None  # eval_model's weights at stopper.best_epoch (CPU)
         self.stop_reason: str | None = None  # "patience" or "cap" once training has ended
+        self.feature_cache = None
+        if feature_cache is not None:
+            from workers.feature_cache import FeatureCache, features_frozen
+
+            if features_frozen(model_config):
+                self.feature_cache = FeatureCache(feature_cache, self.model, worker=self.rank)
+                log.info("feature cache: %s", self.feature_cache.dir)
+            else:
+                log.info("feature cache: off (model.features is trained, so its features change every step)")
 
     @property
     def finished(self) -> bool:
@@ -472,6 +487,7 @@ class Trainer:
             target=target,
             rarity=rarity,
             rare_scale=rare,
+            feature_cache=self.feature_cache,
         )
 
     # ------------------------------------------------------------------ step
