@@ -3,7 +3,8 @@
 With a frozen feature network (``model.features.freeze`` true, or ``kind: torchscript``) a cell's features are a
 function of its pixels alone, so :class:`FeatureCache` keeps, per slide store, a Zarr array ``features
 [num_cells, D]`` (float32 by default, or float16) and a boolean ``filled [num_cells]``; features are written as
-they are computed and read back for cells already filled (:func:`workers.slide_forward.forward_slide`).
+they are computed and read back for cells already filled (:func:`workers.slide_forward.forward_slide`). A
+store's arrays are loaded into memory when first used (lookups are in memory; writes update both, whole chunks).
 
 The cache lives in ``<root>/<key>/worker<rank>/<store>``: ``key`` is a digest of everything that changes the
 features (:func:`feature_key`: the encoder's weights, or the TorchScript file's digest, the features config with
@@ -100,11 +101,12 @@ class FeatureCache:
             key_file.write_text(json.dumps(self.key, indent=1, sort_keys=True))
         self.dim = int(model.feature_dim)
         self.dtype = dtype
-        self._stores: dict[str, tuple[Any, Any, np.ndarray]] = {}  # location -> (features, filled, filled copy)
+        # location -> (features, filled, in-memory copies of both: lookups never touch the disk after the first)
+        self._stores: dict[str, tuple[Any, Any, np.ndarray, np.ndarray]] = {}
         self.hits = 0
         self.misses = 0
 
-    def _arrays(self, location: str, num_cells: int) -> tuple[Any, Any, np.ndarray]:
+    def _arrays(self, location: str, num_cells: int) -> tuple[Any, Any, np.ndarray, np.ndarray]:
         got = self._stores.get(location)
         if got is not None:
             return got
@@ -123,34 +125,32 @@ class FeatureCache:
             filled = group.create_array(
                 "filled", shape=(num_cells,), chunks=(chunk,), dtype="bool", fill_value=False, overwrite=True
             )
-        got = (feats, filled, np.asarray(filled[:], dtype=bool))
+        got = (feats, filled, np.asarray(filled[:], dtype=bool), np.asarray(feats[:], dtype=np.float32))
         self._stores[location] = got
         return got
 
     def lookup(self, location: str, num_cells: int, cells: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Cached features of distinct ``cells[M]``: ``(hit[M] bool, features[hit.sum(), D] float32)``."""
-        feats, _, filled = self._arrays(location, num_cells)
+        _, _, filled, mem = self._arrays(location, num_cells)
         idx = cells.cpu().numpy().astype(np.int64)
         hit = filled[idx]
         n = int(hit.sum())
         self.hits += n
         self.misses += len(idx) - n
-        if n == 0:
-            return torch.from_numpy(hit), torch.empty((0, self.dim))
-        sel = idx[hit]
-        order = np.argsort(sel)  # zarr's orthogonal indexing wants increasing indices
-        vals = np.empty((n, self.dim), dtype=np.float32)
-        vals[order] = np.asarray(feats.oindex[sel[order], :], dtype=np.float32)
-        return torch.from_numpy(hit), torch.from_numpy(vals)
+        return torch.from_numpy(hit), torch.from_numpy(mem[idx[hit]])
 
     def write(self, location: str, num_cells: int, cells: torch.Tensor, values: torch.Tensor) -> None:
         """Store the features ``values[M, D]`` of distinct ``cells[M]`` (features first, then the flags)."""
         if cells.numel() == 0:
             return
-        feats, filled_arr, filled = self._arrays(location, num_cells)
+        feats, filled_arr, filled, mem = self._arrays(location, num_cells)
         idx = cells.cpu().numpy().astype(np.int64)
         order = np.argsort(idx)
         idx = idx[order]
-        feats.oindex[idx, :] = values.detach().to("cpu", torch.float32).numpy()[order].astype(self.dtype)
+        mem[idx] = values.detach().to("cpu", torch.float32).numpy()[order].astype(self.dtype)
         filled[idx] = True
-        filled_arr.oindex[idx] = True
+        # whole chunks from the in-memory copies, one slice per array (much cheaper than scattered writes)
+        chunk = feats.chunks[0]
+        lo, hi = int(idx[0]) // chunk * chunk, min(num_cells, (int(idx[-1]) // chunk + 1) * chunk)
+        feats[lo:hi] = mem[lo:hi].astype(self.dtype)
+        filled_arr[lo:hi] = filled[lo:hi]
