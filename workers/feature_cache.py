@@ -105,6 +105,7 @@ class FeatureCache:
         self._stores: dict[str, tuple[Any, Any, np.ndarray, np.ndarray]] = {}
         self.hits = 0
         self.misses = 0
+        self.jitter_noted = False  # the "not used in training under colour jitter" line was logged
 
     def _arrays(self, location: str, num_cells: int) -> tuple[Any, Any, np.ndarray, np.ndarray]:
         got = self._stores.get(location)

@@ -23,7 +23,6 @@ from workers.strata import cell_rarity, draw_cells, rare_cells, slide_strata
 __all__ = ["forward_slide", "color_jitter_patches"]
 
 log = logging.getLogger(__name__)
-_JITTER_NOTED: set[int] = set()
 
 
 def color_jitter_patches(x: torch.Tensor, strength: float, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -44,8 +43,8 @@ def _usable_cache(model: FoveateModel, cache: FeatureCache | None, jitter: float
     if cache is None or not features_frozen(model.cfg):
         return None
     if jitter > 0:
-        if id(cache) not in _JITTER_NOTED:
-            _JITTER_NOTED.add(id(cache))
+        if not cache.jitter_noted:
+            cache.jitter_noted = True
             log.info(
                 "feature cache: not used in training while model.augment.color_jitter=%g changes the patch pixels "
                 "(used in evaluation only)",
