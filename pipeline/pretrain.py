@@ -203,22 +203,14 @@ def pretrain_loop_per_worker(loop_config: dict[str, Any]) -> None:
     """Runs inside each Ray Train worker: a :class:`workers.pretrain.Pretrainer` on this worker's shard of
     ``loop_config["slides"]`` per epoch (resumed from Ray Train's latest checkpoint after a restart); rank 0 logs
     to MLflow and writes the checkpoint (``encoder.pt``, ``pretrain_state.pt``)."""
-    import ray
     import ray.train
-    import ray.train.torch
-    import torch.distributed as dist
 
     from pipeline.tracking import client_for, log_metrics
+    from pipeline.train_loop import worker_context
     from workers.pretrain import Pretrainer
-    from workers.trainer import LocalCollective, TorchDistCollective
 
     cfg: TrainConfig = from_dict(TrainConfig, loop_config["config"])
-    ctx = ray.train.get_context()
-    rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    torch.set_num_threads(cfg.threads or cfg.cpus_per_worker)
-    device = ray.train.torch.get_device() if cfg.use_gpu is not False else torch.device("cpu")
-    distributed = world > 1 and dist.is_available() and dist.is_initialized()
-    collective = TorchDistCollective(rank, world) if distributed else LocalCollective(rank, world)
+    rank, world, device, collective = worker_context(cfg)
     slides = [SlideRecord(*r) for r in loop_config["slides"]]
     run_id = loop_config["run_id"]
     client = client_for(loop_config["tracking_uri"]) if rank == 0 else None

@@ -26,7 +26,7 @@ from pipeline.config import from_dict, to_dict
 from pipeline.data import SlideRecord, shard
 from pipeline.train_config import TrainConfig
 
-__all__ = ["WORKER_STATE", "MODEL_FILE", "train_loop_per_worker"]
+__all__ = ["WORKER_STATE", "MODEL_FILE", "train_loop_per_worker", "worker_context"]
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +38,25 @@ def _records(rows: list[list[Any]]) -> list[SlideRecord]:
     return [SlideRecord(*r) for r in rows]
 
 
+def worker_context(cfg: TrainConfig) -> tuple[int, int, torch.device, Any]:
+    """Inside a Ray Train worker: ``(rank, world size, device, collective)`` for ``cfg`` (torch threads set to
+    ``threads`` or ``cpus_per_worker``; the device Ray Train gives unless ``use_gpu`` is false; a
+    ``torch.distributed`` collective when the process group is up, else a local one)."""
+    import ray.train
+    import ray.train.torch
+    import torch.distributed as dist
+
+    from workers.trainer import LocalCollective, TorchDistCollective
+
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    torch.set_num_threads(cfg.threads or cfg.cpus_per_worker)
+    device = ray.train.torch.get_device() if cfg.use_gpu is not False else torch.device("cpu")
+    distributed = world > 1 and dist.is_available() and dist.is_initialized()
+    collective = TorchDistCollective(rank, world) if distributed else LocalCollective(rank, world)
+    return rank, world, device, collective
+
+
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     """Runs inside each Ray Train worker. ``loop_config``: ``config`` (the resolved :class:`TrainConfig` as a
     dict), ``train``/``val`` (slide records as rows), ``class_names``, ``tracking_uri``, ``run_id``, and
@@ -47,22 +66,15 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     folder, ``pipeline.train.feature_cache_dir``)."""
     import ray
     import ray.train
-    import ray.train.torch
-    import torch.distributed as dist
 
     from operators.checkpoint import checkpoint_dict
     from pipeline.tracking import client_for, log_metrics
-    from workers.trainer import LocalCollective, TorchDistCollective, Trainer
+    from workers.trainer import Trainer
 
     cfg: TrainConfig = from_dict(TrainConfig, loop_config["config"])
-    ctx = ray.train.get_context()
-    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    rank, world, device, collective = worker_context(cfg)
     # one line per worker in the job's output (placement checks: tests/test_multinode.py)
     print(f"foveate-train-worker rank {rank}/{world} node {ray.get_runtime_context().get_node_id()}", flush=True)
-    torch.set_num_threads(cfg.threads or cfg.cpus_per_worker)
-    device = ray.train.torch.get_device() if cfg.use_gpu is not False else torch.device("cpu")
-    distributed = world > 1 and dist.is_available() and dist.is_initialized()
-    collective = TorchDistCollective(rank, world) if distributed else LocalCollective(rank, world)
     train_records = _records(loop_config["train"])
     val_records = _records(loop_config["val"])
     class_names = list(loop_config["class_names"])
