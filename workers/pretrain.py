@@ -35,16 +35,11 @@ import torch
 from operators.errors import ConfigError
 from operators.resnet import ResNet
 from operators.ssl import OBJECTIVES, AugmentSpec, augment, build_objective
-from workers.trainer import Collective, LocalCollective, lr_factor
+from workers.trainer import Collective, LocalCollective, _check, lr_factor
 
 __all__ = ["PretrainConfig", "Pretrainer"]
 
 log = logging.getLogger(__name__)
-
-
-def _check(name: str, value: Any, ok: bool, allowed: str) -> None:
-    if not ok:
-        raise ConfigError(f"pretrain.{name}: got {value!r}, must be {allowed}")
 
 
 def _is_int(v: Any, lo: int) -> bool:
@@ -83,16 +78,21 @@ class PretrainConfig:
     """Also register the encoder under this name in the MLflow model registry (``models:/<name>/<version>``)."""
 
     def __post_init__(self) -> None:
-        _check("objective", self.objective, self.objective in OBJECTIVES, f"one of {list(OBJECTIVES)}")
+        _check("pretrain.objective", self.objective, self.objective in OBJECTIVES, f"one of {list(OBJECTIVES)}")
         for name, lo in (("epochs", 1), ("batch_size", 2), ("patches_per_slide", 1), ("projection_dim", 1)):
-            _check(name, getattr(self, name), _is_int(getattr(self, name), lo), f"an int >= {lo}")
-        _check("seed", self.seed, _is_int(self.seed, 0), "an int >= 0")
-        _check("lr", self.lr, _is_num(self.lr, 0, math.inf, lo_open=True), "a finite number > 0")
-        _check("temperature", self.temperature, _is_num(self.temperature, 0, math.inf, lo_open=True), "a number > 0")
-        _check("momentum", self.momentum, _is_num(self.momentum, 0, 1, lo_open=False), "a number in [0, 1]")
+            _check(f"pretrain.{name}", getattr(self, name), _is_int(getattr(self, name), lo), f"an int >= {lo}")
+        _check("pretrain.seed", self.seed, _is_int(self.seed, 0), "an int >= 0")
+        _check("pretrain.lr", self.lr, _is_num(self.lr, 0, math.inf, lo_open=True), "a finite number > 0")
+        _check(
+            "pretrain.temperature",
+            self.temperature,
+            _is_num(self.temperature, 0, math.inf, lo_open=True),
+            "a number > 0",
+        )
+        _check("pretrain.momentum", self.momentum, _is_num(self.momentum, 0, 1, lo_open=False), "a number in [0, 1]")
         name = self.registered_model
         _check(
-            "registered_model",
+            "pretrain.registered_model",
             name,
             name is None or (isinstance(name, str) and bool(name.strip())),
             "None or a non-empty model name",
