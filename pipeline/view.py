@@ -14,12 +14,18 @@ default (it has no authentication: ``--host`` other than a loopback address logs
 * ``/patch/<id>?x=&y=&w=&h=`` — a level-0 region as PNG (at most :data:`MAX_PATCH_PIXELS` pixels);
 * ``/overlay/<id>/tissue.png``, ``/overlay/<id>/heatmap.png``, ``/api/slides``, ``/api/slide/<id>``.
 
-Slide ids in addresses are only looked up among the stores found in STORES; an address never names a file.
+Slide ids in addresses are only looked up among the stores found in STORES; an address never names a file. Nor
+does a predictions row: the heatmap of a slide is ``<P stem>_heatmaps/<slide_id>.png`` beside the predictions
+file P (what ``foveate score`` writes), read only when its real path lies inside that folder; the ``heatmap``
+column of a row is never opened. Image requests (tiles, patches) are served at most ``max_concurrent`` at a time
+(:data:`MAX_CONCURRENT`); a request that waits longer than ``queue_timeout_s`` for a slot gets 503 with
+``Retry-After``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ipaddress
 import json
 import logging
@@ -42,6 +48,8 @@ from workers.tiles import FORMATS, TileCache, TileSource, encode_image
 
 __all__ = [
     "MAX_PATCH_PIXELS",
+    "MAX_CONCURRENT",
+    "Busy",
     "SlideEntry",
     "UnknownSlide",
     "UnreadableSlide",
@@ -54,6 +62,8 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 MAX_PATCH_PIXELS = 4096 * 4096
+MAX_CONCURRENT = 4  # image requests (tiles, patches) decoded at once; more wait, then get 503
+QUEUE_TIMEOUT_S = 2.0  # how long an image request waits for a slot before its 503
 TILE_SIZE = 256
 TILE_FORMAT = "jpg"
 _FAVICON = (
@@ -68,6 +78,10 @@ class UnknownSlide(KeyError):
 
 class UnreadableSlide(LookupError):
     """The slide's store is damaged or incomplete (HTTP 409; the list shows why)."""
+
+
+class Busy(RuntimeError):
+    """Every image slot is taken and none came free in time (HTTP 503 with ``Retry-After``)."""
 
 
 @dataclass
@@ -119,10 +133,13 @@ class Viewer:
             first folder's store).
         predictions: a predictions file of ``foveate score`` (optional).
         cache_bytes: budget of the encoded-tile LRU shared by all slides.
+        max_concurrent: image requests (tiles, patches) cut at once (each holds up to a tile or a
+            :data:`MAX_PATCH_PIXELS` patch in memory); the others wait.
+        queue_timeout_s: how long an image request waits for a slot before it is answered 503.
 
     Raises:
         FileNotFoundError: a stores folder or the predictions file does not exist.
-        ValueError: the predictions file is not one.
+        ValueError: the predictions file is not one; ``max_concurrent`` < 1 or ``queue_timeout_s`` < 0.
     """
 
     def __init__(
@@ -131,7 +148,17 @@ class Viewer:
         predictions: str | Path | None = None,
         *,
         cache_bytes: int = 256 * 2**20,
+        max_concurrent: int = MAX_CONCURRENT,
+        queue_timeout_s: float = QUEUE_TIMEOUT_S,
     ):
+        if isinstance(max_concurrent, bool) or not isinstance(max_concurrent, int) or max_concurrent < 1:
+            raise ValueError(f"max_concurrent must be an int >= 1 (image requests at once), got {max_concurrent!r}")
+        if not isinstance(queue_timeout_s, int | float) or not math.isfinite(queue_timeout_s) or queue_timeout_s < 0:
+            raise ValueError(f"queue_timeout_s must be a finite number of seconds >= 0, got {queue_timeout_s!r}")
+        self.image_slots = threading.BoundedSemaphore(max_concurrent)
+        self.max_concurrent = max_concurrent
+        self.queue_timeout_s = float(queue_timeout_s)
+        self.heatmap_dir: Path | None = None
         folders = [Path(s) for s in (stores if isinstance(stores, list | tuple) else [stores])]
         if not folders:
             raise ValueError("expected at least one STORES folder, got none")
@@ -142,6 +169,8 @@ class Viewer:
             if not p.is_file():
                 raise FileNotFoundError(f"--predictions: no such file {str(p)!r} (the Parquet file of foveate score)")
             rows = {str(r["slide_id"]): r for r in read_predictions(p, option="--predictions")}
+            # the only folder overlays are read from (what foveate score writes beside its --out)
+            self.heatmap_dir = p.parent / f"{p.name.removesuffix('.parquet')}_heatmaps"
         self.slides: dict[str, SlideEntry] = {}
         for folder in folders:
             if not folder.is_dir():
@@ -211,12 +240,35 @@ class Viewer:
         }
 
     def heatmap_path(self, e: SlideEntry) -> Path | None:
-        """The heatmap PNG of the slide's predictions row, if the file exists."""
-        hm = (e.row or {}).get("heatmap")
-        if not hm:
+        """The heatmap PNG of a slide with a predictions row: ``<P stem>_heatmaps/<slide_id>.png`` beside the
+        predictions file, if it exists and its real path (links followed) lies inside that folder. The row's own
+        ``heatmap`` path is never opened (a crafted row could name any file)."""
+        if e.row is None or self.heatmap_dir is None:
             return None
-        p = Path(hm)
-        return p if p.is_file() else None
+        folder = self.heatmap_dir.resolve()
+        p = (folder / f"{e.slide_id}.png").resolve()
+        if not p.is_relative_to(folder) or p.parent != folder or not p.is_file():
+            if p.exists() or (folder / f"{e.slide_id}.png").is_symlink():
+                log.warning("heatmap of slide %r leads outside %s; not shown", e.slide_id, folder)
+            return None
+        return p
+
+    @contextlib.contextmanager
+    def image_slot(self):
+        """Hold one of the ``max_concurrent`` image slots while the block runs.
+
+        Raises:
+            Busy: no slot came free within ``queue_timeout_s``.
+        """
+        if not self.image_slots.acquire(timeout=self.queue_timeout_s):
+            raise Busy(
+                f"viewer busy: {self.max_concurrent} image request(s) already being served "
+                f"(--max-concurrent); retry shortly"
+            )
+        try:
+            yield
+        finally:
+            self.image_slots.release()
 
     def details(self, slide_id: str) -> dict[str, Any]:
         """``/api/slide/<id>``: geometry, levels and tile grid, overlays and the predictions row."""
@@ -349,8 +401,12 @@ def _handler(viewer: Viewer, *, check_host: bool) -> type[BaseHTTPRequestHandler
         def log_message(self, fmt: str, *args: Any) -> None:  # requests go to the debug log, not stderr
             log.debug("%s " + fmt, self.address_string(), *args)
 
-        def _send(self, status: int, body: bytes, ctype: str, *, cache: bool = False) -> None:
+        def _send(
+            self, status: int, body: bytes, ctype: str, *, cache: bool = False, headers: dict[str, str] | None = None
+        ) -> None:
             self.send_response(status)
+            for k, v in (headers or {}).items():
+                self.send_header(k, v)
             self.send_header("Content-Type", ctype)
             self.send_header("Content-Length", str(len(body)))
             self.send_header("X-Content-Type-Options", "nosniff")
@@ -360,8 +416,8 @@ def _handler(viewer: Viewer, *, check_host: bool) -> type[BaseHTTPRequestHandler
             if self.command != "HEAD":
                 self.wfile.write(body)
 
-        def _error(self, status: int, message: str) -> None:
-            self._send(status, json.dumps({"error": message}).encode(), "application/json")
+        def _error(self, status: int, message: str, headers: dict[str, str] | None = None) -> None:
+            self._send(status, json.dumps({"error": message}).encode(), "application/json", headers=headers)
 
         def _json(self, obj: Any) -> None:
             self._send(200, json.dumps(obj, default=_json_default, allow_nan=False).encode(), "application/json")
@@ -381,6 +437,8 @@ def _handler(viewer: Viewer, *, check_host: bool) -> type[BaseHTTPRequestHandler
                 self._error(HTTPStatus.NOT_FOUND, f"no slide {exc.args[0]!r} in STORES")
             except UnreadableSlide as exc:
                 self._error(HTTPStatus.CONFLICT, str(exc))
+            except Busy as exc:
+                self._error(HTTPStatus.SERVICE_UNAVAILABLE, str(exc), {"Retry-After": "1"})
             except FileNotFoundError as exc:
                 self._error(HTTPStatus.NOT_FOUND, str(exc))
             except (ValueError, TypeError) as exc:
@@ -413,7 +471,8 @@ def _handler(viewer: Viewer, *, check_host: bool) -> type[BaseHTTPRequestHandler
                     if fmt not in FORMATS:
                         raise ValueError(f"tile format must be one of {sorted(FORMATS)}, got {fmt!r}")
                     e = viewer.readable(sid)
-                    data = e.tiles.tile(_int("level", level), _int("col", col), _int("row", row), fmt)
+                    with viewer.image_slot():
+                        data = e.tiles.tile(_int("level", level), _int("col", col), _int("row", row), fmt)
                     self._send(200, data, FORMATS[fmt][1], cache=True)
                 case ["overlay", sid, "tissue.png"]:
                     self._send(200, viewer.tissue_png(sid), "image/png", cache=True)
@@ -425,7 +484,10 @@ def _handler(viewer: Viewer, *, check_host: bool) -> type[BaseHTTPRequestHandler
                         if k not in query:
                             raise ValueError(f"/patch needs x, y, w and h (level-0 pixels), {k} is missing")
                         args[k] = _int(k, query[k][0])
-                    self._send(200, viewer.patch_png(sid, **args), "image/png")
+                    viewer.readable(sid)
+                    with viewer.image_slot():
+                        data = viewer.patch_png(sid, **args)
+                    self._send(200, data, "image/png")
                 case _:
                     self._error(HTTPStatus.NOT_FOUND, f"no such page {self.path!r}")
 
@@ -488,10 +550,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; the viewer has no authentication)"
     )
+    parser.add_argument(
+        "--max-concurrent",
+        type=int,
+        default=MAX_CONCURRENT,
+        metavar="N",
+        help=f"tile and patch requests cut at once (default {MAX_CONCURRENT}); others wait up to "
+        f"{QUEUE_TIMEOUT_S:g} s, then get 503 with Retry-After",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
-    viewer = Viewer(args.stores, args.predictions)
+    viewer = Viewer(args.stores, args.predictions, max_concurrent=args.max_concurrent)
     server = make_server(viewer, args.host, args.port)
     host, port = server.server_address[:2]
     shown = f"[{host}]" if ":" in str(host) else host

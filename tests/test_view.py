@@ -77,7 +77,7 @@ def data(tmp_path_factory):
     items = ScorerWorker(ckpt, device="cpu").score_batch(
         [(s, str(stores / f"{s}.zarr")) for s in [*GOOD, "incomplete"]]
     )
-    rows = ClassifierWorker(ckpt, heatmap_dir=root / "heatmaps", model_name="tiny").classify_batch(items)
+    rows = ClassifierWorker(ckpt, heatmap_dir=root / "predictions_heatmaps", model_name="tiny").classify_batch(items)
     assert [r["status"] for r in rows] == ["ok", "ok", "ok", "error"]
     writer = PredictionWriter(root / "predictions.parquet")
     for r in rows:
