@@ -128,10 +128,29 @@ def _dicom_inputs(files: list[Path], carried: dict[str, Any] | None = None) -> l
     return out
 
 
+def _files_under(directory: Path) -> list[Path]:
+    """Every file under ``directory``, following linked folders: a folder whose real path was already walked (a
+    second link to it, or a link back up that would loop) is skipped with a warning naming it."""
+    import os
+
+    seen: set[str] = set()
+    found: list[Path] = []
+    for top, dirs, files in os.walk(directory, followlinks=True):
+        real = os.path.realpath(top)
+        if real in seen:
+            log.warning("input folder %s is %s, already listed (a second link or a loop); skipped", top, real)
+            dirs[:] = []
+            continue
+        seen.add(real)
+        dirs.sort()
+        found.extend(Path(top, f) for f in files)
+    return found
+
+
 def _walk(directory: Path) -> list[SlideFile]:
     by_folder_dcm: dict[Path, list[Path]] = {}
     out: list[SlideFile] = []
-    for f in sorted(directory.rglob("*")):
+    for f in sorted(_files_under(directory)):
         if not f.is_file() or not f.name.lower().endswith(SLIDE_EXTENSIONS):
             continue
         if f.suffix.lower() == ".dcm":
