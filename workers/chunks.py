@@ -13,6 +13,7 @@ encoded on the tiler's threads while it reduces the next level. Positions are le
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 from collections.abc import Callable
@@ -24,43 +25,112 @@ import numpy as np
 from workers import storage
 
 __all__ = [
+    "ChunkChecksumError",
     "ChunkWriter",
     "LocalChunkReader",
+    "add_checksum",
     "decode_shard",
     "encode_shard",
     "level_codec_kwargs",
     "local_chunk_reader",
+    "read_checked",
+    "strip_checksum",
 ]
 
 
+class ChunkChecksumError(ValueError):
+    """A stored chunk whose crc32c does not match its bytes (flipped bits, a torn or overwritten object); the
+    message names the store, the array and the chunk."""
+
+
+def add_checksum(data: bytes) -> bytes:
+    """``data`` followed by its crc32c, little-endian: what zarr's ``crc32c`` codec stores."""
+    import google_crc32c
+
+    return bytes(data) + np.uint32(google_crc32c.value(bytes(data))).astype("<u4").tobytes()
+
+
+def strip_checksum(data: bytes, where: str = "a chunk") -> bytes:
+    """The inverse of :func:`add_checksum`; :class:`ChunkChecksumError` naming ``where`` when the crc32c does not
+    match."""
+    import google_crc32c
+
+    if len(data) < 4 or np.uint32(google_crc32c.value(bytes(data[:-4]))).astype("<u4").tobytes() != bytes(data[-4:]):
+        raise ChunkChecksumError(f"{where}: stored crc32c does not match its bytes (a damaged chunk)")
+    return data[:-4]
+
+
+def _has_checksum(codecs: Any) -> bool:
+    from zarr.codecs import Crc32cCodec
+
+    return any(isinstance(c, Crc32cCodec) for c in codecs)
+
+
+def _is_checksum_error(exc: BaseException) -> bool:
+    return isinstance(exc, ChunkChecksumError) or "checksum" in str(exc).lower()
+
+
+def read_checked(arr: Any, selection: tuple[slice, ...], where: str) -> np.ndarray:
+    """``arr[selection]`` of a ``(c, y, x)`` zarr array (basic slices); when a stored chunk fails its checksum (or
+    cannot be decoded), a :class:`ChunkChecksumError` that names ``where`` (the store), the array and the first
+    chunk of the selection that fails (each touched chunk is read alone to find it, on the error path only)."""
+    try:
+        return np.asarray(arr[selection])
+    except Exception as exc:
+        if not _is_checksum_error(exc):
+            raise
+        first = exc
+    chunks = tuple(int(v) for v in arr.chunks)  # the inner chunks of a sharded array
+    ranges = []
+    for sl, n, c in zip(selection, arr.shape, chunks):
+        start, stop, _ = sl.indices(int(n))
+        ranges.append(range(start // c, max(start // c + 1, -(-stop // c))))
+    for idx in itertools.product(*ranges):
+        sel = tuple(slice(i * c, min((i + 1) * c, int(n))) for i, c, n in zip(idx, chunks, arr.shape))
+        try:
+            arr[sel]
+        except Exception as exc:
+            if _is_checksum_error(exc):
+                key = "/".join(str(i) for i in idx)
+                raise ChunkChecksumError(
+                    f"{where}: array {arr.path or '/'}, chunk {key}: stored crc32c does not match its bytes (a "
+                    "damaged chunk; re-ingest the store with --overwrite)"
+                ) from exc
+            raise
+    raise ChunkChecksumError(f"{where}: array {arr.path or '/'}: {first}") from first
+
+
 def level_codec_kwargs(
-    codec: str, *, zstd_level: int, jpeg_quality: int, shard_side: int | None = None
+    codec: str, *, zstd_level: int, jpeg_quality: int, shard_side: int | None = None, checksum: bool = True
 ) -> dict[str, Any]:
     """``zarr.create_array`` keyword arguments of a level stored with ``codec`` (``"zstd"``, ``"jpeg"`` or
-    ``"passthrough:<colorspace>"``), in shards of ``shard_side`` px (zarr's ShardingCodec) when given."""
+    ``"passthrough:<colorspace>"``), in shards of ``shard_side`` px (zarr's ShardingCodec) when given. With
+    ``checksum`` every (inner) chunk ends with its crc32c (zarr's ``crc32c`` codec, last in the chain), so a
+    damaged chunk fails its read instead of decoding to other pixels; a shard's index always carries one."""
     import zarr
 
     if shard_side:
         return {
-            **level_codec_kwargs(codec, zstd_level=zstd_level, jpeg_quality=jpeg_quality),
+            **level_codec_kwargs(codec, zstd_level=zstd_level, jpeg_quality=jpeg_quality, checksum=checksum),
             "shards": (3, int(shard_side), int(shard_side)),
         }
 
     from workers.codecs import JpegRGBCodec
 
+    crc = [zarr.codecs.Crc32cCodec()] if checksum else []
     if codec == "zstd":
         # chunks stored interleaved (y, x, c) through zarr's standard transpose codec: the writer encodes
         # rows of the decoded (h, w, 3) block as they are, any zarr v3 reader sees (c, y, x)
         return {
             "filters": [zarr.codecs.TransposeCodec(order=(1, 2, 0))],
-            "compressors": [zarr.codecs.ZstdCodec(level=zstd_level)],
+            "compressors": [zarr.codecs.ZstdCodec(level=zstd_level), *crc],
         }
     if codec == "jpeg":
-        return {"serializer": JpegRGBCodec(quality=jpeg_quality), "compressors": None}
+        return {"serializer": JpegRGBCodec(quality=jpeg_quality), "compressors": crc or None}
     if codec.startswith("passthrough:"):
         return {
             "serializer": JpegRGBCodec(quality=jpeg_quality, colorspace=codec.split(":", 1)[1]),
-            "compressors": None,
+            "compressors": crc or None,
         }
     raise ValueError(f"unknown level codec {codec!r}")
 
@@ -152,6 +222,8 @@ class ChunkWriter:
         zstd_level, jpeg_quality: encoder settings.
         executor: returns the thread pool that encodes chunk rows in parallel, or None (inline).
         durable: :meth:`sync` flushes what was written to a local disk (else it does nothing).
+        checksum: every chunk ends with its crc32c (the arrays were created with
+            ``level_codec_kwargs(..., checksum=True)``).
     """
 
     def __init__(
@@ -166,8 +238,10 @@ class ChunkWriter:
         jpeg_quality: int,
         executor: Callable[[], ThreadPoolExecutor | None] = lambda: None,
         durable: bool = False,
+        checksum: bool = True,
     ):
         self.store = store
+        self.checksum = bool(checksum)
         self.tile = int(tile)
         self.level_shapes = level_shapes
         self.level_codecs = level_codecs
@@ -250,7 +324,7 @@ class ChunkWriter:
             for cy in range(y_lv // t, -(-(y_lv + h) // t))
             for cx in range(x_lv // t, -(-(x_lv + w) // t))
         }
-        full.update(chunks)
+        full.update({k: add_checksum(d) if self.checksum else d for k, d in chunks.items()})
         if self._shard(level):
             self._store_shard(level, x_lv, y_lv, full)
         else:
@@ -304,9 +378,10 @@ class ChunkWriter:
                 out[(cy, cx)] = None
                 continue
             if zstd is not None:
-                out[(cy, cx)] = zstd.encode(cbuf)  # the transpose codec's (y, x, c) chunk, zarr's own zstd encoder
+                data = zstd.encode(cbuf)  # the transpose codec's (y, x, c) chunk, zarr's own zstd encoder
             else:
-                out[(cy, cx)] = encode_jpeg_hwc(cbuf, self.jpeg_quality)
+                data = encode_jpeg_hwc(cbuf, self.jpeg_quality)
+            out[(cy, cx)] = add_checksum(data) if self.checksum else data
         return out
 
     def _zstd_codec(self) -> Any:
@@ -328,7 +403,8 @@ class LocalChunkReader:
     Only the layouts ingest writes are read here (:func:`local_chunk_reader` returns None for anything else, and
     callers fall back to zarr): a ``(3, h, w)`` uint8 array on a local folder, the default ``/`` chunk keys,
     optionally zarr's sharding (index at the end, ``bytes`` little-endian + ``crc32c``), and inner chunks that are
-    :class:`workers.codecs.JpegRGBCodec` JPEGs, ``transpose(1, 2, 0)`` + ``bytes`` + ``zstd`` or ``bytes`` + ``zstd``. A missing
+    :class:`workers.codecs.JpegRGBCodec` JPEGs, ``transpose(1, 2, 0)`` + ``bytes`` + ``zstd`` or ``bytes`` + ``zstd``,
+    each optionally followed by ``crc32c`` (checked on every read). A missing
     chunk (no file, or an empty shard-index entry) is the fill value. The shard indexes are read once per shard
     and kept (16 bytes per chunk) while the shard file's size and mtime stay the same; thread-safe for reads.
 
@@ -337,9 +413,23 @@ class LocalChunkReader:
         shape: ``(3, h, w)``; ``chunk``: inner chunk ``(th, tw)``; ``shard``: shard ``(sh, sw)`` or None.
         decode: bytes of one inner chunk -> ``(3, th, tw)`` uint8.
         fill: the fill value.
+        checksum: each stored chunk ends with its crc32c (checked, then stripped, before ``decode``; a mismatch is a
+            :class:`ChunkChecksumError` naming the store, array and chunk).
     """
 
-    def __init__(self, root: str, array_path: str, shape, chunk, shard, decode: Callable[[bytes], np.ndarray], fill):
+    def __init__(
+        self,
+        root: str,
+        array_path: str,
+        shape,
+        chunk,
+        shard,
+        decode: Callable[[bytes], np.ndarray],
+        fill,
+        checksum: bool = False,
+    ):
+        self.store_root, self.array_path = str(root), str(array_path)
+        self.checksum = bool(checksum)
         self.root = os.path.join(root, array_path) if array_path else root
         self.shape = tuple(int(v) for v in shape)
         self.chunk = (int(chunk[0]), int(chunk[1]))
@@ -421,6 +511,8 @@ class LocalChunkReader:
         data = self.encoded(cy, cx)
         if data is None:
             return np.full((3, h, w), self.fill, dtype=np.uint8)
+        if self.checksum:
+            data = strip_checksum(data, f"{self.store_root}: array {self.array_path or '/'}, chunk 0/{cy}/{cx}")
         full = self._decode(data)
         if full.shape != (3, th, tw):
             raise ValueError(f"chunk ({cy}, {cx}) of {self.root} decodes to {full.shape}, expected {(3, th, tw)}")
@@ -507,10 +599,14 @@ def local_chunk_reader(arr: Any) -> LocalChunkReader | None:
             chunk = (outer[1], outer[2])
         else:
             return None
-        decode = _inner_decoder(codecs, chunk)
+        codecs = tuple(codecs)
+        checksum = bool(codecs) and isinstance(codecs[-1], Crc32cCodec)
+        decode = _inner_decoder(codecs[:-1] if checksum else codecs, chunk)
         if decode is None:
             return None
         fill = meta.fill_value
-        return LocalChunkReader(str(store.root), str(arr.store_path.path), arr.shape, chunk, shard, decode, int(fill))
+        return LocalChunkReader(
+            str(store.root), str(arr.store_path.path), arr.shape, chunk, shard, decode, int(fill), checksum=checksum
+        )
     except Exception:  # an unexpected zarr layout: the zarr path reads it
         return None

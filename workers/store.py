@@ -15,7 +15,13 @@ Layout of ``STORE_DIR/<slide_id>.zarr``::
                               smallest level (``StoreMeta.tissue_downsample``) and the other label levels are
                               its nearest-neighbour resamplings. ``SlideStore.tissue_mask`` reads that level.
                               (Older stores have a single label level ``0``; readers handle both.)
-    foveate_complete.json     completion marker, written last; a store without it is incomplete
+    foveate_complete.json     completion marker, written last; a store without it is incomplete. It records
+                              each level's chunk inventory and the sha256 of every ``zarr.json`` (metadata),
+                              so a store whose chunks or metadata changed afterwards is reported damaged.
+
+Every chunk of a store written by this version ends with its crc32c (zarr's ``crc32c`` codec, last in each
+array's chain; a shard's index carries one too), so flipped bits fail the read with a
+:class:`workers.chunks.ChunkChecksumError` naming the store, array and chunk.
 
 Coordinates: everything public is in level-0 pixels (the frames are defined once, in :mod:`workers.frames`).
 Arrays are channel-first ``(c, y, x)`` as NGFF requires; :meth:`SlideStore.read_region` returns channel-last
@@ -24,6 +30,7 @@ Arrays are channel-first ``(c, y, x)`` as NGFF requires; :meth:`SlideStore.read_
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from collections.abc import Mapping
@@ -35,11 +42,15 @@ import numpy as np
 import zarr
 
 from workers import storage
+from workers.chunks import add_checksum, read_checked
 from workers.pyramid import downsample2x, pyramid_shapes  # (pyramid_shapes re-exported)
 
 __all__ = [
     "COMPLETE_MARKER",
     "chunk_inventory",
+    "integrity_checks",
+    "metadata_digests",
+    "read_every_chunk",
     "verify_store",
     "StoreMeta",
     "SlideStore",
@@ -332,7 +343,9 @@ class SlideStore:
     # ------------------------------------------------------------------ pixels
     def read_level(self, level: int) -> np.ndarray:
         """Whole level as (h, w, 3) uint8. Only for low-resolution levels."""
-        return np.ascontiguousarray(np.moveaxis(self.levels[level][...], 0, -1))
+        arr = self.levels[level]
+        block = read_checked(arr, (slice(None),) * 3, str(self.path))
+        return np.ascontiguousarray(np.moveaxis(block, 0, -1))
 
     def read_region(self, location: tuple[int, int], level: int, size: tuple[int, int]) -> np.ndarray:
         """Like OpenSlide: ``location`` (x, y) in level-0 pixels, ``size`` (w, h) in ``level`` pixels.
@@ -353,7 +366,7 @@ class SlideStore:
         x0, y0 = max(x_l, 0), max(y_l, 0)
         x1, y1 = min(x_l + w, W), min(y_l + h, H)
         if x1 > x0 and y1 > y0:
-            block = arr[:, y0:y1, x0:x1]
+            block = read_checked(arr, (slice(None), slice(y0, y1), slice(x0, x1)), str(self.path))
             out[y0 - y_l : y1 - y_l, x0 - x_l : x1 - x_l] = np.moveaxis(block, 0, -1)
         return out
 
@@ -365,7 +378,7 @@ class SlideStore:
             "0"
         ]
         lab = tg[paths[-1]]
-        mask = np.asarray(lab[...])
+        mask = read_checked(lab, (slice(None),) * lab.ndim, str(self.path))
         if mask.ndim == 3:
             mask = mask[0]
         ds = self.meta.tissue_downsample
@@ -461,16 +474,54 @@ def chunk_inventory(path: str | Path | Any, levels: int) -> dict[str, dict[str, 
     return out
 
 
+def _metadata_keys(levels: int) -> list[str]:
+    """The ``zarr.json`` keys of a store of ``levels`` image levels: the group, each image level, the labels group,
+    the tissue label image and its levels."""
+    tissue = f"labels/{TISSUE_LABEL}"
+    return [
+        "zarr.json",
+        *(f"{lv}/zarr.json" for lv in range(int(levels))),
+        "labels/zarr.json",
+        f"{tissue}/zarr.json",
+        *(f"{tissue}/{lv}/zarr.json" for lv in range(int(levels))),
+    ]
+
+
+def metadata_digests(path: str | Path | Any, levels: int) -> dict[str, str]:
+    """``{key: sha256 hex}`` of every ``zarr.json`` of the store at ``path`` (path, URL or zarr store) that exists
+    (:func:`_metadata_keys`; the reads run concurrently)."""
+    import asyncio
+    import hashlib
+
+    from zarr.core.buffer import default_buffer_prototype
+    from zarr.core.sync import sync
+
+    store = _as_store(path)
+    keys = _metadata_keys(levels)
+
+    async def _all() -> list[Any]:
+        return await asyncio.gather(*(store.get(k, prototype=default_buffer_prototype()) for k in keys))
+
+    return {k: hashlib.sha256(b.to_bytes()).hexdigest() for k, b in zip(keys, sync(_all())) if b is not None}
+
+
 def mark_complete(path: str | Path | Any, slide_id: str, levels: int, *, durable: bool = True, **fields: Any) -> None:
     """Write the completion marker (last: a store with it is complete). It records the chunk inventory of
-    every level (:func:`chunk_inventory`), so :func:`verify_store` can prove the store whole. ``path``: a path,
-    URL or writable zarr store.
+    every level (:func:`chunk_inventory`) and the sha256 of every ``zarr.json`` (:func:`metadata_digests`), so
+    :func:`verify_store` can prove the store whole and its metadata unchanged. ``path``: a path, URL or writable
+    zarr store.
 
     The marker is one atomic key write (a renamed temporary file on a local disk, one PUT on object storage).
     On a local disk everything written before it (metadata, tissue mask; the image chunks were synced by the
     tiler) is made durable first, and the marker itself after (``syncfs``; not when ``durable`` is false)."""
     store = path if hasattr(path, "set") else storage.open_store(path)
-    body = {"slide_id": slide_id, "levels": int(levels), **fields, "inventory": chunk_inventory(store, levels)}
+    body = {
+        "slide_id": slide_id,
+        "levels": int(levels),
+        **fields,
+        "inventory": chunk_inventory(store, levels),
+        "metadata": metadata_digests(store, levels),
+    }
     if durable:
         storage.sync_local(store)
     storage.put_bytes(store, {COMPLETE_MARKER: json.dumps(body, indent=1).encode()})
@@ -478,11 +529,72 @@ def mark_complete(path: str | Path | Any, slide_id: str, levels: int, *, durable
         storage.sync_local(store)
 
 
-def verify_store(path: str | Path | Any, *, group: Any = None) -> list[str]:
+def _store_arrays(group: Any, levels: int) -> list[Any]:
+    """The image levels and the tissue label levels of a store's group (those that exist)."""
+    out = [group[str(lv)] for lv in range(int(levels))]
+    try:
+        tg = group[f"labels/{TISSUE_LABEL}"]
+        out += [a for _, a in sorted(tg.arrays(), key=lambda kv: int(kv[0]) if kv[0].isdigit() else -1)]
+    except KeyError:
+        pass
+    return out
+
+
+def integrity_checks(path: str | Path | Any) -> dict[str, bool]:
+    """Which integrity checks the store at ``path`` supports: ``inventory`` (its marker lists each level's chunk
+    objects), ``metadata`` (its marker records the sha256 of each ``zarr.json``) and ``checksums`` (every image
+    and label array ends its codec chain with ``crc32c``). Stores written before these existed lack them: they
+    still open, and those checks are simply not possible. All False when the store is unreadable."""
+    out = {"inventory": False, "metadata": False, "checksums": False}
+    try:
+        store = _as_store(path)
+        body = json.loads(storage.get_bytes(store, COMPLETE_MARKER) or b"{}")
+        out["inventory"], out["metadata"] = "inventory" in body, "metadata" in body
+        register_codecs()
+        group = zarr.open_group(store=store, mode="r", zarr_format=3)
+        levels = int(body.get("levels") or len(dict(group.attrs)["foveate"]["downsamples"]))
+        out["checksums"] = all(_array_has_checksum(a) for a in _store_arrays(group, levels))
+    except Exception:
+        pass
+    return out
+
+
+def _array_has_checksum(arr: Any) -> bool:
+    from zarr.codecs import Crc32cCodec, ShardingCodec
+
+    codecs = tuple(arr.metadata.codecs)
+    if len(codecs) == 1 and isinstance(codecs[0], ShardingCodec):
+        codecs = tuple(codecs[0].codecs)
+    return bool(codecs) and isinstance(codecs[-1], Crc32cCodec)
+
+
+def read_every_chunk(group: Any, levels: int, where: str, *, limit: int = 20) -> list[str]:
+    """Read and decode every stored chunk of every image and label array (one shard, or one chunk, at a time):
+    the problems found (at most ``limit``), each naming the array and the chunk (``foveate verify --deep``)."""
+    problems: list[str] = []
+    for arr in _store_arrays(group, levels):
+        outer = tuple(int(v) for v in (getattr(arr, "shards", None) or arr.chunks))
+        grid = [range(0, int(n), c) for n, c in zip(arr.shape, outer)]
+        for starts in itertools.product(*grid):
+            sel = tuple(slice(o, min(o + c, int(n))) for o, c, n in zip(starts, outer, arr.shape))
+            try:
+                read_checked(arr, sel, where)
+            except Exception as exc:
+                text = str(exc) if where in str(exc) else f"{where}: array {arr.path}, block at {list(starts)}: {exc}"
+                problems.append(f"{type(exc).__name__}: {text[:300]}")
+                if len(problems) >= limit:
+                    return [*problems, "(further chunks not read)"]
+    return problems
+
+
+def verify_store(path: str | Path | Any, *, group: Any = None, deep: bool = False) -> list[str]:
     """Problems of the store at ``path`` (a path, URL or zarr store; ``[]``: whole): no or unreadable
-    completion marker, unreadable metadata, or a level whose chunk (shard) objects differ from the marker's
-    inventory (missing or extra). A marker without an inventory (stores written before it existed) is not a
-    problem. ``group``: the store's zarr group when the caller has already opened it (not opened again)."""
+    completion marker, unreadable metadata, a ``zarr.json`` whose sha256 differs from the one the marker records
+    (rewritten or damaged metadata), or a level whose chunk (shard) objects differ from the marker's inventory
+    (missing or extra). A marker without an inventory or digests (stores written before they existed) is not a
+    problem (:func:`integrity_checks` says which checks were possible). ``group``: the store's zarr group when the
+    caller has already opened it (not opened again). ``deep``: also read every chunk of every array
+    (:func:`read_every_chunk`; a chunk whose crc32c does not match, or that does not decode, is a problem)."""
     try:
         store = _as_store(path)
         if not storage.exists(store, "zarr.json"):
@@ -499,11 +611,23 @@ def verify_store(path: str | Path | Any, *, group: Any = None) -> list[str]:
         return [f"unreadable {COMPLETE_MARKER}: {type(exc).__name__}: {exc}"]
     problems = []
     try:
-        attrs = dict((group if group is not None else zarr.open_group(store=store, mode="r", zarr_format=3)).attrs)
+        register_codecs()
+        if group is None:
+            group = zarr.open_group(store=store, mode="r", zarr_format=3)
+        attrs = dict(group.attrs)
         if "foveate" not in attrs:
             problems.append("not a foveate store (no 'foveate' attribute in zarr.json)")
     except Exception as exc:
+        group = None
         problems.append(f"unreadable metadata: {type(exc).__name__}: {str(exc)[:200]}")
+    digests = body.get("metadata")
+    if isinstance(digests, dict):
+        found_digests = metadata_digests(store, levels)
+        for key in sorted(digests):
+            if key not in found_digests:
+                problems.append(f"{key} is missing (the completion marker records its digest)")
+            elif found_digests[key] != digests[key]:
+                problems.append(f"{key} changed after ingest (its sha256 differs from the completion marker's)")
     expected = body.get("inventory")
     if expected is not None:
         found = chunk_inventory(store, levels)
@@ -514,6 +638,11 @@ def verify_store(path: str | Path | Any, *, group: Any = None) -> list[str]:
                     f"level {lv}: {f['chunks']} chunk object(s) in the store, the completion marker lists "
                     f"{e['chunks']}" + (" (same count, other keys)" if f["chunks"] == e["chunks"] else "")
                 )
+    if deep and group is not None:
+        try:
+            problems += read_every_chunk(group, levels, _store_name(store))
+        except Exception as exc:  # metadata that opens but does not describe readable arrays
+            problems.append(f"arrays unreadable: {type(exc).__name__}: {str(exc)[:200]}")
     return problems
 
 
@@ -544,7 +673,7 @@ def write_store_from_array(
     store = storage.open_store(loc)
     group = zarr.open_group(store=store, mode="w", zarr_format=3)
     level = np.ascontiguousarray(rgb)
-    compressors = [zarr.codecs.ZstdCodec(level=3)]
+    compressors = [zarr.codecs.ZstdCodec(level=3), zarr.codecs.Crc32cCodec()]
     for i, (_, (lw, lh)) in enumerate(shapes):
         if i:
             level = downsample2x(level)[:lh, :lw]
@@ -642,7 +771,7 @@ def write_tissue_labels(
             shards=(1, ns[0] * ch[0], ns[1] * ch[1]) if shard_chunks else None,
             dtype="uint8",
             fill_value=0,
-            compressors=[zarr.codecs.ZstdCodec(level=3)],
+            compressors=[zarr.codecs.ZstdCodec(level=3), zarr.codecs.Crc32cCodec()],
             dimension_names=("c", "y", "x"),
         )
         if j == len(level_shapes) - 1:
@@ -666,12 +795,12 @@ def write_tissue_labels(
                     if key not in ones_cache:
                         full = np.zeros(ch, np.uint8)
                         full[: len(ys), : len(xs)] = 1
-                        ones_cache[key] = bytes(imagecodecs.zstd_encode(full, level=3))
+                        ones_cache[key] = add_checksum(imagecodecs.zstd_encode(full, level=3))
                     data = ones_cache[key]
                 else:
                     full = np.zeros(ch, np.uint8)
                     full[: len(ys), : len(xs)] = _nearest_block(mask, ys, xs, y0, x0, dm / float(dj))
-                    data = bytes(imagecodecs.zstd_encode(full, level=3))
+                    data = add_checksum(imagecodecs.zstd_encode(full, level=3))
                 row[f"{prefix}/{cy}/{cx}"] = data
                 shard_row[(cy, cx)] = data
             if not shard_chunks:

@@ -62,6 +62,7 @@ class IngestOptions:
     threads: int = 1  # threads per tiler for JPEG decoding, zstd encoding and reductions (all release the GIL)
     fsync: bool = True  # chunks and region markers reach the disk before a region counts as done
     shard: bool = True  # one zarr shard per region and level (False: one object per chunk)
+    checksum: bool = True  # every chunk ends with its crc32c (zarr's crc32c codec): a damaged chunk fails its read
 
     def __post_init__(self) -> None:
         if self.tile_size < 16 or self.tile_size % 16:
@@ -82,7 +83,7 @@ class IngestOptions:
             raise ConfigError(f"threads must be an int in [1, 64], got {self.threads!r}")
         if self.region_tiles < 1 or self.region_tiles & (self.region_tiles - 1):
             raise ConfigError(f"region_tiles must be a power of two >= 1, got {self.region_tiles!r}")
-        for name in ("passthrough", "direct", "fsync", "shard"):
+        for name in ("passthrough", "direct", "fsync", "shard", "checksum"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
 
@@ -295,6 +296,7 @@ class Tiler:
                     zstd_level=self.options.zstd_level,
                     jpeg_quality=self.options.jpeg_quality,
                     shard_side=plan.shard_sides[lvl] if plan.shard_sides else None,
+                    checksum=bool(plan.options.get("checksum", False)),
                 ),
             )
         # last: a store with a plan file has all its arrays
@@ -316,6 +318,7 @@ class Tiler:
                 jpeg_quality=self.options.jpeg_quality,
                 executor=self._executor,
                 durable=self.options.fsync,
+                checksum=bool(plan.options.get("checksum", False)),  # (a plan of an older version: none)
             )
             while len(self._writers) > 4 * self.cache_size:
                 self._writers.pop(next(iter(self._writers)))
