@@ -61,6 +61,30 @@ def _code_paths() -> list[str]:
     return [str(root / p) for p in _PACKAGES]
 
 
+def _logged_serve_roots(train_config: Mapping[str, Any] | None, input_example: Any) -> list[str]:
+    """The folders a served model may read by default (:mod:`pipeline.serving`): its training stores'
+    (``data.stores``) and its input example's. Local folders and ``s3://`` prefixes; nothing else."""
+    from workers import storage
+
+    found: list[str] = []
+    data = (train_config or {}).get("data") if isinstance(train_config, Mapping) else None
+    if isinstance(data, Mapping) and isinstance(data.get("stores"), str) and data["stores"]:
+        found.append(storage.normalize(data["stores"]))
+    stores = getattr(input_example, "get", lambda *_: None)("store")
+    for s in list(stores) if stores is not None else []:
+        if isinstance(s, str) and s:
+            loc = storage.normalize(s)
+            found.append(loc.rsplit("/", 1)[0] if storage.is_url(loc) else str(Path(loc).parent))
+    roots = []
+    for r in found:
+        if storage.is_url(r):
+            if r.startswith("s3://"):
+                roots.append(r)
+        else:
+            roots.append(str(Path(r).resolve()))
+    return list(dict.fromkeys(roots))
+
+
 def log_model(
     model: torch.nn.Module,
     model_config: Any,
@@ -82,6 +106,10 @@ def log_model(
         registered_model_name: also register the model under this name (a new version).
         input_example: a table with a ``store`` column (e.g. one training store) saved as the model's input
             example; MLflow checks at log time that the served model answers it.
+
+    The served model opens stores only under its serve roots (:mod:`pipeline.serving`): recorded here as the
+    folder of ``train_config["data"]["stores"]`` and of the input example's stores, replaced by
+    ``$FOVEATE_SERVE_ROOTS`` where the model is served.
 
     Returns:
         The logged model's URI (``models:/<model_id>``); ``runs:/<run_id>/<name>`` works as well.
@@ -119,6 +147,8 @@ def log_model(
                 pip_requirements=_pip_requirements(),
                 registered_model_name=registered_model_name,
                 metadata={"class_names": [str(c) for c in class_names], "checkpoint": f"artifacts/{CHECKPOINT_NAME}"},
+                # what the served model may open unless $FOVEATE_SERVE_ROOTS says otherwise (pipeline.serving)
+                model_config={"serve_roots": _logged_serve_roots(train_config, input_example)},
             )
     return info.model_uri
 

@@ -113,7 +113,7 @@ def test_pyfunc_model_scores_stores_like_foveate_score(logged):
     out = m.predict(
         pd.DataFrame(
             {
-                "store": [*stores, str(logged["stores"] / "incomplete.zarr"), str(logged["root"] / "missing.zarr")],
+                "store": [*stores, str(logged["stores"] / "incomplete.zarr"), str(logged["stores"] / "missing.zarr")],
                 "slide_id": [*GOOD, "inc", None],
             }
         )
@@ -235,7 +235,9 @@ def test_mlflow_models_serve_answers_like_foveate_score(logged, ray_local, tmp_p
         stores = [str(logged["stores"] / f"{s}.zarr") for s in GOOD]
         status, body = _post(
             f"{base}/invocations",
-            json.dumps({"dataframe_records": [{"store": s} for s in [*stores, str(tmp_path / "gone.zarr")]]}).encode(),
+            json.dumps(
+                {"dataframe_records": [{"store": s} for s in [*stores, str(logged["stores"] / "gone.zarr")]]}
+            ).encode(),
         )
         assert status == 200, body
         rows = body["predictions"]
