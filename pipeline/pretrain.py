@@ -118,7 +118,14 @@ def pretrain(
         raise TypeError(f"config must be a TrainConfig, got {type(config).__name__}")
     from pipeline.encoder_init import log_encoder
     from pipeline.runtime import init_ray
-    from pipeline.tracking import client_for, get_or_create_experiment, log_metrics, log_params, resolve_tracking_uri
+    from pipeline.tracking import (
+        client_for,
+        get_or_create_experiment,
+        log_metrics,
+        log_params,
+        resolve_tracking_uri,
+        start_run,
+    )
 
     config = _resolve(config, workers=workers, workdir=workdir)
     f = config.model.features
@@ -140,11 +147,12 @@ def pretrain(
     uri = resolve_tracking_uri(default_dir=config.workdir)
     client = client_for(uri)
     experiment_id = get_or_create_experiment(client, config.tracking.experiment, uri)
-    run_id = client.create_run(
+    run_id = start_run(
+        client,
         experiment_id,
         run_name=config.tracking.run_name,
         tags={"foveate.stage": "pretrain", "foveate.run_dir": str(run_dir)},
-    ).info.run_id
+    )
     log_params(client, run_id, to_dict(config))
     log.info("MLflow run %s in experiment %r at %s", run_id, config.tracking.experiment, uri)
 
@@ -205,7 +213,7 @@ def pretrain_loop_per_worker(loop_config: dict[str, Any]) -> None:
     to MLflow and writes the checkpoint (``encoder.pt``, ``pretrain_state.pt``)."""
     import ray.train
 
-    from pipeline.tracking import client_for, log_metrics
+    from pipeline.tracking import client_for, log_metrics, logged_steps
     from pipeline.train_loop import worker_context
     from workers.pretrain import Pretrainer
 
@@ -214,13 +222,14 @@ def pretrain_loop_per_worker(loop_config: dict[str, Any]) -> None:
     slides = [SlideRecord(*r) for r in loop_config["slides"]]
     run_id = loop_config["run_id"]
     client = client_for(loop_config["tracking_uri"]) if rank == 0 else None
+    logged = logged_steps(client, run_id) if rank == 0 else {}  # a restarted worker logs each step once
     pre = Pretrainer(
         cfg.model,
         cfg.pretrain,
         slides_per_epoch=math.ceil(len(slides) / world),
         device=device,
         collective=collective,
-        on_step=(lambda m, step: log_metrics(client, run_id, m, step=step)) if rank == 0 else None,
+        on_step=(lambda m, step: log_metrics(client, run_id, m, step=step, skip=logged)) if rank == 0 else None,
         log_every=cfg.tracking.log_every,
     )
     ckpt = ray.train.get_checkpoint()
@@ -230,7 +239,7 @@ def pretrain_loop_per_worker(loop_config: dict[str, Any]) -> None:
     while pre.epoch < cfg.pretrain.epochs:
         metrics = pre.run_epoch(shard(slides, rank, world, epoch=pre.epoch, seed=cfg.pretrain.seed))
         if rank == 0:
-            log_metrics(client, run_id, metrics, step=pre.epoch)
+            log_metrics(client, run_id, metrics, step=pre.epoch, skip=logged)
             log.info("pretrain epoch %d: %s", pre.epoch, ", ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
         with tempfile.TemporaryDirectory(prefix="foveate-pretrain-") as tmp:
             checkpoint = None

@@ -298,15 +298,16 @@ def _score_locked(
     device, ok, failed, retried = "cpu", 0, 0, 0
     client = None
     if experiment and todo:
-        from pipeline.tracking import client_for, get_or_create_experiment
+        from pipeline.tracking import client_for, get_or_create_experiment, start_run
 
         client = client_for(uri)
         exp_id = get_or_create_experiment(client, experiment, uri)
-        run_id = client.create_run(
+        run_id = start_run(
+            client,
             exp_id,
             run_name=f"score-{storage.basename(stores)}",
             tags={"foveate.stage": "score", "foveate.model": str(model)},
-        ).info.run_id
+        )
         from mlflow.entities import Param
 
         params = {

@@ -261,7 +261,15 @@ def train(
     from operators.checkpoint import model_from_checkpoint
     from pipeline.mlflow_model import log_model
     from pipeline.runtime import init_ray
-    from pipeline.tracking import client_for, get_or_create_experiment, log_params, resolve_tracking_uri
+    from pipeline.tracking import (
+        claim_run,
+        client_for,
+        end_stale_runs,
+        get_or_create_experiment,
+        log_params,
+        resolve_tracking_uri,
+        start_run,
+    )
 
     config = _resolve(config, workers=workers, workdir=workdir)
     table = build_slide_table(config.data)
@@ -308,18 +316,19 @@ def train(
         run_id, experiment_id = state["run_id"], state["experiment_id"]
         uri = state.get("tracking_uri", uri)
         client = client_for(uri)
-        client.update_run(run_id, status="RUNNING")
+        end_stale_runs(client, experiment_id)  # this run too, when the command it last ran in was killed
+        claim_run(client, run_id)
         client.set_tag(
             run_id, "foveate.resumed", str(int(client.get_run(run_id).data.tags.get("foveate.resumed", "0")) + 1)
         )
     else:
         experiment_id = get_or_create_experiment(client, config.tracking.experiment, uri)
-        run = client.create_run(
+        run_id = start_run(
+            client,
             experiment_id,
             run_name=config.tracking.run_name,
             tags={"foveate.stage": "train", "foveate.run_dir": str(run_dir)},
         )
-        run_id = run.info.run_id
         log_params(client, run_id, resolved)
         client.log_dict(
             run_id,

@@ -68,7 +68,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     import ray.train
 
     from operators.checkpoint import checkpoint_dict
-    from pipeline.tracking import client_for, log_metrics
+    from pipeline.tracking import client_for, log_metrics, logged_steps
     from workers.trainer import Trainer
 
     cfg: TrainConfig = from_dict(TrainConfig, loop_config["config"])
@@ -82,7 +82,12 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     after_epoch = loop_config.get("after_epoch")
 
     client = client_for(loop_config["tracking_uri"]) if rank == 0 else None
-    on_step = (lambda metrics, step: log_metrics(client, run_id, metrics, step=step)) if rank == 0 else None
+    # a resumed run (or a restarted worker) runs again the steps and epoch after its last checkpoint: what the run
+    # already holds is not logged a second time
+    logged = logged_steps(client, run_id) if rank == 0 else {}
+    on_step = (
+        (lambda metrics, step: log_metrics(client, run_id, metrics, step=step, skip=logged)) if rank == 0 else None
+    )
     trainer = Trainer(
         cfg.model,
         cfg.optim,
@@ -110,7 +115,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             shard(train_records, rank, world, epoch=epoch, seed=cfg.data.seed), shard(val_records, rank, world)
         )
         if rank == 0:
-            log_metrics(client, run_id, metrics, step=trainer.epoch)
+            log_metrics(client, run_id, metrics, step=trainer.epoch, skip=logged)
             log.info("epoch %d: %s", trainer.epoch, ", ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
             if trainer.stop_reason is not None:
                 client.set_tag(run_id, "foveate.stop_reason", trainer.stop_reason)

@@ -141,6 +141,12 @@ def test_mlflow_server_requires_the_password(cluster):
     pw_file = Path(cluster["run_dir"]) / "mlflow_password"
     assert pw_file.read_text() == password and oct(pw_file.stat().st_mode & 0o777) == "0o600"
     assert oct((Path(cluster["run_dir"]) / "env.sh").stat().st_mode & 0o777) == "0o600"
+    # MLflow's tracking and user databases, its artifacts: owner-only
+    mlflow_dir = Path(cluster["run_dir"]) / "mlflow"
+    for name in ("mlflow.db", "basic_auth.db"):
+        assert oct((mlflow_dir / name).stat().st_mode & 0o777) == "0o600", name
+    for d in (mlflow_dir, mlflow_dir / "artifacts"):
+        assert oct(d.stat().st_mode & 0o777) == "0o700", d
 
     def post(auth: str | None) -> int:
         headers = {"Content-Type": "application/json"}

@@ -20,6 +20,9 @@
 #   FOVEATE_UP_TIMEOUT      seconds to wait for each service                    (default 120)
 #   PYTHON                  interpreter whose environment has ray and mlflow    (default ./.venv/bin/python, else python3)
 set -euo pipefail
+# Everything this script and the services it starts create is owner-only: the tokens and passwords, MLflow's
+# tracking and user databases (mlflow.db, basic_auth.db), artifacts, logs and Ray's session files.
+umask 077
 
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 RUN_DIR=${FOVEATE_RUN_DIR:-$ROOT/runs/local}
@@ -38,6 +41,9 @@ RAY_TMP=${FOVEATE_RAY_TEMP_DIR:-/tmp/foveate-ray-$(printf '%s' "$RUN_DIR" | cksu
 LOGS=$RUN_DIR/logs
 TOKEN_FILE=$RUN_DIR/ray_auth_token
 mkdir -p "$LOGS" "$RUN_DIR/mlflow/artifacts"
+# a run directory made before the umask above: closed now (its databases and artifacts with it)
+chmod 700 "$RUN_DIR" "$RUN_DIR/mlflow" "$RUN_DIR/mlflow/artifacts" "$LOGS"
+for f in "$RUN_DIR/mlflow/mlflow.db" "$RUN_DIR/mlflow/basic_auth.db"; do [ -e "$f" ] && chmod 600 "$f"; done
 say() { echo "up.sh: $*" >&2; }
 # Each service is started with setsid: the PID in its pid file is the session id of every process it spawns.
 # A session is running while it has a process that is not a zombie.
