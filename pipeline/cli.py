@@ -293,6 +293,14 @@ def _run(module, args: argparse.Namespace) -> int:
         if args.verbose:
             raise
         return 2
+    except OSError as exc:
+        from pipeline.outputs import WRITE_ERRNOS, describe_os_error
+
+        if exc.errno not in WRITE_ERRNOS or args.verbose:
+            raise
+        # a read-only target, a full disk: one line naming the file, not a traceback
+        logging.getLogger("foveate").error("%s failed: %s", args.command, describe_os_error(exc))
+        return 1
     except KeyboardInterrupt:
         return 130
 

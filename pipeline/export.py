@@ -47,8 +47,12 @@ class ExportResult:
 
 def _write_atomic(path: Path, data: str) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(data, encoding="utf-8")
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(data, encoding="utf-8")
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a full disk or an interrupt leaves no temporary behind
+        raise
 
 
 def export(predictions: str | Path, out: str | Path, *, fmt: str = "geojson") -> ExportResult:
@@ -75,7 +79,9 @@ def export(predictions: str | Path, out: str | Path, *, fmt: str = "geojson") ->
     out_dir = Path(out)
     if out_dir.exists() and not out_dir.is_dir():
         raise ValueError(f"--out must be a folder, got the existing file {str(out_dir)!r}")
-    out_dir.mkdir(parents=True, exist_ok=True)
+    from pipeline.outputs import writable_folder
+
+    writable_folder(out_dir, "--out")  # a read-only or forbidden folder: one line before anything is written
     result = ExportResult(out_dir=out_dir)
     ok = [r for r in rows if r.get("status") == "ok"]
     colors = class_colors(ok)  # one colour per class across all slides

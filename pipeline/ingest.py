@@ -288,13 +288,10 @@ def _out_url(text: str) -> str:
         fs, path = storage.filesystem(url)
     except (ImportError, ValueError) as exc:
         raise ValueError(f"--out {text!r}: cannot open its filesystem ({exc})") from exc
-    bucket = path.split("/", 1)[0]
-    try:
-        ok = fs.exists(bucket)
-    except Exception as exc:  # credentials, endpoint, network
-        raise ValueError(f"--out {text!r}: cannot reach bucket {bucket!r} ({type(exc).__name__}: {exc})") from exc
-    if not ok:
-        raise ValueError(f"--out {text!r}: bucket {bucket!r} does not exist (create it first)")
+    from workers.bucket_check import check_bucket
+
+    # one listing of the bucket: refused credentials, a dead endpoint and a missing bucket each get their own line
+    check_bucket(url, what=f"--out {text!r}")
     return url
 
 

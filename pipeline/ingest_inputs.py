@@ -238,13 +238,20 @@ def discover_inputs(inputs: Iterable[str | Path]) -> list[SlideFile]:
     for raw in inputs:
         if storage.is_url(raw):
             url = storage.normalize(raw)
-            kind = _url_kind(url)
-            if kind == "dir":
-                out.extend(_walk_url(url))
-            elif url.lower().endswith(".csv") and kind == "file":
-                out.extend(_read_csv_manifest(url))
-            else:  # a slide object (a missing one fails its own row when a tiler opens it)
-                out.append(_url_input(url))
+            try:
+                kind = _url_kind(url)
+                if kind == "dir":
+                    out.extend(_walk_url(url))
+                elif url.lower().endswith(".csv") and kind == "file":
+                    out.extend(_read_csv_manifest(url))
+                else:  # a slide object (a missing one fails its own row when a tiler opens it)
+                    out.append(_url_input(url))
+            except (ValueError, FileNotFoundError):
+                raise
+            except Exception as exc:  # refused credentials, a dead endpoint: one line naming what failed
+                from workers.bucket_check import describe_failure
+
+                raise ValueError(describe_failure(url, exc, what=f"input {url!r}")) from exc
             continue
         p = Path(raw)
         if p.is_dir():

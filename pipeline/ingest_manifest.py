@@ -87,11 +87,33 @@ def merge_manifest(store_dir: str | Path, rows: Iterable[dict[str, Any]]):
         return df
     store_dir = Path(store_dir)
     store_dir.mkdir(parents=True, exist_ok=True)
-    for name, write in (
-        ("manifest.parquet", lambda p: df.to_parquet(p, index=False)),
-        ("manifest.csv", lambda p: df.to_csv(p, index=False)),
-    ):
-        tmp = store_dir / f".{name}.tmp{os.getpid()}"
-        write(tmp)
-        os.replace(tmp, store_dir / name)
+    # both files are written in full beside their targets, synced, then renamed: a failure (a full disk, a
+    # read-only folder, an interrupt) leaves the previous manifest as it was and no temporary behind
+    tmps = {name: store_dir / f".{name}.tmp{os.getpid()}" for name in ("manifest.parquet", "manifest.csv")}
+    try:
+        df.to_parquet(tmps["manifest.parquet"], index=False)
+        df.to_csv(tmps["manifest.csv"], index=False)
+        for tmp in tmps.values():
+            with open(tmp, "rb") as fh:
+                os.fsync(fh.fileno())
+        for name, tmp in tmps.items():
+            os.replace(tmp, store_dir / name)
+    except OSError as exc:
+        _remove(tmps.values())
+        raise OSError(
+            exc.errno,
+            f"cannot write the manifest {store_dir / 'manifest.parquet'}: {exc.strerror or exc}",
+            str(store_dir / "manifest.parquet"),
+        ) from exc
+    except BaseException:
+        _remove(tmps.values())
+        raise
     return df
+
+
+def _remove(paths: Iterable[Path]) -> None:
+    for p in paths:
+        try:
+            p.unlink(missing_ok=True)
+        except OSError:
+            pass

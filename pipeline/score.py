@@ -231,6 +231,10 @@ def score(
     from workers import storage
 
     out = storage.local_path(out) or storage.normalize(out)  # a Path, or an object-storage URL (a str)
+    if isinstance(out, Path):
+        from pipeline.outputs import writable_folder
+
+        writable_folder(out.parent, "--out")  # read-only or forbidden: one line before the lock, Ray or MLflow
     from pipeline.locks import output_lock
 
     with output_lock(out, "foveate score"):  # one writer per predictions file
