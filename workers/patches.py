@@ -354,6 +354,8 @@ class PatchReader:
             for cy in range(y0[i] // th, (y1[i] - 1) // th + 1):
                 needed.setdefault(int(cy), set()).update(range(int(x0[i] // tw), int((x1[i] - 1) // tw) + 1))
         chunks: dict[tuple[int, int], np.ndarray] = {}
+        from workers.chunks import read_checked
+
         if self._direct is None:
             from workers.chunks import local_chunk_reader
 
@@ -368,7 +370,8 @@ class PatchReader:
             for cx in sorted(cxs) + [None]:  # type: ignore[list-item]
                 if run and (cx is None or cx != run[-1] + 1):
                     a, b = run[0], run[-1]
-                    block = np.asarray(arr[:, cy * th : min((cy + 1) * th, H), a * tw : min((b + 1) * tw, W)])
+                    sel = (slice(None), slice(cy * th, min((cy + 1) * th, H)), slice(a * tw, min((b + 1) * tw, W)))
+                    block = read_checked(arr, sel, str(self.store.path))  # a failed crc32c names the chunk
                     for c in run:
                         chunks[(cy, c)] = block[:, :, (c - a) * tw : (c - a + 1) * tw]
                     run = []
