@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 
 import numpy as np
 import pytest
@@ -244,7 +245,9 @@ def test_scoring_and_pyfunc_adapt_to_each_slide_without_the_mpp_warning(tmp_path
     # the MLflow pyfunc model runs the same workers
     path = save_checkpoint(tmp_path / "m.pt", model, cfg, CLASSES)
     pyfunc = FoveatePythonModel()
-    pyfunc.load_context(type("Ctx", (), {"artifacts": {CHECKPOINT_ARTIFACT: str(path)}})())
+    roots = sorted({os.path.dirname(str(s.path)) for s in (s40, s20)})  # what a logged model records (serve roots)
+    ctx = {"artifacts": {CHECKPOINT_ARTIFACT: str(path)}, "model_config": {"serve_roots": roots}}
+    pyfunc.load_context(type("Ctx", (), ctx)())
     import pandas as pd
 
     out = pyfunc.predict(None, pd.DataFrame({"store": [str(s40.path), str(s20.path)]}))
