@@ -25,9 +25,21 @@ def list_stores(stores_dir: str | Path) -> list[tuple[str, str]]:
     from workers import storage
 
     root = storage.normalize(stores_dir)
-    if not storage.is_url(root) and not Path(root).is_dir():
-        raise FileNotFoundError(f"--stores: no such directory {root!r}")
-    return sorted((name[: -len(".zarr")], loc) for name, loc in storage.children(root, ".zarr"))
+    if not storage.is_url(root):
+        if not Path(root).is_dir():
+            raise FileNotFoundError(f"--stores: no such directory {root!r}")
+        return sorted((name[: -len(".zarr")], loc) for name, loc in storage.children(root, ".zarr"))
+    from workers.bucket_check import check_location, describe_failure
+
+    # refused credentials, a dead endpoint, no such bucket: one line naming bucket, endpoint and credential source
+    check_location(root, what=f"--stores {root!r}")
+    try:
+        found = storage.children(root, ".zarr")
+    except (ValueError, ImportError):
+        raise
+    except Exception as exc:
+        raise ValueError(describe_failure(root, exc, what=f"--stores {root!r}")) from exc
+    return sorted((name[: -len(".zarr")], loc) for name, loc in found)
 
 
 def schema(prob_columns: list[str]):

@@ -235,6 +235,11 @@ def score(
         from pipeline.outputs import writable_folder
 
         writable_folder(out.parent, "--out")  # read-only or forbidden: one line before the lock, Ray or MLflow
+    else:
+        from workers.bucket_check import check_location
+
+        # refused credentials, a dead endpoint, no such bucket: one line before the lock, Ray or MLflow
+        check_location(storage.sibling(out, ""), what=f"--out {out!r}")
     from pipeline.locks import output_lock
 
     with output_lock(out, "foveate score"):  # one writer per predictions file

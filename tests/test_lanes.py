@@ -557,3 +557,45 @@ def test_s3_dead_endpoint_is_named(monkeypatch):
     msg = str(info.value)
     assert dead in msg and "some-bucket" in msg and "reach" in msg and "does not exist" not in msg, msg
     assert time.monotonic() - t0 < 30
+
+
+def test_score_with_s3_stores_refused_or_unreachable_is_one_line(s3_auth, monkeypatch, capsys, caplog, tmp_path):
+    """``foveate score --stores s3://...`` (and ``--out s3://...``) with refused credentials, a dead endpoint or a
+    missing bucket: one line naming bucket, endpoint and credential source, before Ray, MLflow or the model."""
+    from pipeline.cli import main
+    from workers import storage
+
+    for k, v in s3_auth.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv(storage.STORAGE_OPTIONS_ENV, raising=False)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "not-a-key")
+    model = str(tmp_path / "never-loaded.pt")
+    write_store_from_array(tmp_path / "st" / "s0.zarr", _slide(0), tile_size=64, min_size=64)
+
+    def score(stores: str, out: str) -> tuple[int, str]:
+        t0 = time.monotonic()
+        code = main(["-q", "score", "--model", model, "--stores", stores, "--out", out, "--experiment", ""])
+        assert time.monotonic() - t0 < 30
+        return code, _one_line_error(capsys, caplog)
+
+    endpoint = s3_auth["AWS_ENDPOINT_URL"]
+    code, err = score("s3://lanes-bucket/stores", str(tmp_path / "p.parquet"))
+    assert code == 2 and "--stores" in err and "'lanes-bucket'" in err and endpoint in err, err
+    assert "refused the credentials" in err and "AWS_ACCESS_KEY_ID" in err and "not-" in err, err
+    assert "not-a-key" not in err  # the key is named by its first letters only
+    code, err = score(str(tmp_path / "st"), "s3://lanes-bucket/runs/p.parquet")
+    assert code == 2 and "--out" in err and "'lanes-bucket'" in err and "refused the credentials" in err, err
+
+    dead = f"http://127.0.0.1:{_free_port()}"
+    monkeypatch.setenv("AWS_ENDPOINT_URL", dead)
+    code, err = score("s3://lanes-bucket/stores", str(tmp_path / "p.parquet"))
+    assert code == 2 and dead in err and "'lanes-bucket'" in err and "reach" in err and "AWS_ACCESS_KEY_ID" in err, err
+
+    import moto.settings as moto_settings
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
+    monkeypatch.setattr(moto_settings, "INITIAL_NO_AUTH_ACTION_COUNT", float("inf"))  # any key is accepted
+    code, err = score("s3://no-such-bucket/stores", str(tmp_path / "p.parquet"))
+    assert code == 2 and "bucket 'no-such-bucket' does not exist" in err and endpoint in err, err
+    code, err = score("s3://lanes-bucket/empty", str(tmp_path / "p.parquet"))
+    assert code == 2 and "has no <slide_id>.zarr stores" in err, err

@@ -15,7 +15,14 @@ from typing import Any
 
 from workers import storage
 
-__all__ = ["check_bucket", "describe_failure", "credential_source", "endpoint_of", "is_access_failure"]
+__all__ = [
+    "check_bucket",
+    "check_location",
+    "describe_failure",
+    "credential_source",
+    "endpoint_of",
+    "is_access_failure",
+]
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +133,26 @@ def check_bucket(url: str, *, what: str) -> None:
     try:
         fs = _check_filesystem(url)
         fs.ls(bucket, refresh=True)
+    except ValueError:
+        raise
+    except Exception as exc:
+        raise ValueError(describe_failure(url, exc, what=what)) from exc
+
+
+def check_location(url: str, *, what: str) -> None:
+    """List the folder/prefix ``url`` once (one attempt, short timeouts), so that a command reading or writing
+    under it fails at once with one line instead of a traceback after its retries. A prefix that does not exist
+    yet is fine when its bucket exists (then the bucket is listed to tell a missing bucket apart).
+
+    Raises:
+        ValueError: one line from :func:`describe_failure` (auth refused, endpoint unreachable, no such bucket).
+    """
+    url = storage.normalize(url)
+    try:
+        fs = _check_filesystem(url)
+        fs.ls(url.split("://", 1)[1].rstrip("/"), refresh=True)
+    except FileNotFoundError:
+        check_bucket(url, what=what)
     except ValueError:
         raise
     except Exception as exc:
