@@ -41,7 +41,9 @@ def ingest_once(src: Path, out: Path, checksum: bool) -> dict:
     tiler.close()
     seconds = time.perf_counter() - t0
     mp = row["width"] * row["height"] / 1e6
-    return {"seconds": seconds, "mp_per_s": mp / seconds, "load_avg_before": load, "store": str(out / inp.slide_id)}
+    # the store relative to the work folder: no absolute path in the JSON
+    store = f"{out.name}/{inp.slide_id}"
+    return {"seconds": seconds, "mp_per_s": mp / seconds, "load_avg_before": load, "store": store}
 
 
 def read_latency(store_path: str, reads: int, patch: int, seed: int = 0) -> dict:
@@ -104,7 +106,7 @@ def main(argv=None) -> int:
             name: {"median_mp_per_s": statistics.median(r["mp_per_s"] for r in rs), "runs": rs}
             for name, rs in runs.items()
         },
-        "read": {name: read_latency(rs[-1]["store"], a.reads, a.patch) for name, rs in runs.items()},
+        "read": {name: read_latency(str(work / rs[-1]["store"]), a.reads, a.patch) for name, rs in runs.items()},
     }
     text = json.dumps(out, indent=1)
     print(text)
