@@ -163,9 +163,12 @@ def test_train_crash_resume_and_logged_model(tmp_path, slides, ray_local):
     # early stopping is on by default (patience 5): two epochs end at the cap, with the best epoch's model
     assert run.data.tags["foveate.stop_reason"] == "cap" and run.data.metrics["stopped_epoch"] == 2
     assert run.data.metrics["best_epoch"] in (1, 2)
-    # params: the full resolved config, flattened
+    # params: the full resolved config, flattened, and the logged model's serve roots (MLflow logs a pyfunc
+    # model's model_config as parameters of its run): the training stores' folder
     expected = flatten_params(to_dict(result.config))
-    assert run.data.params == expected
+    params = dict(run.data.params)
+    assert params.pop("serve_roots") == str([str(Path(result.config.data.stores).resolve())])
+    assert params == expected
     assert run.data.params["model.num_classes"] == "3" and run.data.params["data.classes"] == json.dumps(
         ["neg", "other", "pos"]
     )
