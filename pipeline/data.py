@@ -219,11 +219,17 @@ def build_slide_table(cfg: DataConfig) -> SlideTable:
 
     Raises:
         FileNotFoundError: ``cfg.stores`` is not a directory.
-        ValueError: no labelled slides, or fewer than two classes.
+        ValueError: no labelled slides, or fewer than two classes; object storage that refuses the credentials,
+            does not answer or has no such bucket (one line).
     """
     stores_dir = storage.normalize(cfg.stores)
     if not storage.is_url(stores_dir) and not Path(stores_dir).is_dir():
         raise FileNotFoundError(f"data.stores: no such directory {str(stores_dir)!r}")
+    if storage.is_url(stores_dir):
+        from workers.bucket_check import check_location
+
+        # refused credentials, a dead endpoint, no such bucket: one line naming bucket, endpoint and credentials
+        check_location(stores_dir, what=f"data.stores {stores_dir!r}")
     labels = load_labels(cfg.labels, stores_dir, label_column=cfg.label_column)
     stores = {name.removesuffix(".zarr"): loc for name, loc in storage.children(stores_dir, ".zarr")}
     incomplete = sorted(s for s, p in stores.items() if not is_complete(p))

@@ -41,12 +41,18 @@ def verify(stores: str | Path, *, deep: bool = False) -> list[dict[str, object]]
 
     Raises:
         FileNotFoundError: a local ``stores`` that does not exist.
+        ValueError: object storage that refuses the credentials, does not answer or has no such bucket (one line).
     """
     from workers import storage
 
     root = storage.normalize(stores)
     if not storage.is_url(root) and not Path(root).is_dir():
         raise FileNotFoundError(f"STORES: no such directory {root!r} (a folder of <slide_id>.zarr stores or a store)")
+    if storage.is_url(root):
+        from workers.bucket_check import check_location
+
+        # refused credentials, a dead endpoint, no such bucket: one line naming bucket, endpoint and credentials
+        check_location(root, what=f"STORES {root!r}")
     found = [(storage.basename(root), root)] if _is_store(root) else storage.children(root, ".zarr")
     rows = []
     for name, loc in found:

@@ -560,8 +560,9 @@ def test_s3_dead_endpoint_is_named(monkeypatch):
 
 
 def test_score_with_s3_stores_refused_or_unreachable_is_one_line(s3_auth, monkeypatch, capsys, caplog, tmp_path):
-    """``foveate score --stores s3://...`` (and ``--out s3://...``) with refused credentials, a dead endpoint or a
-    missing bucket: one line naming bucket, endpoint and credential source, before Ray, MLflow or the model."""
+    """``foveate score --stores s3://...`` (and ``--out s3://...``, ``foveate verify s3://...``, ``data.stores`` of
+    ``foveate train``) with refused credentials, a dead endpoint or a missing bucket: one line naming bucket,
+    endpoint and credential source, before Ray, MLflow or the model."""
     from pipeline.cli import main
     from workers import storage
 
@@ -585,6 +586,13 @@ def test_score_with_s3_stores_refused_or_unreachable_is_one_line(s3_auth, monkey
     assert "not-a-key" not in err  # the key is named by its first letters only
     code, err = score(str(tmp_path / "st"), "s3://lanes-bucket/runs/p.parquet")
     assert code == 2 and "--out" in err and "'lanes-bucket'" in err and "refused the credentials" in err, err
+    code = main(["-q", "verify", "s3://lanes-bucket/stores"])
+    err = _one_line_error(capsys, caplog)
+    assert code == 2 and "'lanes-bucket'" in err and endpoint in err and "refused the credentials" in err, err
+    from pipeline.data import DataConfig, build_slide_table
+
+    with pytest.raises(ValueError, match="data.stores 's3://lanes-bucket/stores': bucket 'lanes-bucket' at .* refused"):
+        build_slide_table(DataConfig(stores="s3://lanes-bucket/stores"))  # what foveate train reads first
 
     dead = f"http://127.0.0.1:{_free_port()}"
     monkeypatch.setenv("AWS_ENDPOINT_URL", dead)
