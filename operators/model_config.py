@@ -390,7 +390,13 @@ class AugmentConfig:
 
 # ---------------------------------------------------------------------------------------------- features
 FEATURE_KINDS = ("resnet", "torchscript")
-_RESNET_DEFAULTS: dict[str, Any] = {"widths": (16, 32, 64), "blocks": (1, 1, 1), "norm": "group", "init": None}
+_RESNET_DEFAULTS: dict[str, Any] = {
+    "widths": (16, 32, 64),
+    "blocks": (1, 1, 1),
+    "norm": "group",
+    "standardise": False,
+    "init": None,
+}
 # older names of FeaturesConfig fields (still accepted, one deprecation line each when given a value)
 _FEATURES_RENAMED = {"frozen": "freeze", "weights": "init"}
 _FEATURES_OLD_DEFAULTS = {"frozen": False, "weights": None}
@@ -423,6 +429,10 @@ class FeaturesConfig:
     once on a dummy batch when the model is built (an int given for torchscript is checked against it)."""
     norm: Literal["group", "batch"] = "group"
     """ResNet normalisation, ``group`` (GroupNorm) or ``batch`` (BatchNorm2d) (resnet only)."""
+    standardise: bool = False
+    """Standardise the output features with running statistics, the same in training and at inference
+    (:class:`operators.resnet.RunningStandardise`; resnet only). Experimental: measured in benchmarks/RESULTS.md,
+    "The shape family"."""
     freeze: bool = False
     """No parameter of the network is trained and it stays in eval mode; torchscript encoders are always frozen
     (this is set to true for them, whatever is given). Older name: ``frozen``. A frozen encoder's features are
@@ -496,6 +506,7 @@ class FeaturesConfig:
         object.__setattr__(self, "widths", widths)
         object.__setattr__(self, "blocks", blocks)
         _choice("model.features.norm", self.norm, ("group", "batch"))
+        _bool("model.features.standardise", self.standardise)
         _bool("model.features.freeze", self.freeze)
         if self.feature_dim is None and self.kind == "resnet":
             object.__setattr__(self, "feature_dim", 64)
@@ -553,6 +564,7 @@ class FeaturesConfig:
             blocks=self.blocks,
             feature_dim=int(self.feature_dim),
             norm=self.norm,
+            standardise=self.standardise,
             frozen=self.freeze,
             weights=None if is_init_uri(self.init) else self.init,  # MLflow URIs: loaded by the trainer
         )
@@ -565,6 +577,7 @@ class FeaturesConfig:
             blocks=tuple(cfg.blocks),
             feature_dim=cfg.feature_dim,
             norm=cfg.norm,
+            standardise=cfg.standardise,
             freeze=cfg.frozen,
             init=cfg.weights,
         )

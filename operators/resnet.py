@@ -32,6 +32,7 @@ class ResNetConfig:
         blocks: basic blocks per stage (same length as ``widths``).
         feature_dim: size of the output feature vector (a linear projection of the pooled last stage).
         norm: ``"group"`` (GroupNorm, default) or ``"batch"`` (BatchNorm2d).
+        standardise: standardise the output features with running statistics (:class:`RunningStandardise`).
         frozen: no parameter of the network receives gradients and it always runs in eval mode.
         weights: optional path to a ``state_dict`` file (``torch.save``) loaded at construction; nothing is
             downloaded.
@@ -41,6 +42,7 @@ class ResNetConfig:
     blocks: tuple[int, ...] = (1, 1, 1)
     feature_dim: int = 64
     norm: str = "group"
+    standardise: bool = False
     frozen: bool = False
     weights: str | None = None
 
@@ -55,6 +57,54 @@ class ResNetConfig:
             raise ValueError(f"features.feature_dim must be a positive int, got {self.feature_dim!r}")
         if self.norm not in ("group", "batch"):
             raise ValueError(f"features.norm must be 'group' or 'batch', got {self.norm!r}")
+        if not isinstance(self.standardise, bool):
+            raise TypeError(f"features.standardise must be a bool, got {self.standardise!r}")
+
+
+def running_standardise(
+    features: torch.Tensor, mean: torch.Tensor, var: torch.Tensor, eps: float = 1e-5
+) -> torch.Tensor:
+    """``(features - mean) / sqrt(var + eps)`` per feature: ``features[M, D]``, ``mean[D]``, ``var[D]`` -> ``[M, D]``."""
+    return (features - mean.to(features.dtype)) / (var.to(features.dtype) + eps).sqrt()
+
+
+class RunningStandardise(nn.Module):
+    """Standardise features with running statistics, in training and at inference alike.
+
+    Unlike BatchNorm, training never normalises with the statistics of the batch itself: a slide's patches are
+    standardised by the same mean and variance at training and at inference, so no statistic of one slide is
+    subtracted from its own features; the running mean and variance follow the training batches (an exponential
+    moving average, ``momentum`` per call; the first training call sets them), without gradient through them.
+    The point is scale: the pooled features of a bag vary across slides by a few percent of their magnitude,
+    and a linear head on them learns slowly from slide labels (benchmarks/RESULTS.md, "The shape family").
+
+    Shapes: ``forward(features[M, D]) -> [M, D]``.
+    """
+
+    def __init__(self, dim: int, momentum: float = 0.05, eps: float = 1e-5):
+        super().__init__()
+        if not isinstance(dim, int) or dim < 1:
+            raise ValueError(f"dim must be a positive int, got {dim!r}")
+        if not 0 < momentum <= 1:
+            raise ValueError(f"momentum must be in (0, 1], got {momentum!r}")
+        self.momentum, self.eps = float(momentum), float(eps)
+        self.register_buffer("mean", torch.zeros(dim))
+        self.register_buffer("var", torch.ones(dim))
+        self.register_buffer("count", torch.zeros((), dtype=torch.long))
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        if self.training and features.shape[0] > 1:
+            with torch.no_grad():
+                f = features.detach().to(self.mean.dtype)
+                m, v = f.mean(0), f.var(0)
+                if int(self.count) == 0:
+                    self.mean.copy_(m)
+                    self.var.copy_(v)
+                else:
+                    self.mean.lerp_(m, self.momentum)
+                    self.var.lerp_(v, self.momentum)
+                self.count += 1
+        return running_standardise(features, self.mean, self.var, self.eps)
 
 
 def _norm(kind: str, channels: int) -> nn.Module:
@@ -116,6 +166,7 @@ class ResNet(nn.Module):
                 cin = w
         self.stages = nn.Sequential(*layers)
         self.proj = nn.Linear(cin, cfg.feature_dim)
+        self.standardise = RunningStandardise(cfg.feature_dim) if cfg.standardise else None
         self.register_buffer("mean", torch.tensor([0.5, 0.5, 0.5]).view(1, 3, 1, 1), persistent=False)
         self.register_buffer("std", torch.tensor([0.25, 0.25, 0.25]).view(1, 3, 1, 1), persistent=False)
         for m in self.modules():
@@ -152,8 +203,8 @@ class ResNet(nn.Module):
         if patches.shape[0] == 0:
             return patches.new_zeros((0, self.cfg.feature_dim))
         x = (patches - self.mean.to(patches.dtype)) / self.std.to(patches.dtype)
-        x = self.stages(self.stem(x))
-        return self.proj(x.mean(dim=(2, 3)))
+        x = self.proj(self.stages(self.stem(x)).mean(dim=(2, 3)))
+        return x if self.standardise is None else self.standardise(x)
 
 
 def architecture_of(state_dict: Mapping[str, torch.Tensor]) -> dict[str, Any]:
@@ -191,6 +242,7 @@ def architecture_of(state_dict: Mapping[str, torch.Tensor]) -> dict[str, Any]:
         "blocks": tuple(counts),
         "feature_dim": int(state_dict["proj.weight"].shape[0]),
         "norm": norm,
+        "standardise": "standardise.mean" in state_dict,
     }
 
 
@@ -198,7 +250,13 @@ def check_architecture(cfg: ResNetConfig, state_dict: Mapping[str, torch.Tensor]
     """Raise ``ValueError`` (naming ``where``, the configured and the file's architecture) unless ``state_dict``
     was written by a :class:`ResNet` of ``cfg``'s widths, blocks, feature_dim and norm."""
     found = architecture_of(state_dict)
-    want = {"widths": tuple(cfg.widths), "blocks": tuple(cfg.blocks), "feature_dim": cfg.feature_dim, "norm": cfg.norm}
+    want = {
+        "widths": tuple(cfg.widths),
+        "blocks": tuple(cfg.blocks),
+        "feature_dim": cfg.feature_dim,
+        "norm": cfg.norm,
+        "standardise": cfg.standardise,
+    }
     if found != want:
         diff = [k for k in want if want[k] != found[k]]
 

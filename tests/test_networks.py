@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from operators.aggregators import AGGREGATORS, build_aggregator, fourier_position_encoding
-from operators.resnet import ResNet, ResNetConfig
+from operators.resnet import ResNet, ResNetConfig, RunningStandardise, check_architecture, running_standardise
 from operators.scorer import ScorerCNN, ScorerConfig, cell_pool, minmax_normalise
 from operators.soft_patches import cap_support, combine_patches, unique_cells
 
@@ -20,6 +20,44 @@ def test_resnet_shapes(p):
     out = net(torch.rand(5, 3, p, p))
     assert tuple(out.shape) == (5, 24) and torch.isfinite(out).all()
     assert tuple(net(torch.rand(0, 3, p, p)).shape) == (0, 24)
+
+
+def test_running_standardise_uses_running_statistics_in_training_and_at_inference():
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(6, 4, generator=g, dtype=torch.float64) * 3 + 1
+    b = torch.randn(5, 4, generator=g, dtype=torch.float64) * 2 - 1
+    st = RunningStandardise(4, momentum=0.25).double()
+    out = st(a)  # the first training call sets the statistics: the batch comes out standardised
+    torch.testing.assert_close(out, (a - a.mean(0)) / (a.var(0) + 1e-5).sqrt())
+    out_b = st(b)  # later calls: b is standardised with the statistics moved a quarter of the way to its own
+    mean, var = a.mean(0) * 0.75 + b.mean(0) * 0.25, a.var(0) * 0.75 + b.var(0) * 0.25
+    torch.testing.assert_close(st.mean, mean)
+    torch.testing.assert_close(out_b, running_standardise(b, mean, var))
+    torch.testing.assert_close(out_b, (b - mean) / (var + 1e-5).sqrt())
+    st.eval()  # inference: the same statistics, not updated
+    torch.testing.assert_close(st(b), out_b)
+    torch.testing.assert_close(st.mean, mean)
+    torch.autograd.gradcheck(lambda t: st(t), (b.clone().requires_grad_(True),))
+    st.train()  # training: no gradient through the statistics, the exact Jacobian is diag(1 / std) of the stats used
+    x = b.clone().requires_grad_(True)
+    weights = torch.randn(5, 4, generator=g, dtype=torch.float64)
+    (st(x) * weights).sum().backward()
+    torch.testing.assert_close(x.grad, weights / (st.var + 1e-5).sqrt())
+    with pytest.raises(ValueError, match="momentum"):
+        RunningStandardise(4, momentum=0.0)
+
+
+def test_resnet_standardise_is_part_of_the_architecture():
+    net = ResNet(ResNetConfig(widths=(8, 16), blocks=(1, 1), feature_dim=8, standardise=True))
+    net.train()
+    x = torch.rand(6, 3, 32, 32)
+    out = net(x)
+    torch.testing.assert_close(out.mean(0), torch.zeros(8), atol=1e-5, rtol=0)
+    net.eval()
+    torch.testing.assert_close(net(x), out)  # the same statistics at inference
+    check_architecture(net.cfg, net.state_dict(), where="test")
+    with pytest.raises(ValueError, match="standardise"):
+        check_architecture(ResNetConfig(widths=(8, 16), blocks=(1, 1), feature_dim=8), net.state_dict(), where="test")
 
 
 def test_resnet_frozen_has_no_param_grads_but_passes_input_grads():
