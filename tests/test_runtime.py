@@ -52,6 +52,7 @@ def test_an_initialised_ray_is_reused(monkeypatch):
 
 
 def test_tracking_uri_precedence(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the relative sqlite:///x.db is created (owner-only) in the working folder
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://mlflow:5000")
     assert resolve_tracking_uri("sqlite:///x.db", default_dir=tmp_path) == "sqlite:///x.db"
     assert resolve_tracking_uri(default_dir=tmp_path) == "http://mlflow:5000"
