@@ -33,6 +33,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "synth": ("pipeline.synth", "write synthetic slides (SVS / tiled TIFF) with labels.csv"),
     "ingest": ("pipeline.ingest", "tile slide archives into OME-Zarr stores on Ray"),
     "train": ("pipeline.train", "train scorer + selection + features end to end on Ray Train"),
+    "tune": ("pipeline.tune", "hyperparameter search on Ray Tune: every trial in MLflow, the best registered"),
     "pretrain": ("pipeline.pretrain", "pretrain the patch encoder self-supervised (SimCLR / BYOL) on Ray Train"),
     "score": ("pipeline.score", "batch-score an archive of stores with a trained model"),
     "compare": ("pipeline.compare", "compare the runs of an MLflow experiment"),
@@ -45,8 +46,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 
 # commands that start Ray or MLflow: their internal messages go to a log file unless -v (compare: MLflow only)
-INTERNALS_COMMANDS = ("ingest", "train", "pretrain", "score", "compare", "demo")
-RAY_COMMANDS = ("ingest", "train", "pretrain", "score", "demo")
+INTERNALS_COMMANDS = ("ingest", "train", "tune", "pretrain", "score", "compare", "demo")
+RAY_COMMANDS = ("ingest", "train", "tune", "pretrain", "score", "demo")
 # top-level packages whose log records are foveate's own (shown on the terminal at the chosen level)
 OWN_LOGGERS = ("foveate", "pipeline", "workers", "operators", "benchmarks", "__main__")
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"

@@ -102,3 +102,134 @@ def test_space_file(tmp_path):
     with pytest.raises(ConfigError, match="search space file not found"):
         load_space(tmp_path / "missing.yaml", TrainConfig())
     assert yaml.safe_load(yaml.safe_dump(space.as_dict())) == space.as_dict()
+
+
+# ------------------------------------------------------------------------------------------ the command
+TINY = """
+data: {{stores: {stores}, labels: {labels}, val_fraction: 0.34, seed: 0}}
+model:
+  geometry: {{patch_size: 32, scorer_downsample: 4}}
+  selection: {{k: 4, num_samples: 8, perturbed: {{max_support: 2}}}}
+  scorer: {{channels: 4, num_layers: 2}}
+  features: {{widths: [4, 8], blocks: [1, 1], feature_dim: 8}}
+  aggregator: {{kind: mean}}
+optim: {{epochs: 2, lr: 0.01, accumulate: 2, warmup: 1}}
+schedule: {{sigma_start: 0.1, sigma_end: 0.0}}
+early_stopping: {{patience: 0}}
+tracking: {{experiment: test-tune, artifact_slides: 0}}
+workdir: {workdir}
+"""
+
+
+@pytest.fixture(scope="module")
+def slides(tmp_path_factory):
+    """Six 256x256 stores, two classes (a checkerboard patch or none)."""
+    import numpy as np
+    import pandas as pd
+
+    from workers.store import write_store_from_array
+
+    root = tmp_path_factory.mktemp("stores")
+    rows = []
+    for i in range(6):
+        rng = np.random.default_rng(i)
+        img = np.full((256, 256, 3), 240, np.uint8)
+        img[32:224, 32:224] = (200, 120, 180)
+        img[32:224, 32:224] += rng.integers(0, 20, (192, 192, 1), dtype=np.uint8)
+        label = i % 2
+        if label:
+            y = 64 + 16 * (i % 4)
+            img[y : y + 16, 96:112] = (np.indices((16, 16)).sum(0) % 2 * 80).astype(np.uint8)[..., None]
+        write_store_from_array(root / f"s{i:02d}.zarr", img, tile_size=64, min_size=64)
+        rows.append({"slide_id": f"s{i:02d}", "label": ["neg", "pos"][label]})
+    labels = root / "labels.csv"
+    pd.DataFrame(rows).to_csv(labels, index=False)
+    return root, labels
+
+
+def _config(tmp_path, slides):
+    stores, labels = slides
+    path = tmp_path / "tiny.yaml"
+    path.write_text(TINY.format(stores=stores, labels=labels, workdir=tmp_path / "work"))
+    return path
+
+
+def test_an_invalid_space_stops_the_command_before_anything_starts(tmp_path, slides, caplog):
+    from pipeline.cli import main
+
+    space = tmp_path / "space.yaml"
+    space.write_text("optim.lr: {loguniform: [0.1, 0.01]}\n")
+    assert main(["tune", "--config", str(_config(tmp_path, slides)), "--space", str(space)]) == 2
+    assert "optim.lr: loguniform got [0.1, 0.01], must be two numbers [low, high] with low < high" in caplog.text
+    assert not (tmp_path / "work" / "tune").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
+@pytest.mark.ray
+def test_a_real_search(tmp_path, slides):
+    import mlflow
+
+    from pipeline.config import load_config
+    from pipeline.tune import tune
+
+    marker = tmp_path / "crashed-once"
+
+    def crash_once(values, epoch):  # in the trial: the first good trial crashes once after epoch 1's checkpoint
+        if values["optim.lr"] == 0.01 and values["model.selection.k"] == 4 and epoch == 1 and not marker.exists():
+            marker.write_text("x")
+            raise RuntimeError("simulated crash after epoch 1")
+
+    space = {"model.selection.k": {"grid": [4, 10000]}, "optim.lr": {"grid": [0.01, 3.0]}}
+    result = tune(
+        load_config(TrainConfig, _config(tmp_path, slides)),
+        space,
+        trials=1,
+        scheduler="asha",
+        metric="val_loss",
+        mode="min",
+        max_concurrent=1,
+        out=tmp_path / "search",
+        promote="champion",
+        after_epoch=crash_once,
+    )
+    rows = {(r.values["model.selection.k"], r.values["optim.lr"]): r for r in result.rows}
+    print(result.summary())
+    assert len(rows) == 4
+    for lr in (0.01, 3.0):  # k = 10000 cells: more than a 256-px slide has at 32 px: failed with the reason
+        assert rows[(10000, lr)].state == "failed" and "model.selection.k: got 10000" in rows[(10000, lr)].detail
+    assert rows[(4, 0.01)].state == "completed" and rows[(4, 0.01)].epochs == 2
+    assert rows[(4, 3.0)].state == "early-stopped" and rows[(4, 3.0)].epochs == 1
+    assert result.best is rows[(4, 0.01)] and marker.exists()
+
+    client = mlflow.MlflowClient(result.tracking_uri)
+    parent = client.get_run(result.parent_run_id)
+    assert parent.info.status == "FINISHED"
+    assert parent.data.params["space.optim.lr"] == "grid [0.01, 3.0]" and parent.data.params["tune.scheduler"] == "asha"
+    assert (
+        parent.data.params["best.optim.lr"] == "0.01" and parent.data.tags["foveate.best_run_id"] == result.best.run_id
+    )
+    assert parent.data.metrics["best_val_loss"] == pytest.approx(result.best.metric)
+    assert parent.data.metrics["trials_failed"] == 2
+    children = client.search_runs(
+        [result.experiment_id], filter_string=f"tags.`mlflow.parentRunId` = '{result.parent_run_id}'"
+    )
+    by_id = {c.info.run_id: c for c in children}
+    assert len(by_id) == 4
+    for row in result.rows:
+        child = by_id[row.run_id]
+        assert child.data.tags["foveate.stop_reason"] == row.state
+        assert child.info.status == ("FAILED" if row.state == "failed" else "FINISHED")
+    best = by_id[result.best.run_id]
+    assert best.data.tags["foveate.resumed"] == "1"  # the crash after epoch 1 resumed from its checkpoint
+    assert [m.step for m in client.get_metric_history(best.info.run_id, "val_loss")] == [1, 2]
+    assert best.data.params["optim.lr"] == "0.01" and best.data.params["model.selection.k"] == "4"
+    stopped = by_id[rows[(4, 3.0)].run_id]
+    assert "stopped by the asha scheduler after epoch 1" in stopped.data.tags["foveate.stop_detail"]
+
+    name, version = result.registered
+    assert name == "test-tune"
+    assert str(client.get_model_version_by_alias(name, "champion").version) == version
+    cfg = load_config(TrainConfig, result.best_config)  # what foveate train --config does with it
+    assert cfg.optim.lr == 0.01 and cfg.model.selection.k == 4 and cfg.tracking.run_name is None
+    assert cfg.data.stores == str(slides[0])
