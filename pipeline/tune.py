@@ -617,7 +617,32 @@ def _fit(
         ),
     )
     log.info("Ray Tune: %s per trial, storage %s", resources, Path(out_dir) / "ray")
-    return tuner.fit()
+    import contextlib
+
+    # Ray Tune prints its own status blocks to stdout: they go to its logger (the command's log file), not the terminal
+    with contextlib.redirect_stdout(_LogLines(logging.getLogger("ray.tune.output"))):
+        return tuner.fit()
+
+
+class _LogLines:
+    """A text stream that logs each complete line it is given (at INFO, on ``logger``)."""
+
+    def __init__(self, logger: logging.Logger):
+        self.logger, self._buf = logger, ""
+
+    def write(self, text: str) -> int:
+        self._buf += text
+        *lines, self._buf = self._buf.split("\n")
+        for line in lines:
+            if line.strip():
+                self.logger.info("%s", line.rstrip())
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+    def isatty(self) -> bool:
+        return False
 
 
 def _finish(result: TuneResult, results, config: TrainConfig, setup, client, promote: str | None, table) -> None:
