@@ -72,6 +72,18 @@ _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 _ROOT_SCHEMES = ("s3",)
 
 
+def _split_scheme(location: str) -> tuple[str, str]:
+    """``(scheme, rest)`` of a root or store location: a local path (``file://`` dropped) gives ``("", path)``;
+    another scheme its lower-cased name and the normalised path after ``://`` without outer slashes."""
+    m = _SCHEME.match(location)
+    scheme = m.group(1).lower() if m else ""
+    if scheme == "file":
+        return "", location[len("file://") :]
+    if scheme:
+        return scheme, posixpath.normpath(location[m.end() :]).strip("/")
+    return "", location
+
+
 class StoreRefused(ValueError):
     """A store outside the serve roots (its row gets this message as its error)."""
 
@@ -97,21 +109,19 @@ def parse_roots(text: str, *, source: str = f"${SERVE_ROOTS_ENV}") -> list[str]:
         part = part.strip()
         if not part:
             continue
-        m = _SCHEME.match(part)
-        scheme = m.group(1).lower() if m else ""
-        if scheme == "file":
-            part, scheme = part[len("file://") :], ""
+        scheme, rest = _split_scheme(part)
         if scheme:
             if scheme not in _ROOT_SCHEMES:
                 raise ValueError(
                     f"{source}: root {part!r} has scheme {scheme!r}; allowed: local folders and "
                     f"{', '.join(s + '://bucket[/prefix]' for s in _ROOT_SCHEMES)}"
                 )
-            key = posixpath.normpath(part[m.end() :]).strip("/")
+            key = rest
             if not key or key == "." or key.startswith(".."):
                 raise ValueError(f"{source}: root {part!r} names no bucket (expected s3://bucket[/prefix])")
             roots.append(f"{scheme}://{key}")
         else:
+            part = rest
             if not os.path.isabs(os.path.expanduser(part)):
                 raise ValueError(f"{source}: root {part!r} is not an absolute folder")
             roots.append(_local_root(part))
@@ -135,17 +145,16 @@ def check_store(store: str, roots: list[str]) -> str:
     """
     where = ", ".join(roots) if roots else "none"
     advice = f"serve roots: {where}; set ${SERVE_ROOTS_ENV} to serve other folders or s3:// prefixes"
-    m = _SCHEME.match(store)
-    scheme = m.group(1).lower() if m else ""
-    if scheme == "file":
-        store, scheme = store[len("file://") :], ""
+    scheme, rest = _split_scheme(store)
+    if not scheme:
+        store = rest
     if scheme:
         if scheme not in _ROOT_SCHEMES:
             raise StoreRefused(
                 f"store {store!r}: scheme {scheme!r} is not served (only local folders and s3:// under the "
                 f"serve roots; {advice})"
             )
-        key = posixpath.normpath(store[m.end() :]).strip("/")
+        key = rest
         loc = f"{scheme}://{key}"
         if ".." not in key.split("/") and any(loc.startswith(r + "/") for r in roots if _SCHEME.match(r)):
             return loc
