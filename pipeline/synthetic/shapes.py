@@ -10,18 +10,25 @@ What carries the label, and what does not:
   with a seed-drawn offset ``o`` in ``1..classes-1`` each). Their boxes are 24..64 level-0 px on a side, at
   least ``SHAPE_GAP`` (48) px apart, inside the tissue;
 * *distractors*: ``DISTRACTOR_DENSITY`` (30..80, drawn per slide) open strokes per megapixel of tissue, of the
-  same size, stroke width and ink, that are no class's glyph: arcs (at most 200 degrees, open), smooth waves,
-  two-segment bends, hooks and smooth scribbles. Every distractor's box keeps at least 6 px from every other
-  box, glyph or distractor (so a glyph is no more isolated than a distractor).
+  same size and ink, that are no class's glyph: arcs (at most 200 degrees, open), smooth waves, two-segment
+  bends, hooks and smooth scribbles, drawn with a finer pen (``DISTRACTOR_STROKE_WIDTH`` 1.5..3 px against the
+  glyphs' ``GLYPH_STROKE_WIDTH`` 5..8 px). Every distractor's box keeps at least 6 px from every other box,
+  glyph or distractor (so a glyph is no more isolated than a distractor).
+
+Why the glyphs are bolder than the distractors: as a mitotic figure is darker than the nuclei around it, a glyph
+is *where to look* at low resolution (a darker smudge at the scorer's 1/16), but *what it is* only shows at full
+resolution. In the family's first version (every stroke 2..5 px) nothing at 1/16 told the 5 glyphs from the ~300
+strokes, and a scorer on the low-resolution view could not find them by construction (``benchmarks/RESULTS.md``,
+"The shape family"); the held-out glyph task the family stands for has glyphs a low-resolution scorer does find.
 
 Every stroke, glyph or distractor, is drawn the same way: the drawing's polylines in a unit box (``[-1, 1]^2``,
 resampled every 0.1), a smooth elastic displacement (3 random plane waves per axis, 0.03..0.06 each), a
 random affine (glyphs: rotation within +-25 degrees, distractors: any rotation; shear within +-0.3, aspect
 ``exp(+-0.2)``), scaled to a random size (larger side 30..61 px including the stroke, smaller side at least
-25 px), and rendered anti-aliased (coverage = ``clip(half_width - distance + 0.5, 0, 1)``) with a stroke width
-of 2..5 px in one flat ink colour (``INK``, plus the tissue's per-pixel noise). So neither colour, texture,
-size nor stroke width tells glyphs from distractors or one class from another: only the drawing does, and the
-per-instance distortion keeps a fixed template from matching it exactly.
+25 px), and rendered anti-aliased (coverage = ``clip(half_width - distance + 0.5, 0, 1)``) with a per-instance
+stroke width (above) in one flat ink colour (``INK``, plus the tissue's per-pixel noise). So neither colour,
+texture, size nor stroke width tells one glyph class from another: only the drawing does, and the per-instance
+distortion keeps a fixed template from matching it exactly.
 
 The layout (tissue, the glyphs' places, which of them are the majority, every distortion, the distractors)
 depends on the seed only; the label decides which drawings the glyphs are (and through that each glyph's box:
@@ -58,6 +65,8 @@ __all__ = [
     "SHAPES_MAX_CLASSES",
     "SHAPE_COUNT",
     "MAJORITY_COUNT",
+    "GLYPH_STROKE_WIDTH",
+    "DISTRACTOR_STROKE_WIDTH",
     "ShapesLayout",
     "check_shape_classes",
     "shape_class_names",
@@ -85,7 +94,8 @@ MAJORITY_COUNT = 3  # ... of which this many are of the slide's class (the rest 
 DISTRACTOR_KINDS = ("arc", "wave", "bend", "hook", "scribble")
 DISTRACTOR_DENSITY = (30.0, 80.0)  # distractor strokes per megapixel of tissue (drawn per slide)
 INK = np.array([62.0, 34.0, 104.0], np.float32)  # every stroke's colour (RGB), plus the tissue's noise
-STROKE_WIDTH = (2.0, 5.0)  # px
+GLYPH_STROKE_WIDTH = (5.0, 8.0)  # px: a glyph is drawn with a bold pen ...
+DISTRACTOR_STROKE_WIDTH = (1.5, 3.0)  # px: ... a distractor with a fine one
 BOX_SIDE = (24, 64)  # every integer box side (px) lies in this range
 _FIT_SIDE = (30.0, 61.0)  # the larger side of a drawing's float extent (stroke included)
 _FIT_MIN = 25.0  # the smaller side's lower bound
@@ -388,7 +398,7 @@ def make_shapes_layout(
         (
             float(g.uniform(-GLYPH_ROTATION, GLYPH_ROTATION)),
             float(g.uniform(*_FIT_SIDE)),
-            0.5 * float(g.uniform(*STROKE_WIDTH)),
+            0.5 * float(g.uniform(*GLYPH_STROKE_WIDTH)),
         )
         for g in glyph_rngs
     ]
@@ -453,7 +463,7 @@ def make_shapes_layout(
             placer.add(float(cx), float(cy), box)
             kind = DISTRACTOR_KINDS[int(rng.integers(len(DISTRACTOR_KINDS)))]
             rotation = float(rng.uniform(0.0, 2 * math.pi))
-            hw = 0.5 * float(rng.uniform(*STROKE_WIDTH))
+            hw = 0.5 * float(rng.uniform(*DISTRACTOR_STROKE_WIDTH))
             polys = _distort(_distractor_strokes(kind, rng), rng, rotation, float(side), hw)
             add(polys, float(cx), float(cy), hw, rotation)
             kinds.append(kind)
