@@ -17,9 +17,9 @@ from pipeline.cli import main as cli_main
 from pipeline.synthetic.archive import synth_archive
 from pipeline.synthetic.checker import _tissue_field, render_region
 from pipeline.synthetic.shapes import (
+    BOX_SIDE,
     DISTRACTOR_STROKE_WIDTH,
     GLYPH_STROKE_WIDTH,
-    BOX_SIDE,
     INK,
     MAJORITY_COUNT,
     SHAPE_CLASSES,
@@ -283,7 +283,7 @@ def test_glyphs_are_where_to_look_at_low_resolution():
         dark = 255.0 - render_shapes_region(lay, 0, 0, w, w).astype(np.float64).mean(-1)
         low = dark.reshape(w // 16, 16, w // 16, 16).mean((1, 3))
 
-        def peaks(boxes: list[dict]) -> np.ndarray:
+        def peaks(boxes: list[dict], low: np.ndarray = low) -> np.ndarray:
             out = []
             for b in boxes:
                 x0, y0, x1, y1 = _rect(b)
