@@ -7,6 +7,10 @@ peak memory, read from what ``foveate train`` logs (params: the flattened resolv
 benchmarks) may log ``operator``/``k``/``aggregator`` params and ``accuracy``/``auc``/... metrics instead;
 those are read as fallbacks. Batch-scoring runs (tag ``foveate.stage=score``) are left out.
 
+Nested runs (a ``foveate tune`` search and its trials: tag ``mlflow.parentRunId``) are grouped: each child run
+follows its parent, best first, named ``└ <run>`` in the printed table, with ``parent_run_id`` in the CSV; a
+child whose parent is not in the table stays where its accuracy puts it.
+
 The table is printed, written as CSV, and accuracy is plotted against train time (PNG). Works against any
 tracking URI MLflow supports (sqlite file, ``http://`` server).
 """
@@ -22,6 +26,7 @@ from typing import Any
 
 __all__ = [
     "COLUMNS",
+    "CHILD_MARK",
     "CompareResult",
     "runs_table",
     "format_table",
@@ -62,7 +67,9 @@ COLUMNS = (
     "peak_memory_mb",
     "accuracy_metric",
     "start_time",
+    "parent_run_id",
 )
+CHILD_MARK = "└ "  # before a child run's name in the printed table
 
 
 @dataclass
@@ -138,6 +145,7 @@ def runs_table(experiment: str, *, tracking_uri: str | None = None, include_scor
                 "run_name": r.info.run_name or tags.get("mlflow.runName", ""),
                 "status": r.info.status,
                 "start_time": pd.Timestamp(r.info.start_time, unit="ms", tz="UTC") if r.info.start_time else pd.NaT,
+                "parent_run_id": tags.get("mlflow.parentRunId"),
             }
             for col, names in _PARAMS.items():
                 row[col] = _first(params, names)[0]
@@ -159,13 +167,51 @@ def runs_table(experiment: str, *, tracking_uri: str | None = None, include_scor
         table = table.sort_values(
             ["accuracy", "train_seconds"], ascending=[False, True], na_position="last", kind="mergesort"
         ).reset_index(drop=True)
+        table = _group_children(table)
     return table, exp.experiment_id, uri
+
+
+def _group_children(table):
+    """Each child run moved right after its parent (children keep their best-first order); nested searches
+    nest. A child whose parent is not in the table stays in place."""
+    ids = set(table["run_id"])
+    children: dict[str, list[int]] = {}
+    top: list[int] = []
+    for i, (parent, run_id) in enumerate(zip(table["parent_run_id"], table["run_id"])):
+        if isinstance(parent, str) and parent in ids and parent != run_id:
+            children.setdefault(parent, []).append(i)
+        else:
+            top.append(i)
+    order: list[int] = []
+    seen: set[int] = set()
+
+    def visit(i: int) -> None:
+        if i in seen:  # a parent loop (hand-edited tags): each run once
+            return
+        seen.add(i)
+        order.append(i)
+        for j in children.get(table["run_id"].iat[i], ()):
+            visit(j)
+
+    for i in top:
+        visit(i)
+    order += [i for i in range(len(table)) if i not in seen]
+    return table.iloc[order].reset_index(drop=True)
 
 
 def format_table(table) -> str:
     """The table as fixed-width text (what ``foveate compare`` prints)."""
     if len(table) == 0:
         return "(no runs)"
+    table = table.copy()
+    ids = set(table["run_id"])
+    depth = {}
+    for run_id, parent in zip(table["run_id"], table["parent_run_id"]):  # parents come before their children
+        depth[run_id] = depth.get(parent, -1) + 1 if isinstance(parent, str) and parent in ids else 0
+    table["run_name"] = [
+        "  " * (depth[r] - 1) + CHILD_MARK + str(n) if depth[r] else n
+        for r, n in zip(table["run_id"], table["run_name"])
+    ]
     shown = table[
         [
             "run_name",
@@ -192,7 +238,14 @@ def format_table(table) -> str:
         "patches/s",
         "peak MB",
     ]
-    return shown.to_string(index=False, na_rep="-", float_format=lambda v: f"{v:.4g}")
+    width = max(len(str(n)) for n in shown["run"])
+    return shown.to_string(
+        index=False,
+        na_rep="-",
+        float_format=lambda v: f"{v:.4g}",
+        formatters={"run": lambda v: f"{v:<{width}}"},  # left-aligned, so a child's mark lines up under its parent
+        justify="left",
+    )
 
 
 def plot_accuracy_vs_time(table, path: str | Path, *, title: str = "") -> Path:

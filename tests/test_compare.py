@@ -129,3 +129,27 @@ def test_empty_experiment(experiment, tmp_path):
     res = compare("empty", out_dir=tmp_path, tracking_uri=experiment[0])
     assert len(res.table) == 0 and list(res.table.columns) == list(COLUMNS)
     assert res.png_path.is_file() and pd.read_csv(res.csv_path).empty
+
+
+def test_trials_follow_their_search(experiment, tmp_path):
+    """A tune search (parent run) and its trials (tag mlflow.parentRunId): each trial right after its search, best
+    first, marked in the printed table; a run whose parent is elsewhere stays where its accuracy puts it."""
+    import mlflow
+
+    uri, _ = experiment
+    client = mlflow.MlflowClient(tracking_uri=uri)
+    exp_id = client.create_experiment("search")
+    ids = {"solo": _log_run(client, exp_id, "solo", {}, [{"val_accuracy": 0.9}])}
+    ids["search"] = _log_run(client, exp_id, "tune-x", {}, [{"val_accuracy": 0.8}])
+    for name, acc in (("tune-x-trial-000", 0.7), ("tune-x-trial-001", 0.95), ("tune-x-trial-002", 0.6)):
+        ids[name] = _log_run(client, exp_id, name, {}, [{"val_accuracy": acc}], {"mlflow.parentRunId": ids["search"]})
+    ids["orphan"] = _log_run(client, exp_id, "orphan", {}, [{"val_accuracy": 0.85}], {"mlflow.parentRunId": "gone"})
+
+    res = compare("search", out_dir=tmp_path, tracking_uri=uri)
+    order = ["solo", "orphan", "search", "tune-x-trial-001", "tune-x-trial-000", "tune-x-trial-002"]
+    assert list(res.table["run_id"]) == [ids[n] for n in order]
+    assert list(res.table["parent_run_id"][3:]) == [ids["search"]] * 3
+    assert pd.read_csv(res.csv_path)["parent_run_id"].tolist()[3:] == [ids["search"]] * 3
+    lines = format_table(res.table).splitlines()[1:]
+    assert [ln.split()[0] for ln in lines[:3]] == ["solo", "orphan", "tune-x"]
+    assert all(ln.startswith("└ tune-x-trial-") for ln in lines[3:]), lines
