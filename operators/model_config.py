@@ -383,9 +383,13 @@ class AugmentConfig:
 
     color_jitter: float = 0.2
     """Per-patch channel gain ``1 + U(-c, c)`` and offset ``U(-c/2, c/2)``; 0: off."""
+    dihedral: bool = False
+    """Each patch in one of the 8 symmetries of the square (flips, 90° turns), drawn per patch: tissue has no up."""
 
     def __post_init__(self) -> None:
         _num("model.augment.color_jitter", self.color_jitter, 0, 1)
+        if not isinstance(self.dihedral, bool):
+            raise TypeError(f"model.augment.dihedral must be true or false, got {self.dihedral!r}")
 
 
 # ---------------------------------------------------------------------------------------------- features

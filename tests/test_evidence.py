@@ -378,6 +378,33 @@ def test_color_jitter_patches_is_a_per_patch_per_channel_affine_map_clamped_to_u
         flat_config(color_jitter=-0.1)
 
 
+def test_dihedral_patches_puts_each_patch_in_one_of_the_eight_symmetries_of_the_square():
+    from operators.model_config import AugmentConfig
+    from workers.slide_forward import augment_patches, dihedral_patches
+
+    x = torch.rand(2, 200, 3, 6, 6, dtype=torch.float64)
+    y = dihedral_patches(x, torch.Generator().manual_seed(3))
+    assert y.shape == x.shape and torch.equal(y, dihedral_patches(x, torch.Generator().manual_seed(3)))
+    seen = set()
+    for i in range(2):
+        for j in range(200):
+            p = x[i, j]
+            syms = [torch.rot90(q, r, dims=(-2, -1)) for q in (p, p.transpose(-1, -2)) for r in range(4)]
+            hits = [s for s, q in enumerate(syms) if torch.equal(y[i, j], q)]
+            assert hits, (i, j)  # a symmetry of its own patch, never another patch's pixels
+            seen.add(hits[0])
+    assert seen == set(range(8))  # every symmetry is drawn
+    with pytest.raises(ValueError, match="square"):
+        dihedral_patches(torch.rand(2, 3, 4, 5))
+    off = AugmentConfig(color_jitter=0.0, dihedral=False)
+    assert augment_patches(x, off) is x  # nothing drawn, nothing changed
+    assert torch.equal(
+        augment_patches(x, AugmentConfig(color_jitter=0.0, dihedral=True), torch.Generator().manual_seed(3)), y
+    )
+    with pytest.raises(TypeError, match="dihedral"):
+        AugmentConfig(dihedral="yes")
+
+
 def test_trainer_passes_the_scheduled_rarity_share_and_forward_slide_mixes_it_in(tmp_path):
     from types import SimpleNamespace
 

@@ -20,7 +20,7 @@ from workers.feature_cache import FeatureCache, features_frozen
 from workers.patches import gather_patches, prepare_slide, slide_geometry
 from workers.strata import cell_rarity, draw_cells, rare_cells, slide_strata
 
-__all__ = ["forward_slide", "color_jitter_patches"]
+__all__ = ["forward_slide", "color_jitter_patches", "dihedral_patches", "augment_patches"]
 
 log = logging.getLogger(__name__)
 
@@ -38,17 +38,49 @@ def color_jitter_patches(x: torch.Tensor, strength: float, generator: torch.Gene
     return (x * gain.to(x) + off.to(x)).clamp_(0.0, 1.0)
 
 
-def _usable_cache(model: FoveateModel, cache: FeatureCache | None, jitter: float) -> FeatureCache | None:
+def dihedral_patches(x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Each square patch of ``x[..., C, p, p]`` in one of the 8 symmetries of the square, drawn uniformly per
+    patch from ``generator`` (a transpose with probability 1/2, then 0..3 quarter turns): training-time
+    augmentation for tissue, which has no up and no handedness. Returns a new tensor."""
+    if x.shape[-1] != x.shape[-2]:
+        raise ValueError(f"dihedral_patches needs square patches [..., C, p, p], got {tuple(x.shape)}")
+    lead = x.shape[:-3]
+    flat = x.reshape(-1, *x.shape[-3:])
+    dev = generator.device if generator is not None else x.device
+    code = torch.randint(0, 8, (flat.shape[0],), generator=generator, device=dev).to(x.device)
+    out = torch.empty_like(flat)
+    for c in range(8):
+        idx = torch.nonzero(code == c).flatten()
+        if not len(idx):
+            continue
+        v = flat[idx]
+        if c >= 4:
+            v = v.transpose(-1, -2)
+        out[idx] = torch.rot90(v, c % 4, dims=(-2, -1))
+    return out.reshape(*lead, *x.shape[-3:])
+
+
+def augment_patches(x: torch.Tensor, augment: Any, generator: torch.Generator | None = None) -> torch.Tensor:
+    """The training augmentation of float patches ``x[..., 3, p, p]`` in [0, 1] (``augment``: the model's
+    :class:`~operators.model_config.AugmentConfig`): the dihedral symmetry when on, then the colour jitter."""
+    if augment.dihedral:
+        x = dihedral_patches(x, generator)
+    return color_jitter_patches(x, augment.color_jitter, generator)
+
+
+def _usable_cache(model: FoveateModel, cache: FeatureCache | None, pixel_aug: bool) -> FeatureCache | None:
     """``cache`` where it gives the features the encoder would: a frozen encoder, no pixel augmentation."""
     if cache is None or not features_frozen(model.cfg):
         return None
-    if jitter > 0:
+    if pixel_aug:
         if not cache.jitter_noted:
             cache.jitter_noted = True
+            aug = model.cfg.augment
             log.info(
-                "feature cache: not used in training while model.augment.color_jitter=%g changes the patch pixels "
-                "(used in evaluation only)",
-                jitter,
+                "feature cache: not used in training while model.augment changes the patch pixels "
+                "(color_jitter=%g, dihedral=%s; used in evaluation only)",
+                aug.color_jitter,
+                aug.dihedral,
             )
         return None
     return cache
@@ -167,15 +199,17 @@ def forward_slide(
     sel = model.select(
         model.local_maxima(scores, tuple(cell_mask.shape)), training=training, sigma=sigma, generator=generator
     )
-    cj = model.cfg.augment.color_jitter if training else 0.0
-    cache = _usable_cache(model, feature_cache, cj)
+    aug = model.cfg.augment
+    cj = aug.color_jitter if training else 0.0
+    pixel_aug = training and (cj > 0 or aug.dihedral)
+    cache = _usable_cache(model, feature_cache, pixel_aug)
     one_cell = sel.indices.shape[-1] == 1 and not sel.weights.requires_grad and bool((sel.weights == 1).all())
     if cache is not None and one_cell:  # each slot is one cell's patch: its features can come from the cache
         patches, positions = None, slide.grid.cell_centres(sel.primary.cpu()).to(device=device, dtype=dtype)
         cells_read = int(torch.unique(sel.primary).numel())
     else:
         patches, positions, cells_read = gather_patches(slide, sel, device=device, dtype=dtype)
-        patches = color_jitter_patches(patches, cj, generator)
+        patches = augment_patches(patches, aug, generator) if pixel_aug else patches
 
     # Training reads more cells than the K selected ones (exploration, the rare bag, neutral cells): their pixels
     # are prepared first, in the order the generator is drawn from (cells, colour jitter), then
@@ -191,7 +225,8 @@ def forward_slide(
             return len(groups) - 1
         if pixels is None:
             pixels = slide.reader.read(cells.cpu())
-        groups.append(color_jitter_patches(pixels.to(device=device, dtype=dtype).div_(255.0), cj, generator))
+        pixels = pixels.to(device=device, dtype=dtype).div_(255.0)
+        groups.append(augment_patches(pixels, aug, generator) if pixel_aug else pixels)
         return len(groups) - 1
 
     cells = sel.primary[0]
