@@ -38,26 +38,26 @@ def color_jitter_patches(x: torch.Tensor, strength: float, generator: torch.Gene
     return (x * gain.to(x) + off.to(x)).clamp_(0.0, 1.0)
 
 
+def _dihedral_index(p: int, device: torch.device) -> torch.Tensor:
+    """``[8, p*p]`` int64: for each symmetry of the square (0..3 quarter turns, then the same after a transpose), the
+    flat source pixel of every flat output pixel (``torch.rot90`` of the patch, or of its transpose)."""
+    grid = torch.arange(p * p, device=device).view(p, p)
+    return torch.stack([torch.rot90(g, r, dims=(0, 1)).reshape(-1) for g in (grid, grid.t()) for r in range(4)])
+
+
 def dihedral_patches(x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
     """Each square patch of ``x[..., C, p, p]`` in one of the 8 symmetries of the square, drawn uniformly per
-    patch from ``generator`` (a transpose with probability 1/2, then 0..3 quarter turns): training-time
-    augmentation for tissue, which has no up and no handedness. Returns a new tensor."""
-    if x.shape[-1] != x.shape[-2]:
+    patch from ``generator`` (0..3 quarter turns of the patch or of its transpose): training-time augmentation for
+    tissue, which has no up and no handedness. One gather, no loop over patches. Returns a new tensor."""
+    if x.dim() < 3 or x.shape[-1] != x.shape[-2]:
         raise ValueError(f"dihedral_patches needs square patches [..., C, p, p], got {tuple(x.shape)}")
-    lead = x.shape[:-3]
-    flat = x.reshape(-1, *x.shape[-3:])
+    p = x.shape[-1]
+    flat = x.reshape(-1, x.shape[-3], p * p)
     dev = generator.device if generator is not None else x.device
     code = torch.randint(0, 8, (flat.shape[0],), generator=generator, device=dev).to(x.device)
-    out = torch.empty_like(flat)
-    for c in range(8):
-        idx = torch.nonzero(code == c).flatten()
-        if not len(idx):
-            continue
-        v = flat[idx]
-        if c >= 4:
-            v = v.transpose(-1, -2)
-        out[idx] = torch.rot90(v, c % 4, dims=(-2, -1))
-    return out.reshape(*lead, *x.shape[-3:])
+    index = _dihedral_index(p, x.device)[code]  # [n, p*p]
+    out = flat.gather(2, index[:, None, :].expand(-1, flat.shape[1], -1))
+    return out.view(x.shape)
 
 
 def augment_patches(x: torch.Tensor, augment: Any, generator: torch.Generator | None = None) -> torch.Tensor:
