@@ -484,7 +484,7 @@ def run_oracle(config: str, split: Split, seed: int, epochs: int, overrides: lis
 
 def fit_bags(model, optim, epoch_bags, epochs: int, rng: np.random.Generator, on_epoch=None) -> None:
     """Train ``model.classify`` (features + aggregator) on fixed bags of patches with the slide label, the patches
-    augmented as ``foveate train`` does (``model.augment``: colour jitter, dihedral): AdamW, the
+    augmented as ``foveate train`` does (``model.augment``: colour jitter, symmetry): AdamW, the
     trainer's warm-up + cosine schedule (``optim``: ``foveate train``'s ``OptimConfig``), ``optim.accumulate``
     bags per step in a random order per epoch, gradient clipping.
 

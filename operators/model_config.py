@@ -377,19 +377,23 @@ class EvidenceConfig:
             )
 
 
+SYMMETRIES = ("none", "rot180", "dihedral")
+
+
 @dataclass(frozen=True)
 class AugmentConfig:
     """Augmentation of the full-resolution patches in training (inference reads them as they are)."""
 
     color_jitter: float = 0.2
     """Per-patch channel gain ``1 + U(-c, c)`` and offset ``U(-c/2, c/2)``; 0: off."""
-    dihedral: bool = False
-    """Each patch in one of the 8 symmetries of the square (flips, 90° turns), drawn per patch: tissue has no up."""
+    symmetry: str = "none"
+    """Each patch turned by a symmetry drawn per patch: ``rot180`` (a half turn or not: keeps every orientation),
+    ``dihedral`` (the 8 flips and quarter turns: only where orientation carries no label), ``none``."""
 
     def __post_init__(self) -> None:
         _num("model.augment.color_jitter", self.color_jitter, 0, 1)
-        if not isinstance(self.dihedral, bool):
-            raise TypeError(f"model.augment.dihedral must be true or false, got {self.dihedral!r}")
+        if self.symmetry not in SYMMETRIES:
+            raise ValueError(f"model.augment.symmetry must be one of {SYMMETRIES}, got {self.symmetry!r}")
 
 
 # ---------------------------------------------------------------------------------------------- features

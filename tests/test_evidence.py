@@ -378,13 +378,14 @@ def test_color_jitter_patches_is_a_per_patch_per_channel_affine_map_clamped_to_u
         flat_config(color_jitter=-0.1)
 
 
-def test_dihedral_patches_puts_each_patch_in_one_of_the_eight_symmetries_of_the_square():
+@pytest.mark.parametrize("symmetry, allowed", [("dihedral", range(8)), ("rot180", (0, 2))])
+def test_symmetry_patches_turns_each_patch_by_a_drawn_symmetry_of_the_square(symmetry, allowed):
     from operators.model_config import AugmentConfig
-    from workers.slide_forward import augment_patches, dihedral_patches
+    from workers.slide_forward import augment_patches, symmetry_patches
 
     x = torch.rand(2, 200, 3, 6, 6, dtype=torch.float64)
-    y = dihedral_patches(x, torch.Generator().manual_seed(3))
-    assert y.shape == x.shape and torch.equal(y, dihedral_patches(x, torch.Generator().manual_seed(3)))
+    y = symmetry_patches(x, symmetry, torch.Generator().manual_seed(3))
+    assert y.shape == x.shape and torch.equal(y, symmetry_patches(x, symmetry, torch.Generator().manual_seed(3)))
     seen = set()
     for i in range(2):
         for j in range(200):
@@ -393,16 +394,17 @@ def test_dihedral_patches_puts_each_patch_in_one_of_the_eight_symmetries_of_the_
             hits = [s for s, q in enumerate(syms) if torch.equal(y[i, j], q)]
             assert hits, (i, j)  # a symmetry of its own patch, never another patch's pixels
             seen.add(hits[0])
-    assert seen == set(range(8))  # every symmetry is drawn
+    assert seen == set(allowed)  # every allowed symmetry is drawn, no other
     with pytest.raises(ValueError, match="square"):
-        dihedral_patches(torch.rand(2, 3, 4, 5))
-    off = AugmentConfig(color_jitter=0.0, dihedral=False)
+        symmetry_patches(torch.rand(2, 3, 4, 5), symmetry)
+    with pytest.raises(ValueError, match="rot180"):
+        symmetry_patches(x, "rot90")
+    off = AugmentConfig(color_jitter=0.0, symmetry="none")
     assert augment_patches(x, off) is x  # nothing drawn, nothing changed
-    assert torch.equal(
-        augment_patches(x, AugmentConfig(color_jitter=0.0, dihedral=True), torch.Generator().manual_seed(3)), y
-    )
-    with pytest.raises(TypeError, match="dihedral"):
-        AugmentConfig(dihedral="yes")
+    on = AugmentConfig(color_jitter=0.0, symmetry=symmetry)
+    assert torch.equal(augment_patches(x, on, torch.Generator().manual_seed(3)), y)
+    with pytest.raises(ValueError, match="symmetry"):
+        AugmentConfig(symmetry="flip")
 
 
 def test_trainer_passes_the_scheduled_rarity_share_and_forward_slide_mixes_it_in(tmp_path):

@@ -20,7 +20,7 @@ from workers.feature_cache import FeatureCache, features_frozen
 from workers.patches import gather_patches, prepare_slide, slide_geometry
 from workers.strata import cell_rarity, draw_cells, rare_cells, slide_strata
 
-__all__ = ["forward_slide", "color_jitter_patches", "dihedral_patches", "augment_patches"]
+__all__ = ["forward_slide", "color_jitter_patches", "symmetry_patches", "augment_patches"]
 
 log = logging.getLogger(__name__)
 
@@ -45,16 +45,22 @@ def _dihedral_index(p: int, device: torch.device) -> torch.Tensor:
     return torch.stack([torch.rot90(g, r, dims=(0, 1)).reshape(-1) for g in (grid, grid.t()) for r in range(4)])
 
 
-def dihedral_patches(x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """Each square patch of ``x[..., C, p, p]`` in one of the 8 symmetries of the square, drawn uniformly per
-    patch from ``generator`` (0..3 quarter turns of the patch or of its transpose): training-time augmentation for
-    tissue, which has no up and no handedness. One gather, no loop over patches. Returns a new tensor."""
+def symmetry_patches(x: torch.Tensor, symmetry: str, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Each square patch of ``x[..., C, p, p]`` turned by a symmetry of the square drawn uniformly per patch from
+    ``generator``: ``dihedral``: one of all 8 (0..3 quarter turns of the patch or of its transpose; tissue has no up
+    and no handedness); ``rot180``: a half turn or not (keeps every orientation: stripes stay horizontal, vertical
+    or diagonal). Training-time augmentation; one gather, no loop over patches. Returns a new tensor."""
+    if symmetry not in ("rot180", "dihedral"):
+        raise ValueError(f"symmetry must be 'rot180' or 'dihedral', got {symmetry!r}")
     if x.dim() < 3 or x.shape[-1] != x.shape[-2]:
-        raise ValueError(f"dihedral_patches needs square patches [..., C, p, p], got {tuple(x.shape)}")
+        raise ValueError(f"symmetry_patches needs square patches [..., C, p, p], got {tuple(x.shape)}")
     p = x.shape[-1]
     flat = x.reshape(-1, x.shape[-3], p * p)
     dev = generator.device if generator is not None else x.device
-    code = torch.randint(0, 8, (flat.shape[0],), generator=generator, device=dev).to(x.device)
+    if symmetry == "dihedral":
+        code = torch.randint(0, 8, (flat.shape[0],), generator=generator, device=dev).to(x.device)
+    else:  # rot180: no turn (code 0) or two quarter turns (code 2)
+        code = torch.randint(0, 2, (flat.shape[0],), generator=generator, device=dev).to(x.device) * 2
     index = _dihedral_index(p, x.device)[code]  # [n, p*p]
     out = flat.gather(2, index[:, None, :].expand(-1, flat.shape[1], -1))
     return out.view(x.shape)
@@ -62,9 +68,9 @@ def dihedral_patches(x: torch.Tensor, generator: torch.Generator | None = None) 
 
 def augment_patches(x: torch.Tensor, augment: Any, generator: torch.Generator | None = None) -> torch.Tensor:
     """The training augmentation of float patches ``x[..., 3, p, p]`` in [0, 1] (``augment``: the model's
-    :class:`~operators.model_config.AugmentConfig`): the dihedral symmetry when on, then the colour jitter."""
-    if augment.dihedral:
-        x = dihedral_patches(x, generator)
+    :class:`~operators.model_config.AugmentConfig`): the symmetry unless ``none``, then the colour jitter."""
+    if augment.symmetry != "none":
+        x = symmetry_patches(x, augment.symmetry, generator)
     return color_jitter_patches(x, augment.color_jitter, generator)
 
 
@@ -78,9 +84,9 @@ def _usable_cache(model: FoveateModel, cache: FeatureCache | None, pixel_aug: bo
             aug = model.cfg.augment
             log.info(
                 "feature cache: not used in training while model.augment changes the patch pixels "
-                "(color_jitter=%g, dihedral=%s; used in evaluation only)",
+                "(color_jitter=%g, symmetry=%s; used in evaluation only)",
                 aug.color_jitter,
-                aug.dihedral,
+                aug.symmetry,
             )
         return None
     return cache
@@ -201,7 +207,7 @@ def forward_slide(
     )
     aug = model.cfg.augment
     cj = aug.color_jitter if training else 0.0
-    pixel_aug = training and (cj > 0 or aug.dihedral)
+    pixel_aug = training and (cj > 0 or aug.symmetry != "none")
     cache = _usable_cache(model, feature_cache, pixel_aug)
     one_cell = sel.indices.shape[-1] == 1 and not sel.weights.requires_grad and bool((sel.weights == 1).all())
     if cache is not None and one_cell:  # each slot is one cell's patch: its features can come from the cache
