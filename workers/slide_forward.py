@@ -9,6 +9,7 @@ Geometry and reading are :mod:`workers.patches`, appearance strata :mod:`workers
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any
 
@@ -38,6 +39,7 @@ def color_jitter_patches(x: torch.Tensor, strength: float, generator: torch.Gene
     return (x * gain.to(x) + off.to(x)).clamp_(0.0, 1.0)
 
 
+@functools.lru_cache(maxsize=8)
 def _dihedral_index(p: int, device: torch.device) -> torch.Tensor:
     """``[8, p*p]`` int64: for each symmetry of the square (0..3 quarter turns, then the same after a transpose), the
     flat source pixel of every flat output pixel (``torch.rot90`` of the patch, or of its transpose)."""
