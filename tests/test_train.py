@@ -19,6 +19,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
+from tiny_stores import checker_stores
 
 from pipeline.config import ConfigError, load_config, to_dict
 from pipeline.train import (
@@ -29,7 +30,6 @@ from pipeline.train import (
     sigma_at,
     train,
 )
-from workers.store import write_store_from_array
 
 CLASSES = ["neg", "pos", "other"]
 
@@ -57,23 +57,7 @@ workdir: {workdir}
 @pytest.fixture(scope="module")
 def slides(tmp_path_factory) -> tuple[Path, Path]:
     """Six 256x256 stores, three classes; the class is a 16x16 checkerboard's contrast (none / strong / weak)."""
-    root = tmp_path_factory.mktemp("stores")
-    rows = []
-    for i in range(6):
-        rng = np.random.default_rng(i)
-        img = np.full((256, 256, 3), 240, np.uint8)
-        img[32:224, 32:224] = (200, 120, 180)
-        img[32:224, 32:224] += rng.integers(0, 20, (192, 192, 1), dtype=np.uint8)
-        label = i % 3
-        if label:
-            y = 64 + 16 * (i % 4)
-            blk = (np.indices((16, 16)).sum(0) % 2 * (80 if label == 1 else 40)).astype(np.uint8)
-            img[y : y + 16, 96:112] = blk[..., None]
-        write_store_from_array(root / f"s{i:02d}.zarr", img, tile_size=64, min_size=64)
-        rows.append({"slide_id": f"s{i:02d}", "label": CLASSES[label]})
-    labels = root / "labels.csv"
-    pd.DataFrame(rows).to_csv(labels, index=False)
-    return root, labels
+    return checker_stores(tmp_path_factory.mktemp("stores"), CLASSES, [0, 80, 40])
 
 
 def _config_file(tmp_path: Path, slides, name: str = "tiny.yaml") -> Path:

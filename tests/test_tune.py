@@ -124,27 +124,9 @@ workdir: {workdir}
 @pytest.fixture(scope="module")
 def slides(tmp_path_factory):
     """Six 256x256 stores, two classes (a checkerboard patch or none)."""
-    import numpy as np
-    import pandas as pd
+    from tiny_stores import checker_stores
 
-    from workers.store import write_store_from_array
-
-    root = tmp_path_factory.mktemp("stores")
-    rows = []
-    for i in range(6):
-        rng = np.random.default_rng(i)
-        img = np.full((256, 256, 3), 240, np.uint8)
-        img[32:224, 32:224] = (200, 120, 180)
-        img[32:224, 32:224] += rng.integers(0, 20, (192, 192, 1), dtype=np.uint8)
-        label = i % 2
-        if label:
-            y = 64 + 16 * (i % 4)
-            img[y : y + 16, 96:112] = (np.indices((16, 16)).sum(0) % 2 * 80).astype(np.uint8)[..., None]
-        write_store_from_array(root / f"s{i:02d}.zarr", img, tile_size=64, min_size=64)
-        rows.append({"slide_id": f"s{i:02d}", "label": ["neg", "pos"][label]})
-    labels = root / "labels.csv"
-    pd.DataFrame(rows).to_csv(labels, index=False)
-    return root, labels
+    return checker_stores(tmp_path_factory.mktemp("stores"), ["neg", "pos"], [0, 80])
 
 
 def _config(tmp_path, slides):

@@ -1,0 +1,32 @@
+"""Tiny labelled stores for the training tests: 256x256 slides, the class carried by a 16x16 checkerboard's
+contrast (0: no checkerboard)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from workers.store import write_store_from_array
+
+
+def checker_stores(root: Path, classes: list[str], contrasts: list[int], count: int = 6) -> tuple[Path, Path]:
+    """``count`` stores ``s00.zarr ...`` in ``root``, slide ``i`` of class ``i % len(classes)`` with a checkerboard of
+    that class's contrast; returns ``(root, labels.csv)``."""
+    rows = []
+    for i in range(count):
+        rng = np.random.default_rng(i)
+        img = np.full((256, 256, 3), 240, np.uint8)
+        img[32:224, 32:224] = (200, 120, 180)
+        img[32:224, 32:224] += rng.integers(0, 20, (192, 192, 1), dtype=np.uint8)
+        label = i % len(classes)
+        if contrasts[label]:
+            y = 64 + 16 * (i % 4)
+            blk = (np.indices((16, 16)).sum(0) % 2 * contrasts[label]).astype(np.uint8)
+            img[y : y + 16, 96:112] = blk[..., None]
+        write_store_from_array(root / f"s{i:02d}.zarr", img, tile_size=64, min_size=64)
+        rows.append({"slide_id": f"s{i:02d}", "label": classes[label]})
+    labels = root / "labels.csv"
+    pd.DataFrame(rows).to_csv(labels, index=False)
+    return root, labels
