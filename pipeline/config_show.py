@@ -23,10 +23,11 @@ __all__ = ["provenance", "render", "add_arguments", "run"]
 
 
 def _leaves(data: Mapping[str, Any], prefix: str = "") -> set[str]:
+    """The dotted keys of ``data``'s values; an empty section (``model: {}``) sets nothing."""
     out: set[str] = set()
     for key, value in data.items():
         path = f"{prefix}{key}"
-        if isinstance(value, Mapping) and value:
+        if isinstance(value, Mapping):
             out |= _leaves(value, path + ".")
         else:
             out.add(path)

@@ -186,3 +186,7 @@ def test_config_show_prints_the_effective_config_with_the_source_of_each_value(c
     assert main(["config", "show", "--section", "model"]) == 0
     assert capsys.readouterr().out.startswith("model:\n")
     assert main(["config", "show", "--section", "nope"]) == 2
+    # a file whose section is empty (`model: {}`, as the shipped perturbed_mean.yaml) states none of its values
+    assert main(["config", "show", "--config", "perturbed_mean", "--section", "model"]) == 0
+    lines = {line.split(":")[0].strip(): line for line in capsys.readouterr().out.splitlines()}
+    assert lines["k"].rstrip().endswith("# default") and lines["selector"].rstrip().endswith("# default")
