@@ -37,7 +37,7 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 import torch
 
-from benchmarks.robustness import Task, prepare_data
+from benchmarks.robustness import TASKS, Task, prepare_data
 
 
 def object_crops(stores: Path, model_cfg) -> list[tuple[str, torch.Tensor, list[str]]]:
@@ -122,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
         task = Task("probe-objects", "objects", args.classes, args.count, args.size, "zstd")
     else:  # named as benchmarks/robustness.py names it, so a --workdir of that benchmark's data is reused
         name = "shapes-binary" if args.classes == 2 else f"shapes-{args.classes}class"
-        task = Task(name, "shapes", args.classes, args.count, args.size, "jpeg")
+        version = TASKS["shapes-binary"].version  # the family's current drawing (its own data folder)
+        task = Task(name, "shapes", args.classes, args.count, args.size, "jpeg", version)
     stores = prepare_data(task, Path(args.workdir).resolve(), seed=args.seed)
     cfg = load_config(TrainConfig, args.config, args.overrides)
     pc = dataclasses.replace(

@@ -30,7 +30,7 @@ from torch import nn
 from operators.aggregators import build_aggregator
 from operators.evidence import evidence_rank_loss, instance_confidence, instance_loss
 from operators.model_config import ModelConfig, SlideGeometry
-from operators.resnet import ResNet
+from operators.resnet import ResNet, RunningStandardise
 from operators.scorer import (
     ScorerCNN,
     candidate_mask,
@@ -148,6 +148,9 @@ class FoveateModel(nn.Module):
         self.cfg = cfg
         self.scorer = ScorerCNN(cfg.scorer)
         self.features = _build_features(cfg, torchscript)
+        # after any encoder (its own module, so a pretrained or frozen encoder keeps its weights and these
+        # statistics still follow training); the feature cache holds the encoder's raw output
+        self.feature_norm = RunningStandardise(self.feature_dim) if cfg.features.standardise else None
         agg = cfg.aggregator
         self.aggregator = build_aggregator(
             agg.kind,
@@ -450,9 +453,26 @@ class FoveateModel(nn.Module):
         return lapsum_topk(sc, cfg.k, alpha=cfg.lapsum.alpha)
 
     # ------------------------------------------------------------------ stage 3: features
-    def embed(self, patches: torch.Tensor) -> torch.Tensor:
-        """``patches[M, 3, p, p]`` float in [0, 1] -> ``features[M, D]`` (the ResNet or the TorchScript encoder)."""
+    def encode(self, patches: torch.Tensor) -> torch.Tensor:
+        """``patches[M, 3, p, p]`` float in [0, 1] -> the encoder's own ``features[M, D]`` (the ResNet or the
+        TorchScript module; what the feature cache holds)."""
         return self.features(patches)
+
+    def normalise(self, features: torch.Tensor) -> torch.Tensor:
+        """The encoder's ``features[M, D]`` -> what the aggregator sees (``model.features.standardise``: running
+        standardisation, its statistics updated in training mode; otherwise unchanged)."""
+        return features if self.feature_norm is None else self.feature_norm(features)
+
+    def embed(self, patches: torch.Tensor) -> torch.Tensor:
+        """``patches[M, 3, p, p]`` float in [0, 1] -> ``features[M, D]``: :meth:`encode`, then :meth:`normalise`."""
+        return self.normalise(self.encode(patches))
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # checkpoints of an earlier version kept the standardisation inside the ResNet
+        old = f"{prefix}features.standardise."
+        for key in [k for k in state_dict if k.startswith(old)]:
+            state_dict[f"{prefix}feature_norm.{key[len(old) :]}"] = state_dict.pop(key)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     # ------------------------------------------------------------------ stage 4: aggregation
     def aggregate(

@@ -438,9 +438,10 @@ class FeaturesConfig:
     norm: Literal["group", "batch"] = "group"
     """ResNet normalisation, ``group`` (GroupNorm) or ``batch`` (BatchNorm2d) (resnet only)."""
     standardise: bool = False
-    """Standardise the output features with running statistics, the same in training and at inference
-    (:class:`operators.resnet.RunningStandardise`; resnet only). Experimental: measured in benchmarks/RESULTS.md,
-    "The shape family"."""
+    """Standardise the encoder's output features with running statistics, the same in training and at inference
+    (:class:`operators.resnet.RunningStandardise`, after any encoder: a pretrained or frozen one too; its
+    statistics follow training even when the encoder is frozen). Measured in benchmarks/RESULTS.md, "The shape
+    family"."""
     freeze: bool = False
     """No parameter of the network is trained and it stays in eval mode; torchscript encoders are always frozen
     (this is set to true for them, whatever is given). Older name: ``frozen``. A frozen encoder's features are
@@ -572,7 +573,6 @@ class FeaturesConfig:
             blocks=self.blocks,
             feature_dim=int(self.feature_dim),
             norm=self.norm,
-            standardise=self.standardise,
             frozen=self.freeze,
             weights=None if is_init_uri(self.init) else self.init,  # MLflow URIs: loaded by the trainer
         )
@@ -585,7 +585,6 @@ class FeaturesConfig:
             blocks=tuple(cfg.blocks),
             feature_dim=cfg.feature_dim,
             norm=cfg.norm,
-            standardise=cfg.standardise,
             freeze=cfg.frozen,
             init=cfg.weights,
         )

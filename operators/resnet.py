@@ -18,7 +18,16 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["ResNetConfig", "BasicBlock", "ResNet", "architecture_of", "check_architecture"]
+__all__ = [
+    "ResNetConfig",
+    "BasicBlock",
+    "ResNet",
+    "RunningStandardise",
+    "running_standardise",
+    "encoder_state",
+    "architecture_of",
+    "check_architecture",
+]
 
 
 @dataclass(frozen=True)
@@ -32,7 +41,6 @@ class ResNetConfig:
         blocks: basic blocks per stage (same length as ``widths``).
         feature_dim: size of the output feature vector (a linear projection of the pooled last stage).
         norm: ``"group"`` (GroupNorm, default) or ``"batch"`` (BatchNorm2d).
-        standardise: standardise the output features with running statistics (:class:`RunningStandardise`).
         frozen: no parameter of the network receives gradients and it always runs in eval mode.
         weights: optional path to a ``state_dict`` file (``torch.save``) loaded at construction; nothing is
             downloaded.
@@ -42,7 +50,6 @@ class ResNetConfig:
     blocks: tuple[int, ...] = (1, 1, 1)
     feature_dim: int = 64
     norm: str = "group"
-    standardise: bool = False
     frozen: bool = False
     weights: str | None = None
 
@@ -57,8 +64,6 @@ class ResNetConfig:
             raise ValueError(f"features.feature_dim must be a positive int, got {self.feature_dim!r}")
         if self.norm not in ("group", "batch"):
             raise ValueError(f"features.norm must be 'group' or 'batch', got {self.norm!r}")
-        if not isinstance(self.standardise, bool):
-            raise TypeError(f"features.standardise must be a bool, got {self.standardise!r}")
 
 
 def running_standardise(
@@ -166,7 +171,6 @@ class ResNet(nn.Module):
                 cin = w
         self.stages = nn.Sequential(*layers)
         self.proj = nn.Linear(cin, cfg.feature_dim)
-        self.standardise = RunningStandardise(cfg.feature_dim) if cfg.standardise else None
         self.register_buffer("mean", torch.tensor([0.5, 0.5, 0.5]).view(1, 3, 1, 1), persistent=False)
         self.register_buffer("std", torch.tensor([0.25, 0.25, 0.25]).view(1, 3, 1, 1), persistent=False)
         for m in self.modules():
@@ -178,7 +182,7 @@ class ResNet(nn.Module):
                 raise ValueError(
                     f"features.weights (model.features.init) must be an existing state_dict file, got {cfg.weights!r}"
                 )
-            state = torch.load(path, map_location="cpu", weights_only=True)
+            state = encoder_state(torch.load(path, map_location="cpu", weights_only=True))
             check_architecture(cfg, state, where=f"model.features.init {cfg.weights!r}")
             self.load_state_dict(state)
         if cfg.frozen:
@@ -203,8 +207,13 @@ class ResNet(nn.Module):
         if patches.shape[0] == 0:
             return patches.new_zeros((0, self.cfg.feature_dim))
         x = (patches - self.mean.to(patches.dtype)) / self.std.to(patches.dtype)
-        x = self.proj(self.stages(self.stem(x)).mean(dim=(2, 3)))
-        return x if self.standardise is None else self.standardise(x)
+        return self.proj(self.stages(self.stem(x)).mean(dim=(2, 3)))
+
+
+def encoder_state(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state_dict`` without the running feature standardisation an earlier version kept inside the ResNet
+    (``standardise.*``): it is the model's now (``FoveateModel.feature_norm``), after any encoder."""
+    return {k: v for k, v in state_dict.items() if not k.startswith("standardise.")}
 
 
 def architecture_of(state_dict: Mapping[str, torch.Tensor]) -> dict[str, Any]:
@@ -242,7 +251,6 @@ def architecture_of(state_dict: Mapping[str, torch.Tensor]) -> dict[str, Any]:
         "blocks": tuple(counts),
         "feature_dim": int(state_dict["proj.weight"].shape[0]),
         "norm": norm,
-        "standardise": "standardise.mean" in state_dict,
     }
 
 
@@ -255,7 +263,6 @@ def check_architecture(cfg: ResNetConfig, state_dict: Mapping[str, torch.Tensor]
         "blocks": tuple(cfg.blocks),
         "feature_dim": cfg.feature_dim,
         "norm": cfg.norm,
-        "standardise": cfg.standardise,
     }
     if found != want:
         diff = [k for k in want if want[k] != found[k]]

@@ -26,7 +26,7 @@ import torch
 from operators.config import to_dict
 from operators.errors import ConfigError
 from operators.model_config import FeaturesConfig, is_init_uri
-from operators.resnet import architecture_of, check_architecture
+from operators.resnet import architecture_of, check_architecture, encoder_state
 
 __all__ = ["ENCODER_DIR", "ENCODER_FILE", "ENCODER_FORMAT", "log_encoder", "resolve_init", "load_encoder_file"]
 
@@ -138,6 +138,7 @@ def resolve_init(features: FeaturesConfig, *, tracking_uri: str | None = None) -
         state = _download(features.init, tracking_uri, where)
     else:
         state = load_encoder_file(features.init, where=where)
+    state = encoder_state(state)
     try:
         architecture_of(state)
         check_architecture(features.resnet(), state, where=where)

@@ -16,6 +16,7 @@ from operators.model import FoveateModel
 from operators.model_config import ModelConfig
 from pipeline.data import SlideRecord
 from workers.feature_cache import FeatureCache
+from workers.patches import prepare_slide
 from workers.slide_forward import forward_slide
 from workers.store import SlideStore, write_store_from_array
 from workers.trainer import OptimConfig, ScheduleConfig, Trainer
@@ -39,14 +40,22 @@ def stores(tmp_path_factory) -> list[SlideRecord]:
     return recs
 
 
-def _cfg(*, freeze: bool = True, jitter: float = 0.0, patch_size: int = 32, selector: str = "hard") -> ModelConfig:
+def _cfg(
+    *, freeze: bool = True, jitter: float = 0.0, patch_size: int = 32, selector: str = "hard", standardise: bool = False
+) -> ModelConfig:
     return from_dict(
         ModelConfig,
         {
             "geometry": {"patch_size": patch_size, "scorer_downsample": 4},
             "selection": {"selector": selector, "k": 4},
             "scorer": {"channels": 4, "num_layers": 2},
-            "features": {"widths": [4, 8], "blocks": [1, 1], "feature_dim": 8, "freeze": freeze},
+            "features": {
+                "widths": [4, 8],
+                "blocks": [1, 1],
+                "feature_dim": 8,
+                "freeze": freeze,
+                "standardise": standardise,
+            },
             "aggregator": {"kind": "attention_mil", "hidden": 8},
             "augment": {"color_jitter": jitter},
             "num_classes": 2,
@@ -111,9 +120,13 @@ def test_second_epoch_encodes_no_cell_already_seen(stores, tmp_path):
     assert counter.patches == before and ev.patches == len(stores) * 4
 
 
-def test_cached_and_uncached_forward_give_the_same_logits(stores, tmp_path):
+@pytest.mark.parametrize("standardise", [False, True])
+def test_cached_and_uncached_forward_give_the_same_logits(stores, tmp_path, standardise):
     torch.manual_seed(0)
-    model = FoveateModel(_cfg()).eval()
+    model = FoveateModel(_cfg(standardise=standardise)).eval()
+    if standardise:  # statistics as training leaves them; the cache holds the encoder's own features
+        model.feature_norm.mean.uniform_(-1, 1)
+        model.feature_norm.var.uniform_(0.5, 2)
     cache = FeatureCache(tmp_path / "c", model)
     counter = Counting(model.features)
     model.features = counter
@@ -128,6 +141,11 @@ def test_cached_and_uncached_forward_give_the_same_logits(stores, tmp_path):
             assert torch.equal(plain.cell_indices, cached.cell_indices)
             torch.testing.assert_close(filling.logits, plain.logits, rtol=0, atol=1e-6)
             torch.testing.assert_close(cached.logits, plain.logits, rtol=0, atol=1e-6)
+            raw = cache.lookup(SlideStore(rec.store).location, 64, plain.cell_indices.sort().values)[1]
+            want = model.encode(
+                prepare_slide(rec.store, model.cfg).reader.read(plain.cell_indices.sort().values).float() / 255
+            )
+            torch.testing.assert_close(raw.to(want.dtype), want, rtol=0, atol=1e-5)
 
 
 def test_other_encoder_weights_or_geometry_get_a_fresh_cache(stores, tmp_path):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from operators.aggregators import AGGREGATORS, build_aggregator, fourier_position_encoding
-from operators.resnet import ResNet, ResNetConfig, RunningStandardise, check_architecture, running_standardise
+from operators.resnet import ResNet, ResNetConfig, RunningStandardise, running_standardise
 from operators.scorer import ScorerCNN, ScorerConfig, cell_pool, minmax_normalise
 from operators.soft_patches import cap_support, combine_patches, unique_cells
 
@@ -47,17 +47,40 @@ def test_running_standardise_uses_running_statistics_in_training_and_at_inferenc
         RunningStandardise(4, momentum=0.0)
 
 
-def test_resnet_standardise_is_part_of_the_architecture():
-    net = ResNet(ResNetConfig(widths=(8, 16), blocks=(1, 1), feature_dim=8, standardise=True))
-    net.train()
+def test_standardise_comes_after_any_encoder_and_follows_training_when_the_encoder_is_frozen(tmp_path):
+    from operators.config import from_dict
+    from operators.model import FoveateModel
+    from operators.model_config import ModelConfig
+
+    enc = ResNet(ResNetConfig(widths=(8, 16), blocks=(1, 1), feature_dim=8))  # e.g. a pretrained encoder
+    torch.save(enc.state_dict(), tmp_path / "enc.pt")
+    feats = {"widths": [8, 16], "blocks": [1, 1], "feature_dim": 8, "standardise": True}
+    cfg = {"features": {**feats, "init": str(tmp_path / "enc.pt"), "freeze": True}, "num_classes": 2}
+    model = FoveateModel(from_dict(ModelConfig, cfg))  # the file has no standardisation: it loads under it
     x = torch.rand(6, 3, 32, 32)
-    out = net(x)
+    torch.testing.assert_close(model.encode(x), enc(x))
+    model.train()
+    assert not model.features.training and model.feature_norm.training
+    out = model.embed(x)  # the first training call sets the statistics: the features come out standardised
     torch.testing.assert_close(out.mean(0), torch.zeros(8), atol=1e-5, rtol=0)
-    net.eval()
-    torch.testing.assert_close(net(x), out)  # the same statistics at inference
-    check_architecture(net.cfg, net.state_dict(), where="test")
-    with pytest.raises(ValueError, match="standardise"):
-        check_architecture(ResNetConfig(widths=(8, 16), blocks=(1, 1), feature_dim=8), net.state_dict(), where="test")
+    torch.testing.assert_close(model.feature_norm.mean, enc(x).mean(0))
+    model.eval()
+    torch.testing.assert_close(model.embed(x), out)  # the same statistics at inference
+    assert all(not p.requires_grad for p in model.features.parameters())
+    # a checkpoint of the earlier layout (the statistics inside the ResNet) loads into the new one
+    state = model.state_dict()
+    old = {
+        ("features.standardise." + k[len("feature_norm.") :] if k.startswith("feature_norm.") else k): v
+        for k, v in state.items()
+    }
+    again = FoveateModel(from_dict(ModelConfig, {"features": feats, "num_classes": 2}))
+    again.load_state_dict(old)
+    again.eval()
+    torch.testing.assert_close(again.embed(x), out)
+    # and an encoder file of that layout is an init like any other (its statistics are not the encoder's)
+    torch.save({**enc.state_dict(), "standardise.mean": torch.ones(8)}, tmp_path / "old.pt")
+    loaded = ResNet(ResNetConfig(widths=(8, 16), blocks=(1, 1), feature_dim=8, weights=str(tmp_path / "old.pt")))
+    torch.testing.assert_close(loaded(x), enc(x))
 
 
 def test_resnet_frozen_has_no_param_grads_but_passes_input_grads():

@@ -138,8 +138,8 @@ def _embed_cached(
                     pix = read
                 batch.append(pix.to(device=device, dtype=dtype).div_(255.0))
     computed: list[torch.Tensor] = []
-    if batch:
-        feats = model.embed(torch.cat(batch) if len(batch) > 1 else batch[0])
+    if batch:  # the encoder's own features: the cache holds those, the standardisation comes after (below)
+        feats = model.encode(torch.cat(batch) if len(batch) > 1 else batch[0])
         computed = list(feats.split([b.shape[0] for b in batch]))
     if cell_groups:
         table = torch.empty((uniq.numel(), model.feature_dim), device=device, dtype=dtype)
@@ -157,6 +157,8 @@ def _embed_cached(
             i += 1
         else:
             parts.append(table[torch.searchsorted(uniq, g[0]).to(device)])
+    if model.feature_norm is not None:  # one call over the slide-step's features, as without the cache
+        parts = list(model.normalise(torch.cat(parts)).split([p.shape[0] for p in parts]))
     return parts, {"cache_hits": float(hits)}
 
 
