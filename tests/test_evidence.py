@@ -342,8 +342,13 @@ def test_rarity_prior_marks_the_smallest_strata_and_decays_on_schedule():
     assert decay_to_zero_at(25, 100, 0.8, 0.5) == pytest.approx(0.4)
     assert decay_to_zero_at(50, 100, 0.8, 0.5) == 0.0 and decay_to_zero_at(90, 100, 0.8, 0.5) == 0.0
     assert decay_to_zero_at(0, 100, 0.0, 0.5) == 0.0
+    # schedule.rarity_end: the share the decay ends at and keeps
+    assert decay_to_zero_at(25, 100, 0.8, 0.5, 0.2) == pytest.approx(0.5)
+    assert decay_to_zero_at(50, 100, 0.8, 0.5, 0.2) == pytest.approx(0.2) == decay_to_zero_at(99, 100, 0.8, 0.5, 0.2)
     with pytest.raises(ConfigError, match="rarity_start"):
         ScheduleConfig(rarity_start=1.5)
+    with pytest.raises(ConfigError, match=r"schedule.rarity_end: got 0.9, must be at most rarity_start \(0.8\)"):
+        ScheduleConfig(rarity_start=0.8, rarity_end=0.9)
 
     # the prior enters the rank targets as (1 - w) * evidence + w * prior
     torch.manual_seed(0)

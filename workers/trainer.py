@@ -131,8 +131,9 @@ class ScheduleConfig:
 
     ``rarity_start``: the share of the label-free rarity prior in the evidence rank targets at the first step
     (``model.evidence.target`` targets mixed with each read cell's low-resolution rarity, see
-    ``workers.strata.cell_rarity``), decaying linearly to 0 at the fraction ``rarity_until`` of training:
-    exploration towards rare-looking cells that is scheduled and then removed. 0 (default): off.
+    ``workers.strata.cell_rarity``), decaying linearly to ``rarity_end`` at the fraction ``rarity_until`` of
+    training and staying there: exploration towards rare-looking cells that is scheduled and then removed
+    (``rarity_end`` 0, the default) or kept as a floor. ``rarity_start`` 0 (default): off.
 
     ``rare_until``: with ``model.evidence.rare_cells``, the rare bag's weight decays linearly from ``model.evidence.rare_weight``
     to 0 at this fraction of training (its fixed cells are needed until the scorer finds the structures, and
@@ -143,27 +144,34 @@ class ScheduleConfig:
     sigma_end: float = 0.0
     rarity_start: float = 0.0
     rarity_until: float = 0.5
+    rarity_end: float = 0.0
     rare_until: float | None = None
 
     def __post_init__(self) -> None:
         _check_finite("schedule.sigma_start", self.sigma_start)
         _check_finite("schedule.sigma_end", self.sigma_end)
-        for name in ("rarity_start", "rarity_until"):
+        for name in ("rarity_start", "rarity_until", "rarity_end"):
             v = getattr(self, name)
             ok = not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v) and 0 <= v <= 1
             _check(f"schedule.{name}", v, ok, "a number in [0, 1]")
+        _check(
+            "schedule.rarity_end",
+            self.rarity_end,
+            self.rarity_end <= self.rarity_start,
+            f"at most rarity_start ({self.rarity_start})",
+        )
         v = self.rare_until
         ok = v is None or (not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v) and 0 < v <= 1)
         _check("schedule.rare_until", v, ok, "None or a number in (0, 1]")
 
 
-def decay_to_zero_at(step: int, total_steps: int, start: float, until: float) -> float:
-    """Linear decay: ``start`` at step 0, 0 at ``until * total_steps`` and after (the rarity prior's share,
-    ``schedule.rarity_*``, and the rare bag's weight, ``schedule.rare_until``)."""
+def decay_to_zero_at(step: int, total_steps: int, start: float, until: float, end: float = 0.0) -> float:
+    """Linear decay: ``start`` at step 0, ``end`` (default 0) at ``until * total_steps`` and after (the rarity
+    prior's share, ``schedule.rarity_*``, and the rare bag's weight, ``schedule.rare_until``)."""
     if start <= 0 or until <= 0:
         return 0.0
     t = max(step, 0) / max(total_steps, 1)
-    return float(start * max(0.0, 1.0 - t / until))
+    return float(end + (start - end) * max(0.0, 1.0 - t / until))
 
 
 def earliest_stop_epoch(
@@ -497,7 +505,11 @@ class Trainer:
         t0 = time.perf_counter()
         sigma = sigma_at(self.global_step, self.total_steps, self.schedule.sigma_start, self.schedule.sigma_end)
         rarity = decay_to_zero_at(
-            self.global_step, self.total_steps, self.schedule.rarity_start, self.schedule.rarity_until
+            self.global_step,
+            self.total_steps,
+            self.schedule.rarity_start,
+            self.schedule.rarity_until,
+            self.schedule.rarity_end,
         )
         rare = 1.0
         if self.schedule.rare_until is not None:
