@@ -235,10 +235,19 @@ def run_training(
 
 
 def run_training_in_process(
-    config: str, stores: Path, seed: int, overrides: list[str], workdir: Path, run_name: str, log: Path
+    config: str,
+    stores: Path,
+    seed: int,
+    overrides: list[str],
+    workdir: Path,
+    run_name: str,
+    log: Path,
+    trace=None,
 ) -> dict[str, Any]:
     """Train one model in this process with ``workers.trainer.Trainer`` (the numerics of ``foveate train`` on one
-    worker, without Ray Train start-up, MLflow and model logging). Same return value as :func:`run_training`."""
+    worker, without Ray Train start-up, MLflow and model logging). Same return value as :func:`run_training`.
+    ``trace(model) -> dict``: called on the evaluated model after every epoch, its values added to the epoch's
+    log line (``--trace-slides``: the hit rate on held-out slides as training goes)."""
     import dataclasses
 
     import torch
@@ -271,7 +280,10 @@ def run_training_in_process(
     with open(log, "w") as fh:
         for epoch in range(cfg.optim.epochs):
             metrics = trainer.run_epoch(shard(train, 0, 1, epoch=epoch, seed=cfg.data.seed), val)
-            fh.write(json.dumps(metrics) + "\n")
+            line = dict(metrics)
+            if trace is not None:
+                line.update({f"trace_{k}": v for k, v in trace(trainer.eval_model).items()})
+            fh.write(json.dumps(line) + "\n")
             fh.flush()
     run_dir = workdir / "train" / run_name
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -375,19 +387,27 @@ def chance_hit_rate(split: Split, model_cfg, which: str = "boxes") -> float:
 
 def evaluate_checkpoint(checkpoint: str, split: Split) -> dict[str, float]:
     """Hard top-k on the test slides from a trained checkpoint: accuracy, hit rate, object recall."""
+    from operators.checkpoint import load_checkpoint
+
+    model, _, _ = load_checkpoint(checkpoint)
+    return evaluate_model(model, split)
+
+
+def evaluate_model(model, split: Split, limit: int | None = None) -> dict[str, float]:
+    """Hard top-k of ``model`` on the first ``limit`` (default all) test slides: accuracy, AUC, hit rate, object
+    recall, distractor hit rate (the model is left in eval mode)."""
     import torch
 
-    from operators.checkpoint import load_checkpoint
     from pipeline.train import classification_metrics
     from workers.patches import slide_geometry
     from workers.slide_forward import forward_slide
     from workers.store import SlideStore
 
-    model, cfg, _ = load_checkpoint(checkpoint)
+    cfg = model.cfg
     model.eval()
     probs, ys, hit, rec_frac, dhit = [], [], [], [], []
     with torch.no_grad():
-        for rec in split.test:
+        for rec in split.test[:limit]:
             store = SlideStore(rec.store)
             out = forward_slide(model, store, training=False, sigma=0.0)
             patch = slide_geometry(store, cfg).patch_size  # level-0 pixels of this slide (also for µm settings)
@@ -677,6 +697,13 @@ def main(argv: list[str] | None = None) -> int:
         help="train with workers.trainer.Trainer in this process (same numerics as foveate train on one worker, "
         "no Ray/MLflow start-up per run; use --jobs 1)",
     )
+    p.add_argument(
+        "--trace-slides",
+        type=int,
+        default=20,
+        help="with --in-process: after every epoch, hard top-k on the first N held-out slides, their hit rate, "
+        "object recall and accuracy added to the run's log line as trace_* (0: off; default 20)",
+    )
     p.add_argument("--json", default=None, help="output JSON (default WORKDIR/robustness.json)")
     p.add_argument(
         "--resume",
@@ -825,8 +852,17 @@ def main(argv: list[str] | None = None) -> int:
                 "chance_distractor_hit_rate": dchance,
             }
             try:
-                runner = run_training_in_process if args.in_process else run_training
-                res = runner(config, stores, seed, overrides, workdir, name, workdir / "logs" / f"{name}.log")
+                log = workdir / "logs" / f"{name}.log"
+                if args.in_process:
+                    trace = None
+                    if args.trace_slides > 0:
+
+                        def trace(model):
+                            return evaluate_model(model, split, args.trace_slides)
+
+                    res = run_training_in_process(config, stores, seed, overrides, workdir, name, log, trace)
+                else:
+                    res = run_training(config, stores, seed, overrides, workdir, name, log)
                 m = res["metrics"]
                 row.update(
                     {
