@@ -14,7 +14,10 @@ trained model's hard top-k test patches (re-run here from the run's checkpoint) 
 informative object of the synthetic slide's sidecar (checker: the candidate structures; objects: the
 informative objects, not the distractors), next to the *chance* hit rate of uniformly random tissue cells;
 the same for the distractors (objects task: does the scorer look at ink at all?).
-Also the fraction of informative objects that at least one chosen patch touches (``recall``).
+Also the fraction of informative objects that at least one chosen patch touches (``recall``). With
+``--in-process`` the same hard top-k on the first ``--trace-slides`` (20) held-out slides after every epoch goes
+into the run's log line (``trace_hit_rate``, ``trace_object_recall``, ``trace_eval_accuracy``): where the scorer
+looks as training goes.
 
 Per task x config the table shows: success rate (test accuracy >= 0.95), median and worst accuracy, median
 AUC, median hit rate (and chance), median object recall, median distractor hit rate (and chance), median
