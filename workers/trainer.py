@@ -178,7 +178,8 @@ def earliest_stop_epoch(
     early_stopping: EarlyStoppingConfig, epochs: int, schedule: ScheduleConfig, model_config=None
 ) -> int:
     """The first epoch early stopping may stop after: ``early_stopping.min_epochs``, and no earlier than the
-    scheduled exploration terms end (``schedule.rarity_until`` of ``epochs`` when ``schedule.rarity_start`` > 0;
+    scheduled exploration terms end (``schedule.rarity_until`` of ``epochs`` when ``schedule.rarity_start`` > 0, the
+    end of its decay also when ``schedule.rarity_end`` keeps a floor after it;
     ``schedule.rare_until`` of ``epochs`` when the model reads a rare bag, ``model.evidence.rare_cells`` > 0)."""
     floor = int(early_stopping.min_epochs)
     if schedule.rarity_start > 0:
