@@ -62,6 +62,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -857,12 +858,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 log = workdir / "logs" / f"{name}.log"
                 if args.in_process:
-                    trace = None
-                    if args.trace_slides > 0:
-
-                        def trace(model):
-                            return evaluate_model(model, split, args.trace_slides)
-
+                    trace = partial(evaluate_model, split=split, limit=args.trace_slides) if args.trace_slides else None
                     res = run_training_in_process(config, stores, seed, overrides, workdir, name, log, trace)
                 else:
                     res = run_training(config, stores, seed, overrides, workdir, name, log)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -127,6 +128,14 @@ def _inclusion_weights(att: torch.Tensor, k: int) -> torch.Tensor:
     return pi / pi.sum(1, keepdim=True).clamp_min(torch.finfo(att.dtype).tiny)
 
 
+def _renamed_feature_norm(module: nn.Module, state_dict: dict, prefix: str, *_: Any) -> None:
+    """Load-state-dict pre-hook: checkpoints of an earlier version kept the feature standardisation inside the
+    ResNet (``features.standardise.*``); it is ``feature_norm.*`` now."""
+    old = f"{prefix}features.standardise."
+    for key in [k for k in state_dict if k.startswith(old)]:
+        state_dict[f"{prefix}feature_norm.{key[len(old) :]}"] = state_dict.pop(key)
+
+
 class FoveateModel(nn.Module):
     """Scorer CNN + selection + features (the ResNet or a frozen TorchScript encoder) + aggregator (see the module
     docstring for the stages).
@@ -151,6 +160,7 @@ class FoveateModel(nn.Module):
         # after any encoder (its own module, so a pretrained or frozen encoder keeps its weights and these
         # statistics still follow training); the feature cache holds the encoder's raw output
         self.feature_norm = RunningStandardise(self.feature_dim) if cfg.features.standardise else None
+        self.register_load_state_dict_pre_hook(_renamed_feature_norm)
         agg = cfg.aggregator
         self.aggregator = build_aggregator(
             agg.kind,
@@ -466,13 +476,6 @@ class FoveateModel(nn.Module):
     def embed(self, patches: torch.Tensor) -> torch.Tensor:
         """``patches[M, 3, p, p]`` float in [0, 1] -> ``features[M, D]``: :meth:`encode`, then :meth:`normalise`."""
         return self.normalise(self.encode(patches))
-
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        # checkpoints of an earlier version kept the standardisation inside the ResNet
-        old = f"{prefix}features.standardise."
-        for key in [k for k in state_dict if k.startswith(old)]:
-            state_dict[f"{prefix}feature_norm.{key[len(old) :]}"] = state_dict.pop(key)
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     # ------------------------------------------------------------------ stage 4: aggregation
     def aggregate(

@@ -321,7 +321,7 @@ def test_selection_grad_scales_the_selection_gradient_to_the_scorer_and_not_the_
 
 def test_rarity_prior_marks_the_smallest_strata_and_decays_on_schedule():
     from workers.strata import cell_rarity, cell_strata
-    from workers.trainer import ScheduleConfig, decay_to_zero_at
+    from workers.trainer import ScheduleConfig, linear_decay
 
     img = torch.from_numpy(_image()).permute(2, 0, 1).float().div(255)
     lowres = torch.nn.functional.interpolate(img[None], size=(64, 64), mode="area")[0]
@@ -338,13 +338,13 @@ def test_rarity_prior_marks_the_smallest_strata_and_decays_on_schedule():
     assert r[dark].tolist() == [1.0, 1.0] and float(r[~m].abs().max()) == 0.0
     assert float(r[m].min()) < 0.2  # the common background stratum is far below the rare structures
 
-    assert decay_to_zero_at(0, 100, 0.8, 0.5) == pytest.approx(0.8)
-    assert decay_to_zero_at(25, 100, 0.8, 0.5) == pytest.approx(0.4)
-    assert decay_to_zero_at(50, 100, 0.8, 0.5) == 0.0 and decay_to_zero_at(90, 100, 0.8, 0.5) == 0.0
-    assert decay_to_zero_at(0, 100, 0.0, 0.5) == 0.0
+    assert linear_decay(0, 100, 0.8, 0.5) == pytest.approx(0.8)
+    assert linear_decay(25, 100, 0.8, 0.5) == pytest.approx(0.4)
+    assert linear_decay(50, 100, 0.8, 0.5) == 0.0 and linear_decay(90, 100, 0.8, 0.5) == 0.0
+    assert linear_decay(0, 100, 0.0, 0.5) == 0.0
     # schedule.rarity_end: the share the decay ends at and keeps
-    assert decay_to_zero_at(25, 100, 0.8, 0.5, 0.2) == pytest.approx(0.5)
-    assert decay_to_zero_at(50, 100, 0.8, 0.5, 0.2) == pytest.approx(0.2) == decay_to_zero_at(99, 100, 0.8, 0.5, 0.2)
+    assert linear_decay(25, 100, 0.8, 0.5, 0.2) == pytest.approx(0.5)
+    assert linear_decay(50, 100, 0.8, 0.5, 0.2) == pytest.approx(0.2) == linear_decay(99, 100, 0.8, 0.5, 0.2)
     with pytest.raises(ConfigError, match="rarity_start"):
         ScheduleConfig(rarity_start=1.5)
     with pytest.raises(ConfigError, match=r"schedule.rarity_end: got 0.9, must be at most rarity_start \(0.8\)"):
@@ -415,7 +415,7 @@ def test_symmetry_patches_turns_each_patch_by_a_drawn_symmetry_of_the_square(sym
 def test_trainer_passes_the_scheduled_rarity_share_and_forward_slide_mixes_it_in(tmp_path):
     from types import SimpleNamespace
 
-    from workers.trainer import EpochResult, OptimConfig, ScheduleConfig, Trainer, decay_to_zero_at
+    from workers.trainer import EpochResult, OptimConfig, ScheduleConfig, Trainer, linear_decay
 
     cfg = _evidence_config(evidence="label")
     tr = Trainer(
@@ -437,7 +437,7 @@ def test_trainer_passes_the_scheduled_rarity_share_and_forward_slide_mixes_it_in
     tr._forward, tr._store = fake_forward, (lambda path: None)
     for _ in range(tr.total_steps):
         tr.step([SimpleNamespace(store="s", target=0)], EpochResult(started=0.0))
-    assert seen == pytest.approx([decay_to_zero_at(i, 8, 0.6, 0.5) for i in range(8)])
+    assert seen == pytest.approx([linear_decay(i, 8, 0.6, 0.5) for i in range(8)])
     assert seen[0] == pytest.approx(0.6) and seen[4:] == [0.0] * 4
     assert seen_rare == pytest.approx([1.0, 0.5, 0, 0, 0, 0, 0, 0])  # the rare bag's weight, to 0 at 1/4
     with pytest.raises(ConfigError, match="rare_until"):

@@ -47,7 +47,7 @@ from workers.metrics import classification_metrics
 __all__ = [
     "OptimConfig",
     "ScheduleConfig",
-    "decay_to_zero_at",
+    "linear_decay",
     "earliest_stop_epoch",
     "Collective",
     "LocalCollective",
@@ -165,8 +165,8 @@ class ScheduleConfig:
         _check("schedule.rare_until", v, ok, "None or a number in (0, 1]")
 
 
-def decay_to_zero_at(step: int, total_steps: int, start: float, until: float, end: float = 0.0) -> float:
-    """Linear decay: ``start`` at step 0, ``end`` (default 0) at ``until * total_steps`` and after (the rarity
+def linear_decay(step: int, total_steps: int, start: float, until: float, end: float = 0.0) -> float:
+    """``start`` at step 0, linearly to ``end`` (default 0) at ``until * total_steps`` and after (the rarity
     prior's share, ``schedule.rarity_*``, and the rare bag's weight, ``schedule.rare_until``)."""
     if start <= 0 or until <= 0:
         return 0.0
@@ -505,7 +505,7 @@ class Trainer:
         metrics (loss and accuracy over all workers, sigma, lr, grad norm, timings, aux losses)."""
         t0 = time.perf_counter()
         sigma = sigma_at(self.global_step, self.total_steps, self.schedule.sigma_start, self.schedule.sigma_end)
-        rarity = decay_to_zero_at(
+        rarity = linear_decay(
             self.global_step,
             self.total_steps,
             self.schedule.rarity_start,
@@ -514,7 +514,7 @@ class Trainer:
         )
         rare = 1.0
         if self.schedule.rare_until is not None:
-            rare = decay_to_zero_at(self.global_step, self.total_steps, 1.0, self.schedule.rare_until)
+            rare = linear_decay(self.global_step, self.total_steps, 1.0, self.schedule.rare_until)
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum, correct, patches = 0.0, 0, 0
         aux_sums: dict[str, float] = {}
