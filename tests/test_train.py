@@ -239,6 +239,11 @@ def test_train_crash_resume_and_logged_model(tmp_path, slides, ray_local):
         torch.set_num_threads(threads)
     assert local["val_accuracy"] == result.metrics["val_accuracy"]
     assert local["epoch_train_loss"] == pytest.approx(result.metrics["epoch_train_loss"], rel=1e-9)
+    terms = {k: v for k, v in local.items() if k.startswith("epoch_train_loss_")}
+    assert "epoch_train_loss_ce" in terms and len(terms) > 1, terms  # the CE and the config's evidence terms
+    assert sum(terms.values()) == pytest.approx(local["epoch_train_loss"], rel=1e-9)
+    for k, v in terms.items():  # logged to MLflow as the local trainer has them
+        assert result.metrics[k] == pytest.approx(v, rel=1e-9), k
     assert local["best_epoch"] == result.metrics["best_epoch"] and trainer.stop_reason == "cap"
     for k, v in result.model.state_dict().items():
         assert torch.equal(v, trainer.eval_model.state_dict()[k].cpu()), k
@@ -381,6 +386,10 @@ def test_trainer_restores_the_best_epoch_and_resumes_the_count(tmp_path, slides)
     best = weights(trainer.eval_model)  # the weight average after epoch 1: what was evaluated
     assert same(best, averages[trainer.global_step])
     assert m1["best_epoch"] == 1 and m1["best_val_loss"] == m1["val_loss"] and "stopped_epoch" not in m1
+    # each loss term's epoch mean beside the total: the CE and the evidence terms of the default recipe
+    terms = {k[len("epoch_train_loss_") :]: v for k, v in m1.items() if k.startswith("epoch_train_loss_")}
+    assert {"ce", "instance", "rank", "rare", "neutral"} <= set(terms), sorted(terms)
+    assert sum(terms.values()) == pytest.approx(m1["epoch_train_loss"], rel=1e-9)
     torch.save(trainer.state_dict(), tmp_path / "epoch1.pt")
     m2 = epoch(trainer)
     assert trainer.finished and trainer.stop_reason == "patience" and trainer.epoch == 2 < c.optim.epochs
