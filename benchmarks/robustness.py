@@ -433,33 +433,58 @@ def evaluate_model(model, split: Split, limit: int | None = None) -> dict[str, f
 
 
 # ---------------------------------------------------------------------------------------------- oracle
-def oracle_cells(si, boxes: list[dict], k: int, rng: np.random.Generator) -> np.ndarray:
-    """K cells a perfect scorer would pick: per object its best-overlapping cell, then other overlapping
-    cells by overlap, then random tissue cells."""
+ORACLE_BAGS = ("distinct", "overlap")
+
+
+def oracle_cells(si, boxes: list[dict], k: int, rng: np.random.Generator, bag: str = "distinct") -> np.ndarray:
+    """K cells a perfect scorer would pick: per object its best-overlapping cell; then further cells by overlap,
+    with ``bag="distinct"`` each only where it covers at least half a cell of object area that the cells already
+    chosen do not (an object larger than a cell gets the cells that cover the rest of it, a small one is not read
+    twice: a partial second view of a glyph counts it twice where the label is a count), with ``"overlap"`` any
+    cell that overlaps an object (the oracle's bag before the shape family); then random tissue cells."""
+    if bag not in ORACLE_BAGS:
+        raise ValueError(f"bag must be one of {ORACLE_BAGS}, got {bag!r}")
     import torch
 
     g = si.grid
     n = g.num_cells
-    xy = _cell_boxes(g, torch.arange(n)).astype(np.float64)
+    xy = _cell_boxes(g, torch.arange(n)).astype(np.int64)
     p = g.patch_size
     best: list[int] = []
-    extra: list[tuple[float, int]] = []
-    for o in boxes:
+    extra: list[tuple[float, int, int]] = []  # (overlap area, cell, object index)
+    for j, o in enumerate(boxes):
         ox0, oy0, ox1, oy1 = o["x"], o["y"], o["x"] + o["width"], o["y"] + o["height"]
         w = np.clip(np.minimum(xy[:, 0] + p, ox1) - np.maximum(xy[:, 0], ox0), 0, None)
         h = np.clip(np.minimum(xy[:, 1] + p, oy1) - np.maximum(xy[:, 1], oy0), 0, None)
         area = w * h
-        order = np.argsort(-area)
+        order = np.argsort(-area, kind="stable")
         order = order[area[order] > 0]
         if len(order):
             best.append(int(order[0]))
-            extra += [(float(area[c]), int(c)) for c in order[1:]]
+            extra += [(float(area[c]), int(c), j) for c in order[1:]]
     chosen = list(dict.fromkeys(best))[:k]
-    for _, c in sorted(extra, reverse=True):
+    # what of each object the chosen cells cover, on the object's own pixel raster
+    covered = [np.zeros((max(int(o["height"]), 1), max(int(o["width"]), 1)), bool) for o in boxes]
+
+    def cover(c: int, j: int, apply: bool) -> int:
+        o = boxes[j]
+        x0, y0 = int(xy[c, 0]) - int(o["x"]), int(xy[c, 1]) - int(o["y"])
+        sub = covered[j][max(y0, 0) : max(y0 + p, 0), max(x0, 0) : max(x0 + p, 0)]
+        new = int(sub.size - sub.sum())
+        if apply:
+            sub[...] = True
+        return new
+
+    for c in chosen:
+        for j in range(len(boxes)):
+            cover(c, j, True)
+    for _, c, j in sorted(extra, key=lambda t: (-t[0], t[1])):
         if len(chosen) >= k:
             break
-        if c not in chosen:
+        if c not in chosen and (bag == "overlap" or cover(c, j, False) >= p * p / 2):
             chosen.append(c)
+            for jj in range(len(boxes)):
+                cover(c, jj, True)
     tissue = np.flatnonzero(si.cell_mask.flatten().numpy())
     pool = np.setdiff1d(tissue if len(tissue) else np.arange(n), chosen)
     fill = rng.choice(pool, size=min(k - len(chosen), len(pool)), replace=False) if len(chosen) < k else []
@@ -467,8 +492,11 @@ def oracle_cells(si, boxes: list[dict], k: int, rng: np.random.Generator) -> np.
     return cells[rng.permutation(len(cells))]
 
 
-def run_oracle(config: str, split: Split, seed: int, epochs: int, overrides: list[str]) -> dict[str, float]:
-    """Train the config's feature network + aggregator on oracle patches; test accuracy on oracle patches."""
+def run_oracle(
+    config: str, split: Split, seed: int, epochs: int, overrides: list[str], bag: str = "distinct"
+) -> dict[str, float]:
+    """Train the config's feature network + aggregator on oracle patches (:func:`oracle_cells` with ``bag``); test
+    accuracy on oracle patches."""
     import torch
 
     from operators.checkpoint import build_model, with_num_classes
@@ -487,7 +515,7 @@ def run_oracle(config: str, split: Split, seed: int, epochs: int, overrides: lis
 
     def item(rec):
         si = prepare_slide(rec.store, mcfg)
-        cells = torch.from_numpy(oracle_cells(si, split.boxes[rec.store], mcfg.selection.k, rng))
+        cells = torch.from_numpy(oracle_cells(si, split.boxes[rec.store], mcfg.selection.k, rng, bag))
         return si.reader.read(cells), si.grid.cell_centres(cells), rec.target
 
     t0 = time.perf_counter()
@@ -502,6 +530,7 @@ def run_oracle(config: str, split: Split, seed: int, epochs: int, overrides: lis
         "test_accuracy": m["accuracy"],
         "test_auc": m["auc"],
         "train_accuracy": train_m["accuracy"],
+        "oracle_bag": bag,
         "train_seconds": seconds,
     }
 
@@ -694,6 +723,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--oracle", action="store_true", help="also train the first config's feature network on oracle patches"
     )
+    p.add_argument(
+        "--oracle-bag",
+        choices=ORACLE_BAGS,
+        default="distinct",
+        help="the oracle's cells after each object's best one: 'distinct' (default) only cells that cover object "
+        "area not covered yet, then tissue; 'overlap' any overlapping cell (the oracle rows before 2026-11-27 10:00)",
+    )
     p.add_argument("--no-train", action="store_true", help="skip the selection-model runs (e.g. only --oracle)")
     p.add_argument(
         "--in-process",
@@ -825,6 +861,7 @@ def main(argv: list[str] | None = None) -> int:
                     args.epochs
                     or load_config(TrainConfig, ROOT / "configs" / f"{configs[0]}.yaml", overrides).optim.epochs,
                     overrides,
+                    args.oracle_bag,
                 )
                 oracle_rows.append({"task": task.name, "config": configs[0], "seed": seed, **o})
                 print(
