@@ -16,8 +16,9 @@ informative objects, not the distractors), next to the *chance* hit rate of unif
 the same for the distractors (objects task: does the scorer look at ink at all?).
 Also the fraction of informative objects that at least one chosen patch touches (``recall``). With
 ``--in-process`` the same hard top-k on the first ``--trace-slides`` (20) held-out slides after every epoch goes
-into the run's log line (``trace_hit_rate``, ``trace_object_recall``, ``trace_eval_accuracy``): where the scorer
-looks as training goes.
+into the run's log line (``trace_hit_rate``, ``trace_object_recall``, ``trace_eval_accuracy``,
+``trace_all_objects``, ``trace_decidable``): where the scorer looks as training goes, and (shape family) whether the
+bag holds enough glyphs for its label to be read from them.
 
 Per task x config the table shows: success rate (test accuracy >= 0.95), median and worst accuracy, median
 AUC, median hit rate (and chance), median object recall, median distractor hit rate (and chance), median
@@ -399,7 +400,10 @@ def evaluate_checkpoint(checkpoint: str, split: Split) -> dict[str, float]:
 
 def evaluate_model(model, split: Split, limit: int | None = None) -> dict[str, float]:
     """Hard top-k of ``model`` on the first ``limit`` (default all) test slides: accuracy, AUC, hit rate, object
-    recall, distractor hit rate (the model is left in eval mode)."""
+    recall, distractor hit rate, the share of slides whose K cells touch every object (``all_objects``) and, where
+    the objects carry a class (the shape family's glyphs), the share whose touched objects' strict majority class is
+    the slide's label (``decidable``: what a perfect classifier of the bag could get right; the model is left in
+    eval mode)."""
     import torch
 
     from pipeline.train import classification_metrics
@@ -409,7 +413,7 @@ def evaluate_model(model, split: Split, limit: int | None = None) -> dict[str, f
 
     cfg = model.cfg
     model.eval()
-    probs, ys, hit, rec_frac, dhit = [], [], [], [], []
+    probs, ys, hit, rec_frac, dhit, every, decidable = [], [], [], [], [], [], []
     with torch.no_grad():
         for rec in split.test[:limit]:
             store = SlideStore(rec.store)
@@ -421,7 +425,13 @@ def evaluate_model(model, split: Split, limit: int | None = None) -> dict[str, f
             h, touched = hits_of(xy, patch, split.boxes[rec.store])
             hit.append(h.mean())
             dhit.append(hits_of(xy, patch, split.distractors[rec.store])[0].mean())
-            rec_frac.append(touched / max(len(split.boxes[rec.store]), 1))
+            boxes = split.boxes[rec.store]
+            rec_frac.append(touched / max(len(boxes), 1))
+            every.append(touched == len(boxes))
+            if boxes and all("class_index" in b for b in boxes):
+                seen = [b["class_index"] for b in boxes if hits_of(xy, patch, [b])[1]]
+                counts = np.bincount(np.array(seen, np.int64), minlength=int(rec.target) + 1)
+                decidable.append(bool(len(seen)) and counts[rec.target] > np.delete(counts, rec.target).max(initial=0))
     m = classification_metrics(ys, np.array(probs))
     return {
         "eval_accuracy": m["accuracy"],
@@ -429,6 +439,8 @@ def evaluate_model(model, split: Split, limit: int | None = None) -> dict[str, f
         "hit_rate": float(np.mean(hit)),
         "object_recall": float(np.mean(rec_frac)),
         "distractor_hit_rate": float(np.mean(dhit)),
+        "all_objects": float(np.mean(every)),
+        **({"decidable": float(np.mean(decidable))} if decidable else {}),
     }
 
 
