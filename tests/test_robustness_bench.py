@@ -58,21 +58,21 @@ def test_oracle_cells_cover_every_object_first(rb):
     cells = rb.oracle_cells(si, boxes, 3, np.random.default_rng(0))
     assert len(cells) == 3 and len(set(cells.tolist())) == 3
     assert {11, 57} <= set(cells.tolist())  # each object's best cell
-    # "overlap": then every other cell that overlaps an object, by overlap
-    cells8 = rb.oracle_cells(si, boxes, 8, np.random.default_rng(0), bag="overlap")
+    # "overlap" (default): then every other cell that overlaps an object, by overlap
+    cells8 = rb.oracle_cells(si, boxes, 8, np.random.default_rng(0))
     assert {0, 1, 10, 11, 57} <= set(cells8.tolist()) and len(set(cells8.tolist())) == 8
-    # "distinct" (default): a second, partial view of a small object is not taken (it would count the object twice)
+    # "distinct": a second, partial view of a small object is not taken (it would count the object twice)
     si.cell_mask.view(-1)[[0, 1, 10]] = False  # object 0's other cells: not tissue, so no random fill lands there
     assert {0, 1, 10} <= set(rb.oracle_cells(si, boxes, 8, np.random.default_rng(0), bag="overlap").tolist())
     for seed in range(5):
-        got = set(rb.oracle_cells(si, boxes, 8, np.random.default_rng(seed)).tolist())
+        got = set(rb.oracle_cells(si, boxes, 8, np.random.default_rng(seed), bag="distinct").tolist())
         assert len(got) == 8 and {11, 57} <= got and not got & {0, 1, 10}, (seed, got)
     # ... but an object larger than a cell gets the cells that cover the rest of it
     wide = [{"x": 0, "y": 128, "width": 192, "height": 64}]  # exactly cells 20, 21, 22
-    assert {20, 21, 22} <= set(rb.oracle_cells(si, wide, 8, np.random.default_rng(0)).tolist())
+    assert {20, 21, 22} <= set(rb.oracle_cells(si, wide, 8, np.random.default_rng(0), bag="distinct").tolist())
     shifted = [{"x": 16, "y": 128, "width": 130, "height": 64}]  # 48 / 64 / 18 px columns in cells 20 / 21 / 22
     si.cell_mask.view(-1)[22] = False
-    got = set(rb.oracle_cells(si, shifted, 8, np.random.default_rng(0)).tolist()) & {20, 21, 22}
+    got = set(rb.oracle_cells(si, shifted, 8, np.random.default_rng(0), bag="distinct").tolist()) & {20, 21, 22}
     assert got == {20, 21}, got
     with pytest.raises(ValueError, match="bag must be one of"):
         rb.oracle_cells(si, boxes, 8, np.random.default_rng(0), bag="all")
