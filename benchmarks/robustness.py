@@ -17,8 +17,8 @@ the same for the distractors (objects task: does the scorer look at ink at all?)
 Also the fraction of informative objects that at least one chosen patch touches (``recall``). With
 ``--in-process`` the same hard top-k on the first ``--trace-slides`` (20) held-out slides after every epoch goes
 into the run's log line (``trace_hit_rate``, ``trace_object_recall``, ``trace_eval_accuracy``,
-``trace_all_objects``, ``trace_decidable``): where the scorer looks as training goes, and (shape family) whether the
-bag holds enough glyphs for its label to be read from them.
+``trace_all_objects``, ``trace_decidable``; ``trace_train_bag_*`` the same of one training-mode draw): where the
+scorer looks as training goes, and (shape family) whether the bag holds enough glyphs for its label to be read.
 
 Per task x config the table shows: success rate (test accuracy >= 0.95), median and worst accuracy, median
 AUC, median hit rate (and chance), median object recall, median distractor hit rate (and chance), median
@@ -398,12 +398,14 @@ def evaluate_checkpoint(checkpoint: str, split: Split) -> dict[str, float]:
     return evaluate_model(model, split)
 
 
-def evaluate_model(model, split: Split, limit: int | None = None) -> dict[str, float]:
+def evaluate_model(model, split: Split, limit: int | None = None, training_bags: bool = False) -> dict[str, float]:
     """Hard top-k of ``model`` on the first ``limit`` (default all) test slides: accuracy, AUC, hit rate, object
     recall, distractor hit rate, the share of slides whose K cells touch every object (``all_objects``) and, where
     the objects carry a class (the shape family's glyphs), the share whose touched objects' strict majority class is
     the slide's label (``decidable``: what a perfect classifier of the bag could get right; the model is left in
-    eval mode)."""
+    eval mode). ``training_bags``: also the hit rate, recall, ``all_objects`` and ``decidable`` of the bag training
+    draws (the config's selection in training mode at ``model.selection.sigma``, one draw per slide, fixed seed),
+    prefixed ``train_bag_``."""
     import torch
 
     from pipeline.train import classification_metrics
@@ -413,7 +415,27 @@ def evaluate_model(model, split: Split, limit: int | None = None) -> dict[str, f
 
     cfg = model.cfg
     model.eval()
-    probs, ys, hit, rec_frac, dhit, every, decidable = [], [], [], [], [], [], []
+    probs, ys = [], []
+    stats: dict[str, list] = {}
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(0)
+
+    def bag_stats(prefix: str, xy: np.ndarray, patch: int, rec) -> None:
+        boxes = split.boxes[rec.store]
+        h, touched = hits_of(xy, patch, boxes)
+        row = {
+            "hit_rate": h.mean(),
+            "object_recall": touched / max(len(boxes), 1),
+            "all_objects": touched == len(boxes),
+        }
+        if prefix == "":
+            row["distractor_hit_rate"] = hits_of(xy, patch, split.distractors[rec.store])[0].mean()
+        if boxes and all("class_index" in b for b in boxes):
+            seen = [b["class_index"] for b in boxes if hits_of(xy, patch, [b])[1]]
+            counts = np.bincount(np.array(seen, np.int64), minlength=int(rec.target) + 1)
+            row["decidable"] = bool(len(seen)) and counts[rec.target] > np.delete(counts, rec.target).max(initial=0)
+        for k, v in row.items():
+            stats.setdefault(prefix + k, []).append(float(v))
+
     with torch.no_grad():
         for rec in split.test[:limit]:
             store = SlideStore(rec.store)
@@ -421,27 +443,12 @@ def evaluate_model(model, split: Split, limit: int | None = None) -> dict[str, f
             patch = slide_geometry(store, cfg).patch_size  # level-0 pixels of this slide (also for µm settings)
             probs.append(torch.softmax(out.logits.reshape(1, -1).float(), -1)[0].numpy())
             ys.append(rec.target)
-            xy = out.coords_l0.numpy().reshape(-1, 2)
-            h, touched = hits_of(xy, patch, split.boxes[rec.store])
-            hit.append(h.mean())
-            dhit.append(hits_of(xy, patch, split.distractors[rec.store])[0].mean())
-            boxes = split.boxes[rec.store]
-            rec_frac.append(touched / max(len(boxes), 1))
-            every.append(touched == len(boxes))
-            if boxes and all("class_index" in b for b in boxes):
-                seen = [b["class_index"] for b in boxes if hits_of(xy, patch, [b])[1]]
-                counts = np.bincount(np.array(seen, np.int64), minlength=int(rec.target) + 1)
-                decidable.append(bool(len(seen)) and counts[rec.target] > np.delete(counts, rec.target).max(initial=0))
+            bag_stats("", out.coords_l0.numpy().reshape(-1, 2), patch, rec)
+            if training_bags:
+                out_t = forward_slide(model, store, training=True, generator=gen)
+                bag_stats("train_bag_", out_t.coords_l0.numpy().reshape(-1, 2), patch, rec)
     m = classification_metrics(ys, np.array(probs))
-    return {
-        "eval_accuracy": m["accuracy"],
-        "eval_auc": m["auc"],
-        "hit_rate": float(np.mean(hit)),
-        "object_recall": float(np.mean(rec_frac)),
-        "distractor_hit_rate": float(np.mean(dhit)),
-        "all_objects": float(np.mean(every)),
-        **({"decidable": float(np.mean(decidable))} if decidable else {}),
-    }
+    return {"eval_accuracy": m["accuracy"], "eval_auc": m["auc"], **{k: float(np.mean(v)) for k, v in stats.items()}}
 
 
 # ---------------------------------------------------------------------------------------------- oracle
@@ -909,7 +916,11 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 log = workdir / "logs" / f"{name}.log"
                 if args.in_process:
-                    trace = partial(evaluate_model, split=split, limit=args.trace_slides) if args.trace_slides else None
+                    trace = (
+                        partial(evaluate_model, split=split, limit=args.trace_slides, training_bags=True)
+                        if args.trace_slides
+                        else None
+                    )
                     res = run_training_in_process(config, stores, seed, overrides, workdir, name, log, trace)
                 else:
                     res = run_training(config, stores, seed, overrides, workdir, name, log)
