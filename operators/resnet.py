@@ -83,7 +83,8 @@ class RunningStandardise(nn.Module):
     The point is scale: the pooled features of a bag vary across slides by a few percent of their magnitude,
     and a linear head on them learns slowly from slide labels (benchmarks/RESULTS.md, "The shape family").
 
-    Shapes: ``forward(features[M, D]) -> [M, D]``.
+    Shapes: ``forward(features[M, D], stats_rows=None) -> [M, D]``; ``stats_rows`` (an int ``n`` or a bool mask
+    ``[M]``): in training, only those rows (the first ``n``) update the statistics, every row is standardised.
     """
 
     def __init__(self, dim: int, momentum: float = 0.05, eps: float = 1e-5):
@@ -97,10 +98,23 @@ class RunningStandardise(nn.Module):
         self.register_buffer("var", torch.ones(dim))
         self.register_buffer("count", torch.zeros((), dtype=torch.long))
 
-    def forward(self, features: torch.Tensor) -> torch.Tensor:
-        if self.training and features.shape[0] > 1:
+    def forward(self, features: torch.Tensor, stats_rows: int | torch.Tensor | None = None) -> torch.Tensor:
+        rows = features
+        if stats_rows is not None:
+            if isinstance(stats_rows, torch.Tensor):
+                if stats_rows.dtype != torch.bool or stats_rows.shape != features.shape[:1]:
+                    raise ValueError(
+                        f"stats_rows must be an int or a bool mask [{features.shape[0]}], got "
+                        f"{stats_rows.dtype} {tuple(stats_rows.shape)}"
+                    )
+                rows = features[stats_rows]
+            elif isinstance(stats_rows, bool) or not isinstance(stats_rows, int) or stats_rows < 0:
+                raise ValueError(f"stats_rows must be an int >= 0 or a bool mask, got {stats_rows!r}")
+            else:
+                rows = features[:stats_rows]
+        if self.training and rows.shape[0] > 1:
             with torch.no_grad():
-                f = features.detach().to(self.mean.dtype)
+                f = rows.detach().to(self.mean.dtype)
                 m, v = f.mean(0), f.var(0)
                 if int(self.count) == 0:
                     self.mean.copy_(m)

@@ -148,6 +148,24 @@ def test_cached_and_uncached_forward_give_the_same_logits(stores, tmp_path, stan
             torch.testing.assert_close(raw.to(want.dtype), want, rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("cached", [False, True])
+def test_standardisation_statistics_come_from_the_bag_not_the_evidence_reads(stores, tmp_path, cached):
+    cfg = _cfg(standardise=True)
+    torch.manual_seed(0)
+    model = FoveateModel(cfg).train()
+    assert model.uses_evidence and cfg.evidence.explore_cells > 0  # the step reads cells beyond the bag
+    cache = FeatureCache(tmp_path / "c", model) if cached else None
+    out = forward_slide(model, stores[1].store, training=True, target=1, feature_cache=cache)
+    k = cfg.selection.k
+    assert out.info["cells_read"] > k and out.cell_indices.numel() == k
+    with torch.no_grad():  # the bag's own encoder features (no augmentation in this config)
+        pixels = prepare_slide(stores[1].store, cfg).reader.read(out.cell_indices.cpu()).float() / 255
+        bag = model.encode(pixels)
+    st = model.feature_norm
+    torch.testing.assert_close(st.mean, bag.mean(0).to(st.mean.dtype), rtol=0, atol=1e-5)
+    torch.testing.assert_close(st.var, bag.var(0).to(st.var.dtype), rtol=1e-4, atol=1e-5)
+
+
 def test_other_encoder_weights_or_geometry_get_a_fresh_cache(stores, tmp_path):
     root = tmp_path / "c"
     torch.manual_seed(0)

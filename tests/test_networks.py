@@ -47,6 +47,25 @@ def test_running_standardise_uses_running_statistics_in_training_and_at_inferenc
         RunningStandardise(4, momentum=0.0)
 
 
+def test_running_standardise_takes_its_statistics_from_the_rows_named():
+    g = torch.Generator().manual_seed(1)
+    bag = torch.randn(4, 3, generator=g, dtype=torch.float64)
+    around = torch.randn(6, 3, generator=g, dtype=torch.float64) * 5 + 2  # e.g. the evidence reads
+    x = torch.cat([bag, around])
+    for rows in (4, torch.arange(10) < 4):
+        st = RunningStandardise(3).double()
+        out = st(x, rows)  # every row standardised, with the statistics of the first four only
+        torch.testing.assert_close(st.mean, bag.mean(0))
+        torch.testing.assert_close(st.var, bag.var(0))
+        torch.testing.assert_close(out, (x - bag.mean(0)) / (bag.var(0) + 1e-5).sqrt())
+    st = RunningStandardise(3).double()
+    st(x)
+    torch.testing.assert_close(st.mean, x.mean(0))  # without: every row
+    for bad in (-1, True, 2.0, torch.ones(3, dtype=torch.bool), torch.arange(10)):
+        with pytest.raises(ValueError, match="stats_rows"):
+            st(x, bad)
+
+
 def test_standardise_comes_after_any_encoder_and_follows_training_when_the_encoder_is_frozen(tmp_path):
     from operators.config import from_dict
     from operators.model import FoveateModel

@@ -158,7 +158,8 @@ def _embed_cached(
         else:
             parts.append(table[torch.searchsorted(uniq, g[0]).to(device)])
     if model.feature_norm is not None:  # one call over the slide-step's features, as without the cache
-        parts = list(model.normalise(torch.cat(parts)).split([p.shape[0] for p in parts]))
+        sizes = [p.shape[0] for p in parts]
+        parts = list(model.normalise(torch.cat(parts), stats_rows=sizes[0]).split(sizes))  # statistics: the bag
     return parts, {"cache_hits": float(hits)}
 
 
@@ -265,7 +266,11 @@ def forward_slide(
         g_neutral = read_cells(neutral) if neutral.numel() else None
         cells_read += int(neutral.numel())
     if cache is None:
-        feats_all = model.embed(torch.cat(groups) if len(groups) > 1 else groups[0])
+        # the running standardisation's statistics come from the bag (groups[0]), what the aggregator pools at
+        # inference too, not from the evidence reads around it (mostly plain tissue)
+        feats_all = model.normalise(
+            model.encode(torch.cat(groups) if len(groups) > 1 else groups[0]), stats_rows=groups[0].shape[0]
+        )
         parts = list(feats_all.split([g.shape[0] for g in groups]))
     else:
         parts, cache_info = _embed_cached(model, slide, groups, cache, device, dtype)  # info "cache_hits"
