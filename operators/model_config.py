@@ -440,8 +440,8 @@ class FeaturesConfig:
     standardise: bool = False
     """Standardise the encoder's output features with running statistics, the same in training and at inference
     (:class:`operators.resnet.RunningStandardise`, after any encoder: a pretrained or frozen one too; its
-    statistics follow training even when the encoder is frozen). Measured in benchmarks/RESULTS.md, "The shape
-    family"."""
+    statistics follow training even when the encoder is frozen, taken from the bag's K patches, not the evidence
+    reads). Measured in benchmarks/RESULTS.md, "The shape family"."""
     freeze: bool = False
     """No parameter of the network is trained and it stays in eval mode; torchscript encoders are always frozen
     (this is set to true for them, whatever is given). Older name: ``frozen``. A frozen encoder's features are
