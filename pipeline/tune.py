@@ -539,21 +539,17 @@ def tune(
     try:
         setup["use_gpu"] = resolve_use_gpu(config)
         callback = _Trials(client, setup, total, scheduler)
-        results = _fit(
-            space,
-            setup,
-            config,
-            callback,
-            trials,
-            scheduler,
-            metric,
-            mode,
-            max_concurrent,
-            grace_period,
-            reduction_factor,
-            max_failures,
-            out_dir,
+        plan = _SearchPlan(
+            trials=trials,
+            scheduler=scheduler,
+            metric=metric,
+            mode=mode,
+            max_concurrent=max_concurrent,
+            grace_period=grace_period,
+            reduction_factor=reduction_factor,
+            max_failures=max_failures,
         )
+        results = _fit(space, setup, config, callback, plan, out_dir)
         rows = sorted(callback.rows.values(), key=lambda r: r.number)
         result = TuneResult(
             parent_run_id, experiment_id, config.tracking.experiment, uri, metric, mode, rows, str(out_dir)
@@ -574,21 +570,22 @@ def tune(
     return result
 
 
-def _fit(
-    space,
-    setup,
-    config,
-    callback,
-    trials,
-    scheduler,
-    metric,
-    mode,
-    max_concurrent,
-    grace_period,
-    reduction_factor,
-    max_failures,
-    out_dir,
-):
+@dataclasses.dataclass(frozen=True)
+class _SearchPlan:
+    """How Ray Tune runs the search (the validated ``tune()`` arguments)."""
+
+    trials: int
+    scheduler: str
+    metric: str
+    mode: str
+    max_concurrent: int | None
+    grace_period: int
+    reduction_factor: float
+    max_failures: int
+
+
+def _fit(space: SearchSpace, setup: dict[str, Any], config, callback, plan: _SearchPlan, out_dir: str):
+    """Run the trials on Ray Tune (``plan``), results and checkpoints under ``out_dir``; returns its ResultGrid."""
     from ray import tune as rtune
 
     resources = {"cpu": config.cpus_per_worker, **({"gpu": 1} if setup["use_gpu"] else {})}
@@ -597,12 +594,15 @@ def _fit(
         trainable,
         param_space=space.param_space(),
         tune_config=rtune.TuneConfig(
-            metric=metric,
-            mode=mode,
-            num_samples=trials,
-            max_concurrent_trials=max_concurrent,
+            metric=plan.metric,
+            mode=plan.mode,
+            num_samples=plan.trials,
+            max_concurrent_trials=plan.max_concurrent,
             scheduler=_scheduler(
-                scheduler, max_t=setup["max_epochs"], grace_period=grace_period, reduction_factor=reduction_factor
+                plan.scheduler,
+                max_t=setup["max_epochs"],
+                grace_period=plan.grace_period,
+                reduction_factor=plan.reduction_factor,
             ),
             trial_dirname_creator=lambda t: f"trial-{_trial_number(t.trial_id):03d}",
             reuse_actors=False,
@@ -612,7 +612,7 @@ def _fit(
             storage_path=str(Path(out_dir).resolve()),
             verbose=0,
             callbacks=[callback],
-            failure_config=rtune.FailureConfig(max_failures=max_failures),
+            failure_config=rtune.FailureConfig(max_failures=plan.max_failures),
             checkpoint_config=rtune.CheckpointConfig(num_to_keep=1),
         ),
     )
