@@ -59,7 +59,7 @@ def export(predictions: str | Path, out: str | Path, *, fmt: str = "geojson") ->
     """Write one file per ``ok`` row of a ``foveate score`` predictions file.
 
     Args:
-        predictions: the Parquet file of ``foveate score --out``.
+        predictions: the Parquet file of ``foveate score --out`` (a local path or an object-storage URL).
         out: output folder (created if missing); existing files of the same slides are replaced.
         fmt: output format, one of :data:`FORMATS`.
 
@@ -72,8 +72,11 @@ def export(predictions: str | Path, out: str | Path, *, fmt: str = "geojson") ->
     """
     if fmt not in FORMATS:
         raise ValueError(f"--format must be one of {list(FORMATS)}, got {fmt!r}")
-    path = Path(predictions)
-    if not path.is_file():
+    from workers import storage
+
+    # a local path or an object-storage URL (s3://..., as foveate score --out writes it)
+    path = storage.normalize(predictions) if storage.is_url(predictions) else Path(predictions)
+    if not (storage.file_exists(path) if isinstance(path, str) else path.is_file()):
         raise FileNotFoundError(f"--predictions: no such file {str(path)!r} (the Parquet file of foveate score --out)")
     rows = sorted(read_predictions(path, option="--predictions"), key=lambda r: str(r["slide_id"]))
     out_dir = Path(out)

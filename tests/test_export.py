@@ -174,3 +174,22 @@ def test_boxes_lie_on_the_slide_in_level0_pixels(preds):
             x0, y0, x1, y1 = shapely_geometry.shape(f["geometry"]).bounds
             assert 0 <= x0 < x1 <= 400 + 32 and 0 <= y0 < y1 <= 300 + 32
     assert np.isfinite([r["probability"] for r in read_predictions(preds) if r["status"] == "ok"]).all()
+
+
+def test_export_reads_predictions_from_object_storage(preds, tmp_path, monkeypatch):
+    from local_services import moto_s3
+
+    from workers import storage
+
+    with moto_s3("preds") as (client, env):
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        monkeypatch.delenv(storage.STORAGE_OPTIONS_ENV, raising=False)
+        client.put_object(Bucket="preds", Key="run/predictions.parquet", Body=preds.read_bytes())
+        res = export("s3://preds/run/predictions.parquet", tmp_path / "s3out")
+        local = export(preds, tmp_path / "localout")
+        assert [p.name for p in res.written] == [p.name for p in local.written] == ["s0.geojson", "s1.geojson"]
+        for a, b in zip(res.written, local.written):
+            assert a.read_bytes() == b.read_bytes()
+        with pytest.raises(FileNotFoundError, match="s3://preds/run/missing.parquet"):
+            export("s3://preds/run/missing.parquet", tmp_path / "x")
