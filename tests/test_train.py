@@ -241,7 +241,7 @@ def test_train_crash_resume_and_logged_model(tmp_path, slides, ray_local):
     assert local["epoch_train_loss"] == pytest.approx(result.metrics["epoch_train_loss"], rel=1e-9)
     terms = {k: v for k, v in local.items() if k.startswith("epoch_train_loss_")}
     assert "epoch_train_loss_ce" in terms and len(terms) > 1, terms  # the CE and the config's evidence terms
-    assert sum(terms.values()) == pytest.approx(local["epoch_train_loss"], rel=1e-9)
+    assert sum(terms.values()) == pytest.approx(local["epoch_train_loss"], rel=1e-6)  # float32 total
     for k, v in terms.items():  # logged to MLflow as the local trainer has them
         assert result.metrics[k] == pytest.approx(v, rel=1e-9), k
     assert local["best_epoch"] == result.metrics["best_epoch"] and trainer.stop_reason == "cap"
@@ -389,7 +389,7 @@ def test_trainer_restores_the_best_epoch_and_resumes_the_count(tmp_path, slides)
     # each loss term's epoch mean beside the total: the CE and the evidence terms of the default recipe
     terms = {k[len("epoch_train_loss_") :]: v for k, v in m1.items() if k.startswith("epoch_train_loss_")}
     assert {"ce", "instance", "rank", "rare", "neutral"} <= set(terms), sorted(terms)
-    assert sum(terms.values()) == pytest.approx(m1["epoch_train_loss"], rel=1e-9)
+    assert sum(terms.values()) == pytest.approx(m1["epoch_train_loss"], rel=1e-6)  # the total is float32
     torch.save(trainer.state_dict(), tmp_path / "epoch1.pt")
     m2 = epoch(trainer)
     assert trainer.finished and trainer.stop_reason == "patience" and trainer.epoch == 2 < c.optim.epochs
