@@ -697,6 +697,9 @@ class AggregatorConfig:
 
 
 # ---------------------------------------------------------------------------------------------- experimental
+NEIGHBOUR_VIEWS = (0, 4, 8)
+
+
 @dataclass(frozen=True)
 class ExperimentalConfig:
     """Switches kept for study: off by default, not part of the recipe, may change or go."""
@@ -705,10 +708,18 @@ class ExperimentalConfig:
     """The perturbed top-k's control variate in its backward pass (unmeasured since the evidence losses)."""
     evidence_gamma: float = 1.0
     """``evidence.target: label`` rank targets are ``p ** gamma`` (below 1: concave; measured mixed)."""
+    neighbour_views: int = 0
+    """In training, each selected cell's 4 (or 8) grid neighbours join the bag as further views of what it holds
+    (shifted by one stride); 0: off. Inference reads the K cells alone. Under study (RESULTS, "The shape family ...
+    bag by bag"); perturbed and hard selection only."""
 
     def __post_init__(self) -> None:
         _bool("model.experimental.control_variate", self.control_variate)
         _num("model.experimental.evidence_gamma", self.evidence_gamma, 0, 1, lo_open=True)
+        if isinstance(self.neighbour_views, bool) or self.neighbour_views not in NEIGHBOUR_VIEWS:
+            raise ConfigError(
+                f"model.experimental.neighbour_views must be one of {NEIGHBOUR_VIEWS}, got {self.neighbour_views!r}"
+            )
 
 
 # ---------------------------------------------------------------------------------------------- the model
@@ -747,6 +758,11 @@ class ModelConfig:
             object.__setattr__(self, "features", FeaturesConfig.from_resnet(self.features))
         if not isinstance(self.features, FeaturesConfig):
             raise ConfigError(f"model.features must be a FeaturesConfig, got {type(self.features).__name__}")
+        if self.experimental.neighbour_views and self.selection.selector not in ("perturbed", "hard"):
+            raise ConfigError(
+                "model.experimental.neighbour_views needs model.selection.selector perturbed or hard (a bag of equal "
+                f"slots), got {self.selection.selector!r}"
+            )
         self._encoder_geometry()
 
     def _encoder_geometry(self) -> None:

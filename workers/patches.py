@@ -117,6 +117,23 @@ class PatchGrid:
             )
         return idx
 
+    def neighbours(self, indices: Any, count: int) -> torch.Tensor:
+        """The ``count`` (4: edge, 8: edge and corner) grid neighbours of each cell, ``[M] -> [M, count]`` long,
+        row-major; a neighbour beyond the grid's edge is the cell itself."""
+        if count not in (4, 8):
+            raise ValueError(f"count must be 4 or 8, got {count!r}")
+        idx = self._check_indices(indices)
+        gh, gw = self.shape
+        r, c = idx // gw, idx % gw
+        steps = [(-1, 0), (0, -1), (0, 1), (1, 0)]
+        if count == 8:
+            steps = [(-1, -1), (-1, 0), (-1, 1), (0, -1), (0, 1), (1, -1), (1, 0), (1, 1)]
+        dr = torch.tensor([s[0] for s in steps], dtype=torch.long, device=idx.device)
+        dc = torch.tensor([s[1] for s in steps], dtype=torch.long, device=idx.device)
+        rr, cc = r[:, None] + dr, c[:, None] + dc
+        inside = (rr >= 0) & (rr < gh) & (cc >= 0) & (cc < gw)
+        return torch.where(inside, rr * gw + cc, idx[:, None].expand_as(rr))
+
     def cell_xy_l0(self, indices: Any) -> torch.Tensor:
         """Level-0 ``(x, y)`` of the top-left corner of cells ``indices[...]`` -> long ``[..., 2]``."""
         idx = self._check_indices(indices)

@@ -245,6 +245,12 @@ def forward_slide(
     extra_info: dict[str, float] = {}
     k = sel.indices.shape[1]
     groups.append(patches.flatten(0, 1) if patches is not None else (cells.cpu(), None))
+    views = model.cfg.experimental.neighbour_views if training else 0
+    g_views = None
+    if views:  # each selected cell's grid neighbours: further (shifted) views of what it holds, for the bag
+        view_cells = slide.grid.neighbours(cells.cpu(), views).flatten()
+        g_views = read_cells(view_cells)
+        cells_read += int(torch.unique(view_cells).numel())
     evidence = training and target is not None and model.uses_evidence
     explore = rare = neutral = None
     ev_cfg = model.cfg.evidence
@@ -275,7 +281,12 @@ def forward_slide(
     else:
         parts, cache_info = _embed_cached(model, slide, groups, cache, device, dtype)  # info "cache_hits"
     feats = parts[0]  # [K, D], the selected patches
-    logits = model.aggregate(feats.view(1, k, -1), positions, sel.slot_weights)
+    if g_views is None:
+        logits = model.aggregate(feats.view(1, k, -1), positions, sel.slot_weights)
+    else:  # the bag: the K cells and their views, equal members (perturbed / hard selection: no slot weights)
+        view_pos = slide.grid.cell_centres(view_cells).to(device=device, dtype=dtype)
+        bag = torch.cat([feats, parts[g_views]])
+        logits = model.aggregate(bag[None], torch.cat([positions.reshape(-1, 2), view_pos])[None], None)
     if evidence:
         read = [cells]
         if g_explore is not None:
