@@ -195,7 +195,9 @@ def main(argv: list[str] | None = None) -> int:
         "task": dataclasses.asdict(task),
         "config": args.config,
         "overrides": args.overrides,
-        "pretrain": dataclasses.asdict(pc),
+        # the pretraining this run did; with --encoder none (the encoder's own run holds its settings)
+        "pretrain": None if args.encoder else dataclasses.asdict(pc),
+        "encoder": args.encoder,
         "features": dataclasses.asdict(features),
         "majority_class": chance,
         "seconds": time.perf_counter() - t0,
