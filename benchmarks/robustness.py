@@ -361,14 +361,19 @@ def _cell_boxes(grid, cells) -> np.ndarray:
     return xy
 
 
+def overlaps(xy: np.ndarray, patch: int, boxes: list[dict]) -> np.ndarray:
+    """``[P, B]`` bool: chosen patch ``p`` (level-0 top-left ``xy``, side ``patch``) overlaps box ``b``."""
+    if not boxes:
+        return np.zeros((len(xy), 0), bool)
+    b = np.array([[o["x"], o["y"], o["x"] + o["width"], o["y"] + o["height"]] for o in boxes], np.float64)
+    x, y = xy[:, 0:1].astype(np.float64), xy[:, 1:2].astype(np.float64)
+    return (x < b[None, :, 2]) & (b[None, :, 0] < x + patch) & (y < b[None, :, 3]) & (b[None, :, 1] < y + patch)
+
+
 def hits_of(xy: np.ndarray, patch: int, boxes: list[dict]) -> tuple[np.ndarray, int]:
     """Per chosen patch (level-0 top-left ``xy``, side ``patch``): does it overlap an informative box; and how
     many distinct boxes are touched."""
-    if not boxes:
-        return np.zeros(len(xy), bool), 0
-    b = np.array([[o["x"], o["y"], o["x"] + o["width"], o["y"] + o["height"]] for o in boxes], np.float64)
-    x, y = xy[:, 0:1].astype(np.float64), xy[:, 1:2].astype(np.float64)
-    ov = (x < b[None, :, 2]) & (b[None, :, 0] < x + patch) & (y < b[None, :, 3]) & (b[None, :, 1] < y + patch)
+    ov = overlaps(xy, patch, boxes)
     return ov.any(1), int(ov.any(0).sum())
 
 
@@ -421,16 +426,17 @@ def evaluate_model(model, split: Split, limit: int | None = None, training_bags:
 
     def bag_stats(prefix: str, xy: np.ndarray, patch: int, rec) -> None:
         boxes = split.boxes[rec.store]
-        h, touched = hits_of(xy, patch, boxes)
+        ov = overlaps(xy, patch, boxes)
+        touched = ov.any(0)  # [B]
         row = {
-            "hit_rate": h.mean(),
-            "object_recall": touched / max(len(boxes), 1),
-            "all_objects": touched == len(boxes),
+            "hit_rate": ov.any(1).mean(),
+            "object_recall": int(touched.sum()) / max(len(boxes), 1),
+            "all_objects": bool(touched.all()),
         }
         if prefix == "":
             row["distractor_hit_rate"] = hits_of(xy, patch, split.distractors[rec.store])[0].mean()
         if boxes and all("class_index" in b for b in boxes):
-            seen = [b["class_index"] for b in boxes if hits_of(xy, patch, [b])[1]]
+            seen = [b["class_index"] for b, t in zip(boxes, touched) if t]
             counts = np.bincount(np.array(seen, np.int64), minlength=int(rec.target) + 1)
             row["decidable"] = bool(len(seen)) and counts[rec.target] > np.delete(counts, rec.target).max(initial=0)
         for k, v in row.items():

@@ -472,9 +472,7 @@ class FoveateModel(nn.Module):
         """The encoder's ``features[M, D]`` -> what the aggregator sees (``model.features.standardise``: running
         standardisation, its statistics updated in training mode — from the first ``stats_rows`` rows only when
         given, e.g. the bag's K patches and not the evidence reads around them; otherwise unchanged)."""
-        if self.feature_norm is None:
-            return features
-        return self.feature_norm(features) if stats_rows is None else self.feature_norm(features, stats_rows)
+        return features if self.feature_norm is None else self.feature_norm(features, stats_rows)
 
     def embed(self, patches: torch.Tensor) -> torch.Tensor:
         """``patches[M, 3, p, p]`` float in [0, 1] -> ``features[M, D]``: :meth:`encode`, then :meth:`normalise`."""

@@ -74,9 +74,13 @@ def export(predictions: str | Path, out: str | Path, *, fmt: str = "geojson") ->
         raise ValueError(f"--format must be one of {list(FORMATS)}, got {fmt!r}")
     from workers import storage
 
-    # a local path or an object-storage URL (s3://..., as foveate score --out writes it)
-    path = storage.normalize(predictions) if storage.is_url(predictions) else Path(predictions)
-    if not (storage.file_exists(path) if isinstance(path, str) else path.is_file()):
+    if storage.is_url(predictions):  # an object-storage URL (s3://..., as foveate score --out writes it)
+        path: str | Path = storage.normalize(predictions)
+        found = storage.file_exists(path)
+    else:
+        path = Path(predictions)
+        found = path.is_file()
+    if not found:
         raise FileNotFoundError(f"--predictions: no such file {str(path)!r} (the Parquet file of foveate score --out)")
     rows = sorted(read_predictions(path, option="--predictions"), key=lambda r: str(r["slide_id"]))
     out_dir = Path(out)

@@ -332,7 +332,6 @@ class EpochResult:
     step_seconds: float = 0.0
     started: float = 0.0  # time.perf_counter() at the start
     parts: dict[str, float] = field(default_factory=dict)  # this worker's loss terms ("ce", aux names), summed
-    parts_n: int = 0  # ... over this many slides
 
 
 @dataclass
@@ -530,7 +529,6 @@ class Trainer:
             for k, v in parts.items():
                 aux_sums[k] = aux_sums.get(k, 0.0) + v
                 result.parts[k] = result.parts.get(k, 0.0) + v
-            result.parts_n += 1
             prob = torch.softmax(out.logits.detach().reshape(1, -1).float(), -1)[0].cpu()
             correct += int(int(prob.argmax()) == rec.target)
             result.targets.append(rec.target)
@@ -626,7 +624,7 @@ class Trainer:
         gathered = self.collective.all_gather(
             {
                 "train": (ep.targets, ep.probs),
-                "parts": (ep.parts, ep.parts_n),
+                "parts": ep.parts,
                 "val": (val.targets, val.probs, val.loss, val.patches),
             }
         )
@@ -636,10 +634,9 @@ class Trainer:
             tp = [p for g in gathered for p in g["train"][1]]
             metrics["epoch_train_loss"] = ep.loss / max(ep.n, 1)
             metrics.update(classification_metrics(tt, np.array(tp), prefix="epoch_train_"))
-            n_parts = sum(g["parts"][1] for g in gathered)
-            for name in sorted({k for g in gathered for k in g["parts"][0]}):  # each loss term's epoch mean
-                total = sum(g["parts"][0].get(name, 0.0) for g in gathered)
-                metrics[f"epoch_train_loss_{name}"] = total / max(n_parts, 1)
+            for name in sorted({k for g in gathered for k in g["parts"]}):  # each loss term's mean over the slides
+                total = sum(g["parts"].get(name, 0.0) for g in gathered)
+                metrics[f"epoch_train_loss_{name}"] = total / max(len(tt), 1)
             vt = [t for g in gathered for t in g["val"][0]]
             vp = [p for g in gathered for p in g["val"][1]]
             if vt:
