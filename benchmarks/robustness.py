@@ -62,7 +62,7 @@ import shutil
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -106,6 +106,20 @@ TASKS = {
     "shapes-binary-quick": Task("shapes-binary-quick", "shapes", 2, 32, "4096", "jpeg", "v2"),
     "shapes-8class-quick": Task("shapes-8class-quick", "shapes", 8, 32, "4096", "jpeg", "v2"),
 }
+
+
+def resolve_tasks(names: str, count: int | None = None, size: str | None = None) -> list[Task]:
+    """``--tasks`` (comma-separated names of :data:`TASKS`) with ``--count`` / ``--size`` applied; a task keeps its
+    drawing version, so its data folder stays the version's."""
+    tasks = []
+    for name in [t.strip() for t in names.split(",") if t.strip()]:
+        if name not in TASKS:
+            raise ValueError(f"unknown task {name!r}; choose from {list(TASKS)}")
+        task = TASKS[name]
+        if count or size:
+            task = replace(task, count=count or task.count, size=size or task.size)
+        tasks.append(task)
+    return tasks
 
 
 def available_configs() -> list[str]:
@@ -789,16 +803,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.merge:
         return merge(args.merge, args.json)
 
-    tasks = []
-    for t in [t.strip() for t in args.tasks.split(",") if t.strip()]:
-        if t not in TASKS:
-            p.error(f"unknown task {t!r}; choose from {list(TASKS)}")
-        task = TASKS[t]
-        if args.count or args.size:
-            task = Task(
-                task.name, task.family, task.classes, args.count or task.count, args.size or task.size, task.codec
-            )
-        tasks.append(task)
+    try:
+        tasks = resolve_tasks(args.tasks, args.count, args.size)
+    except ValueError as err:
+        p.error(str(err))
     configs = [c.strip() for c in (args.configs or ",".join(available_configs())).split(",") if c.strip()]
     unknown = [c for c in configs if not (ROOT / "configs" / f"{c}.yaml").is_file()]
     if unknown:

@@ -119,3 +119,12 @@ def test_merge_combines_processes_and_keeps_the_last_duplicate(rb, tmp_path, cap
     assert (dd["config"], dd["runs"], dd["successes"]) == ("d", 1, 0)
     assert [p["command"] for p in d["merged_from"]] == ["a", "b"]
     assert "3/3" in capsys.readouterr().out
+
+
+def test_count_and_size_keep_the_drawing_version_and_its_data_folder(rb):
+    (task,) = rb.resolve_tasks("shapes-8class", count=384, size="3072")
+    assert (task.count, task.size, task.version, task.classes) == (384, "3072", "v2", 8)
+    assert task.key == "shapes-8class-384x3072-v2"
+    assert rb.resolve_tasks("checker")[0].key == "checker-80x2048-3072"
+    with pytest.raises(ValueError, match="unknown task 'nope'"):
+        rb.resolve_tasks("checker,nope")
