@@ -1,0 +1,35 @@
+"""benchmarks/pretrain_probe.py: the slide-vote arithmetic and its arguments (the probe itself runs as a benchmark)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def probe():
+    sys.path.insert(0, str(ROOT))
+    spec = importlib.util.spec_from_file_location("pretrain_probe_bench", ROOT / "benchmarks" / "pretrain_probe.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_slide_vote_is_the_strict_mode_of_the_predicted_kinds(probe):
+    true = torch.tensor([0, 0, 0, 1, 1, 2, 2, 2, 0, 1, 1, 1, 1, 0])
+    # slide 1 (3:2 of kind 0): one majority glyph misread -> 2:3, wrong; slide 2 (3 of kind 2 + 0 + 1): minority
+    # misreads spread over two kinds -> 3:1:1, right; slide 3 (3:1 of kind 1): 2:2 tie -> wrong
+    pred = torch.tensor([0, 0, 1, 1, 1, 2, 2, 2, 1, 0, 1, 1, 0, 0])
+    assert probe.majority_vote_accuracy(pred, true, [5, 5, 4]) == pytest.approx(1 / 3)
+    assert probe.majority_vote_accuracy(true, true, [5, 5, 4]) == 1.0
+
+
+def test_object_crops_rejects_an_unknown_place(probe, tmp_path):
+    with pytest.raises(ValueError, match=r"at must be one of \('centred', 'cell'\), got 'corner'"):
+        probe.object_crops(tmp_path, None, "corner")
