@@ -486,20 +486,13 @@ class FoveateModel(nn.Module):
         ``weights[B, K]`` (:attr:`Selection.slot_weights`) -> ``logits[B, C]``."""
         return self.aggregator(features, positions, weights)
 
-    def aggregate_each(
-        self, features: torch.Tensor, positions: torch.Tensor | None = None, *, hold_head: bool = False
-    ) -> torch.Tensor:
+    def aggregate_each(self, features: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """Each patch classified on its own (the aggregator on a bag of one): ``features[M, D]``, optional
         ``positions[M, 2]`` (zeros when None) -> ``logits[M, C]``. The aggregator's ``last_attention`` (the
-        latest bag's, for heatmaps) is left as it was. ``hold_head``: the aggregator's parameters are used
-        detached (a loss on these logits trains the features only)."""
+        latest bag's, for heatmaps) is left as it was."""
         pos = positions if positions is not None else features.new_zeros(features.shape[0], 2)
         kept = getattr(self.aggregator, "last_attention", None)
-        if hold_head:
-            held = {name: p.detach() for name, p in self.aggregator.named_parameters()}
-            logits = torch.func.functional_call(self.aggregator, held, (features[:, None], pos[:, None], None))
-        else:
-            logits = self.aggregate(features[:, None], pos[:, None], None)
+        logits = self.aggregate(features[:, None], pos[:, None], None)
         if kept is not None:
             self.aggregator.last_attention = kept
         return logits.reshape(features.shape[0], -1)

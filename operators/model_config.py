@@ -356,9 +356,6 @@ class EvidenceConfig:
     """Random tissue cells whose own prediction is pulled to uniform (filler cannot vote a class); 0: off."""
     neutral_weight: float = 1.0
     """Weight of that loss."""
-    neutral_grad: Literal["all", "features"] = "all"
-    """What the neutral loss trains: ``all`` (the encoder and the classifier's head) or ``features`` (the
-    encoder only, the head held: filler is moved into the head's null space instead of the head being shrunk)."""
 
     def __post_init__(self) -> None:
         for name in ("explore_cells", "explore_strata", "rare_cells", "neutral_cells"):
@@ -368,7 +365,6 @@ class EvidenceConfig:
             _num(f"model.evidence.{name}", getattr(self, name), 0)
         _num("model.evidence.rank_temperature", self.rank_temperature, 0, lo_open=True)
         _choice("model.evidence.target", self.target, ("confidence", "label"))
-        _choice("model.evidence.neutral_grad", self.neutral_grad, ("all", "features"))
         if self.rare_cells > 0 and self.instance_weight <= 0:
             raise ConfigError(
                 "model.evidence.rare_cells > 0 needs model.evidence.instance_weight > 0 (the rare bag is read with "

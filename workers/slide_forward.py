@@ -317,8 +317,7 @@ def forward_slide(
         extra_info["explore_cells"] = float(explore.numel())
     if neutral is not None and neutral.numel():
         pos = slide.grid.cell_centres(neutral.cpu()).to(device=device, dtype=dtype)
-        # each cell classified on its own; with neutral_grad "features" the head is held
-        single = model.aggregate_each(parts[g_neutral], pos, hold_head=ev_cfg.neutral_grad == "features")
+        single = model.aggregate_each(parts[g_neutral], pos)  # each cell classified on its own
         aux_losses["neutral"] = ev_cfg.neutral_weight * neutral_loss(single)
     n_tissue = int(cell_mask.sum())
     info = {
