@@ -62,6 +62,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
@@ -417,6 +418,29 @@ def evaluate_checkpoint(checkpoint: str, split: Split) -> dict[str, float]:
     return evaluate_model(model, split)
 
 
+def bag_row(
+    xy: np.ndarray, patch: int, boxes: list[dict], label: str, distractors: list[dict] | None = None
+) -> dict[str, float]:
+    """What one bag holds: ``hit_rate`` (share of its patches on an object), ``object_recall``, ``all_objects``,
+    with ``distractors`` also ``distractor_hit_rate``, and where the boxes name their class (``class`` or ``kind``)
+    ``decidable``: the strict majority class of the objects the bag touches is ``label`` (what a perfect reader of
+    the bag could get right). ``xy``: the patches' level-0 top-left corners ``[K, 2]``, side ``patch``."""
+    ov = overlaps(xy, patch, boxes)
+    touched = ov.any(0)  # [B]
+    row = {
+        "hit_rate": float(ov.any(1).mean()),
+        "object_recall": int(touched.sum()) / max(len(boxes), 1),
+        "all_objects": float(touched.all()),
+    }
+    if distractors is not None:
+        row["distractor_hit_rate"] = float(hits_of(xy, patch, distractors)[0].mean())
+    if boxes and all(("class" in b or "kind" in b) for b in boxes):
+        # by class name: a sidecar's class_index is the synth's order, a split's targets index the sorted names
+        seen = Counter(b.get("class", b.get("kind")) for b, t in zip(boxes, touched) if t)
+        row["decidable"] = float(seen[label] > max((n for c, n in seen.items() if c != label), default=0))
+    return row
+
+
 def evaluate_model(model, split: Split, limit: int | None = None, training_bags: bool = False) -> dict[str, float]:
     """Hard top-k of ``model`` on the first ``limit`` (default all) test slides: accuracy, AUC, hit rate, object
     recall, distractor hit rate, the share of slides whose K cells touch every object (``all_objects``) and, where
@@ -439,20 +463,8 @@ def evaluate_model(model, split: Split, limit: int | None = None, training_bags:
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(0)
 
     def bag_stats(prefix: str, xy: np.ndarray, patch: int, rec) -> None:
-        boxes = split.boxes[rec.store]
-        ov = overlaps(xy, patch, boxes)
-        touched = ov.any(0)  # [B]
-        row = {
-            "hit_rate": ov.any(1).mean(),
-            "object_recall": int(touched.sum()) / max(len(boxes), 1),
-            "all_objects": bool(touched.all()),
-        }
-        if prefix == "":
-            row["distractor_hit_rate"] = hits_of(xy, patch, split.distractors[rec.store])[0].mean()
-        if boxes and all("class_index" in b for b in boxes):
-            seen = [b["class_index"] for b, t in zip(boxes, touched) if t]
-            counts = np.bincount(np.array(seen, np.int64), minlength=int(rec.target) + 1)
-            row["decidable"] = bool(len(seen)) and counts[rec.target] > np.delete(counts, rec.target).max(initial=0)
+        distractors = split.distractors[rec.store] if prefix == "" else None
+        row = bag_row(xy, patch, split.boxes[rec.store], split.class_names[int(rec.target)], distractors)
         for k, v in row.items():
             stats.setdefault(prefix + k, []).append(float(v))
 

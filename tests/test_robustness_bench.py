@@ -128,3 +128,20 @@ def test_count_and_size_keep_the_drawing_version_and_its_data_folder(rb):
     assert rb.resolve_tasks("checker")[0].key == "checker-80x2048-3072"
     with pytest.raises(ValueError, match="unknown task 'nope'"):
         rb.resolve_tasks("checker,nope")
+
+
+def test_bag_row_decides_by_class_name_not_the_synth_class_index(rb):
+    def box(x, cls, index):
+        return {"x": x, "y": 0, "width": 10, "height": 10, "class": cls, "class_index": index}
+
+    # three 'star' glyphs and two others; the synth's class_index order is not the sorted names' order
+    boxes = [box(0, "star", 6), box(100, "star", 6), box(200, "star", 6), box(300, "arrow", 4), box(400, "ring", 0)]
+    xy = np.array([[0, 0], [100, 0], [300, 0], [1000, 0]])  # two stars, the arrow, and a patch on nothing
+    row = rb.bag_row(xy, 32, boxes, "star", distractors=[])
+    assert row["hit_rate"] == 0.75 and row["object_recall"] == 0.6 and row["all_objects"] == 0.0
+    assert row["decidable"] == 1.0 and row["distractor_hit_rate"] == 0.0
+    assert rb.bag_row(xy, 32, boxes, "arrow")["decidable"] == 0.0
+    assert rb.bag_row(xy[[0, 2]], 32, boxes, "star")["decidable"] == 0.0  # 1 : 1 is a tie
+    assert "distractor_hit_rate" not in rb.bag_row(xy, 32, boxes, "star")
+    kinds = [{k: v for k, v in b.items() if k not in ("class", "class_index")} | {"kind": b["class"]} for b in boxes]
+    assert rb.bag_row(xy, 32, kinds, "star")["decidable"] == 1.0  # the objects family names its boxes' kind
