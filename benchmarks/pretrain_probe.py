@@ -6,7 +6,10 @@ On a synthetic ``objects`` (or, ``--family shapes``, ``shapes``: the crops are t
 (``<slide>.json``, ``structures``: level-0 box and ``kind``) gives one crop of the model's patch size centred on it,
 read from the store by :class:`workers.patches.PatchReader` at ``model.geometry.patch_input``. Each encoder embeds the
 crops (frozen, eval mode); a multinomial logistic regression (L-BFGS, L2) is fitted on the crops of the first
-``1 - test_fraction`` of the slides and scored on the rest: accuracy of the object's kind. Encoders compared:
+``1 - test_fraction`` of the slides and scored on the rest: accuracy of the object's kind, and the slide vote (the
+share of held-out slides whose objects' predicted kinds have the slide's majority kind as their strict mode: the bag
+accuracy those per-object calls allow). ``--at cell`` probes each object's best grid cell instead (most overlap, the
+best-centred of equal ones: the patch a perfect selection reads). Encoders compared:
 
 * ``random``: the ResNet of ``model.features`` at its seeded initialisation (what training starts from without
   ``init``);
