@@ -35,7 +35,7 @@ Tasks (``--tasks``): ``checker`` (the 80-slide task of ``benchmarks/accuracy.py`
 ``--count`` / ``--size`` change every task's size), and quick variants ``checker-quick`` (32 x 2048),
 ``objects-binary-quick`` and ``objects-4class-quick`` (32 x 4096); ``shapes-binary`` (384 x 3072: 268 train / 116
 held out; with 90 training slides of 4096 px, as until 2026-11-26, even the classifier on the true glyphs stayed
-near chance) and ``shapes-8class`` (160 x 4096, not yet sized by a measurement) (``foveate synth --task shapes``:
+near chance) and ``shapes-8class`` (384 x 3072 as well: 272 / 112) (``foveate synth --task shapes``:
 the label is the majority glyph, 3 of 5, drawn with a bold pen among fine ink strokes of the same colour; data
 folders ``…-v2``: the first version, every stroke of one width, is not made any more) and their ``-quick``
 variants (32 x 4096).
@@ -103,7 +103,7 @@ TASKS = {
     "objects-binary-quick": Task("objects-binary-quick", "objects", 2, 32, "4096", "jpeg"),
     "objects-4class-quick": Task("objects-4class-quick", "objects", 4, 32, "4096", "jpeg"),
     "shapes-binary": Task("shapes-binary", "shapes", 2, 384, "3072", "jpeg", "v2"),
-    "shapes-8class": Task("shapes-8class", "shapes", 8, 160, "4096", "jpeg", "v2"),
+    "shapes-8class": Task("shapes-8class", "shapes", 8, 384, "3072", "jpeg", "v2"),
     "shapes-binary-quick": Task("shapes-binary-quick", "shapes", 2, 32, "4096", "jpeg", "v2"),
     "shapes-8class-quick": Task("shapes-8class-quick", "shapes", 8, 32, "4096", "jpeg", "v2"),
 }
