@@ -38,9 +38,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
+import numpy as np
 import torch
 
-from benchmarks.robustness import TASKS, Task, prepare_data
+from benchmarks.robustness import TASKS, Task, overlap_areas, prepare_data
 
 PROBE_AT = ("centred", "cell")
 
@@ -70,20 +71,12 @@ def object_crops(stores: Path, model_cfg, at: str = "centred") -> list[tuple[str
         reader = PatchReader(store, grid, geo.patch_input)
         p = geo.patch_size
         if at == "cell":
-            cell_xy = grid.cell_xy_l0(torch.arange(grid.num_cells))  # [N, 2] top-left corners
-            box = torch.tensor([[o["x"], o["y"], o["x"] + o["width"], o["y"] + o["height"]] for o in objs])
-            w = (
-                torch.minimum(cell_xy[:, None, 0] + p, box[None, :, 2])
-                - torch.maximum(cell_xy[:, None, 0], box[None, :, 0])
-            ).clamp_min(0)
-            h = (
-                torch.minimum(cell_xy[:, None, 1] + p, box[None, :, 3])
-                - torch.maximum(cell_xy[:, None, 1], box[None, :, 1])
-            ).clamp_min(0)
-            centre = (box[:, :2] + box[:, 2:]) / 2.0
-            off = ((cell_xy[:, None, :] + p / 2.0) - centre[None]).abs().sum(-1)  # L1, cell centre to object centre
+            cell_xy = grid.cell_xy_l0(torch.arange(grid.num_cells)).numpy()  # [N, 2] top-left corners
+            area = overlap_areas(cell_xy, p, objs)  # [N, B]
+            centre = np.array([[o["x"] + o["width"] / 2.0, o["y"] + o["height"] / 2.0] for o in objs])
+            off = np.abs((cell_xy[:, None, :] + p / 2.0) - centre[None]).sum(-1)  # L1, cell centre to object centre
             # most overlap; among equal overlaps (a small object inside several cells) the best-centred cell
-            crops = reader.read(((w * h).double() - off.double() / (4.0 * p)).argmax(0))
+            crops = reader.read(torch.from_numpy((area - off / (4.0 * p)).argmax(0)))
         else:
             xy = torch.tensor(
                 [[round(o["x"] + o["width"] / 2 - p / 2), round(o["y"] + o["height"] / 2 - p / 2)] for o in objs]
@@ -97,11 +90,6 @@ def object_crops(stores: Path, model_cfg, at: str = "centred") -> list[tuple[str
 def embed(encoder: torch.nn.Module, crops: torch.Tensor) -> torch.Tensor:
     encoder.eval()
     return torch.cat([encoder(crops[i : i + 256].float() / 255.0) for i in range(0, crops.shape[0], 256)])
-
-
-def linear_probe(xtr, ytr, xte, yte, classes: int, l2: float = 1e-3, iters: int = 200) -> float:
-    """Accuracy on ``(xte, yte)`` of a multinomial logistic regression fitted on standardised ``(xtr, ytr)``."""
-    return float((probe_predictions(xtr, ytr, xte, classes, l2, iters) == yte).double().mean())
 
 
 def majority_vote_accuracy(pred: torch.Tensor, true: torch.Tensor, sizes: list[int]) -> float:

@@ -385,6 +385,17 @@ def overlaps(xy: np.ndarray, patch: int, boxes: list[dict]) -> np.ndarray:
     return (x < b[None, :, 2]) & (b[None, :, 0] < x + patch) & (y < b[None, :, 3]) & (b[None, :, 1] < y + patch)
 
 
+def overlap_areas(xy: np.ndarray, patch: int, boxes: list[dict]) -> np.ndarray:
+    """``[P, B]`` int64: level-0 pixel area of box ``b`` inside patch ``p`` (top-left ``xy``, side ``patch``)."""
+    if not boxes:
+        return np.zeros((len(xy), 0), np.int64)
+    b = np.array([[o["x"], o["y"], o["x"] + o["width"], o["y"] + o["height"]] for o in boxes], np.int64)
+    x, y = np.asarray(xy, np.int64)[:, 0:1], np.asarray(xy, np.int64)[:, 1:2]
+    w = np.clip(np.minimum(x + patch, b[None, :, 2]) - np.maximum(x, b[None, :, 0]), 0, None)
+    h = np.clip(np.minimum(y + patch, b[None, :, 3]) - np.maximum(y, b[None, :, 1]), 0, None)
+    return w * h
+
+
 def hits_of(xy: np.ndarray, patch: int, boxes: list[dict]) -> tuple[np.ndarray, int]:
     """Per chosen patch (level-0 top-left ``xy``, side ``patch``): does it overlap an informative box; and how
     many distinct boxes are touched."""
@@ -504,11 +515,9 @@ def oracle_cells(si, boxes: list[dict], k: int, rng: np.random.Generator, bag: s
     p = g.patch_size
     best: list[int] = []
     extra: list[tuple[float, int, int]] = []  # (overlap area, cell, object index)
-    for j, o in enumerate(boxes):
-        ox0, oy0, ox1, oy1 = o["x"], o["y"], o["x"] + o["width"], o["y"] + o["height"]
-        w = np.clip(np.minimum(xy[:, 0] + p, ox1) - np.maximum(xy[:, 0], ox0), 0, None)
-        h = np.clip(np.minimum(xy[:, 1] + p, oy1) - np.maximum(xy[:, 1], oy0), 0, None)
-        area = w * h
+    areas = overlap_areas(xy, p, boxes)  # [N, B]
+    for j in range(len(boxes)):
+        area = areas[:, j]
         order = np.argsort(-area, kind="stable")
         order = order[area[order] > 0]
         if len(order):
