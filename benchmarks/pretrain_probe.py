@@ -9,7 +9,8 @@ crops (frozen, eval mode); a multinomial logistic regression (L-BFGS, L2) is fit
 ``1 - test_fraction`` of the slides and scored on the rest: accuracy of the object's kind, and the slide vote (the
 share of held-out slides whose objects' predicted kinds have the slide's majority kind as their strict mode: the bag
 accuracy those per-object calls allow). ``--at cell`` probes each object's best grid cell instead (most overlap, the
-best-centred of equal ones: the patch a perfect selection reads). Encoders compared:
+best-centred of equal ones: the patch a perfect selection reads); ``--at recentred`` that cell's read moved onto the
+ink it holds (:mod:`workers.recentre`, ``model.geometry.recentre``). Encoders compared:
 
 * ``random``: the ResNet of ``model.features`` at its seeded initialisation (what training starts from without
   ``init``);
@@ -43,7 +44,7 @@ import torch
 
 from benchmarks.robustness import TASKS, Task, overlap_areas, prepare_data
 
-PROBE_AT = ("centred", "cell")
+PROBE_AT = ("centred", "cell", "recentred")
 
 
 def object_crops(stores: Path, model_cfg, at: str = "centred") -> list[tuple[str, torch.Tensor, list[str]]]:
@@ -55,7 +56,8 @@ def object_crops(stores: Path, model_cfg, at: str = "centred") -> list[tuple[str
     import pandas as pd
 
     from pipeline.synthetic.tiff import sidecar_path
-    from workers.patches import PatchGrid, PatchReader, slide_geometry
+    from workers.patches import PatchGrid, PatchReader, lowres_view, slide_geometry
+    from workers.recentre import Recentring
     from workers.store import SlideStore
 
     man = pd.read_parquet(stores / "manifest.parquet")
@@ -70,13 +72,20 @@ def object_crops(stores: Path, model_cfg, at: str = "centred") -> list[tuple[str
         grid = PatchGrid.from_store(store, geo.patch_size, geo.stride)
         reader = PatchReader(store, grid, geo.patch_input)
         p = geo.patch_size
-        if at == "cell":
+        if at in ("cell", "recentred"):
             cell_xy = grid.cell_xy_l0(torch.arange(grid.num_cells)).numpy()  # [N, 2] top-left corners
             area = overlap_areas(cell_xy, p, objs)  # [N, B]
             centre = np.array([[o["x"] + o["width"] / 2.0, o["y"] + o["height"] / 2.0] for o in objs])
             off = np.abs((cell_xy[:, None, :] + p / 2.0) - centre[None]).sum(-1)  # L1, cell centre to object centre
             # most overlap; among equal overlaps (a small object inside several cells) the best-centred cell
-            crops = reader.read(torch.from_numpy((area - off / (4.0 * p)).argmax(0)))
+            best = torch.from_numpy((area - off / (4.0 * p)).argmax(0))
+            shift = None
+            if at == "recentred":  # the read moved onto the ink's centre of mass, as model.geometry.recentre does
+                lowres, cell_mask = lowres_view(store, model_cfg, geo)
+                shift = Recentring.from_view(lowres, cell_mask, p, geo.stride, geo.scorer_downsample)(
+                    grid.cell_xy_l0(best)
+                )
+            crops = reader.read(best, offsets_l0=shift)
         else:
             xy = torch.tensor(
                 [[round(o["x"] + o["width"] / 2 - p / 2), round(o["y"] + o["height"] / 2 - p / 2)] for o in objs]
@@ -143,8 +152,8 @@ def main(argv: list[str] | None = None) -> int:
         "--at",
         choices=PROBE_AT,
         default="centred",
-        help="the patch per object: centred on it (default) or the grid cell overlapping it most (what a perfect "
-        "selection reads)",
+        help="the patch per object: centred on it (default), the grid cell overlapping it most (what a perfect "
+        "selection reads), or that cell re-centred on its ink (model.geometry.recentre)",
     )
     ap.add_argument("--test-fraction", type=float, default=0.5, help="slides held out for the probe's test")
     ap.add_argument("--seed", type=int, default=0)

@@ -88,7 +88,8 @@ class ModelOutput:
         logits: ``[1, C]``.
         scores: ``[N]`` scores of all cells (``-inf`` for cells that were not candidates).
         cell_indices: ``[K]`` long, the chosen cell of each slot (:attr:`Selection.primary`).
-        coords_l0: ``[K, 2]`` long, level-0 ``(x, y)`` of the top-left corner of each chosen patch.
+        coords_l0: ``[K, 2]`` long, level-0 ``(x, y)`` of the top-left corner of each chosen patch (where it was
+            read: ``model.geometry.recentre`` moves it off its cell).
         patch_scores: ``[K]`` the scores of the chosen cells.
         aux_losses: terms to add to the loss as they are (``"entropy"``: ``-entropy_weight * H`` for attention
             sampling); empty otherwise.

@@ -130,6 +130,10 @@ class GeometryConfig:
     """µm per pixel of the scorer's view, instead of ``scorer_downsample`` (must not be finer than level 0)."""
     tissue_threshold: float = 0.1
     """A cell is a candidate when at least this fraction of it is tissue (0: every cell)."""
+    recentre: bool = False
+    """Move each cell's full-resolution read (up to half a stride per axis) onto the centre of mass of the stained
+    structure it holds, found on the low-res view (:mod:`workers.recentre`); the same cell is always read the same
+    way, in training, evaluation and scoring."""
 
     def __post_init__(self) -> None:
         for px, um in (("patch_size", "patch_size_um"), ("scorer_downsample", "scorer_mpp")):
@@ -167,6 +171,7 @@ class GeometryConfig:
         if self.patch_input is not None:
             _int("model.geometry.patch_input", self.patch_input, 8)
         _num("model.geometry.tissue_threshold", self.tissue_threshold, 0, 1)
+        _bool("model.geometry.recentre", self.recentre)
 
     @property
     def stride_l0(self) -> int:
@@ -880,6 +885,7 @@ class ModelConfig:
             g.scorer_downsample,
             g.scorer_mpp,
             self.mpp,
+            g.recentre,
         )
 
 

@@ -31,5 +31,5 @@ def test_slide_vote_is_the_strict_mode_of_the_predicted_kinds(probe):
 
 
 def test_object_crops_rejects_an_unknown_place(probe, tmp_path):
-    with pytest.raises(ValueError, match=r"at must be one of \('centred', 'cell'\), got 'corner'"):
+    with pytest.raises(ValueError, match=r"at must be one of \('centred', 'cell', 'recentred'\), got 'corner'"):
         probe.object_crops(tmp_path, None, "corner")

@@ -89,18 +89,27 @@ def _by_id(table):
 
 
 @pytest.mark.parametrize(
-    "selector,aggregator",
-    [("perturbed", "attention_mil"), ("attention", "transformer"), ("sinkhorn", "mean"), ("lapsum", "max")],
+    "selector,aggregator,recentre",
+    [
+        ("perturbed", "attention_mil", False),
+        ("attention", "transformer", False),
+        ("sinkhorn", "mean", False),
+        ("lapsum", "max", False),
+        ("perturbed", "mean", True),
+    ],
 )
-def test_workers_without_ray_match_forward_chain(data, tmp_path, selector, aggregator):
+def test_workers_without_ray_match_forward_chain(data, tmp_path, selector, aggregator, recentre):
     """The two stages as plain classes give the coordinates/probabilities of workers.slide_forward.forward_slide
-    (hard top-k at inference; the slot weights of attention/SOFT/LapSum travel from scorer to classifier)."""
+    (hard top-k at inference; the slot weights of attention/SOFT/LapSum travel from scorer to classifier; the
+    reads' shifts of model.geometry.recentre from scorer to classifier)."""
+    import dataclasses
 
     from operators.checkpoint import checkpoint_dict
     from operators.model import FoveateModel
     from workers.scoring import ClassifierWorker, ScorerWorker
 
     cfg = flat_replace(_model_config(), selector=selector, aggregator=aggregator)
+    cfg = dataclasses.replace(cfg, geometry=dataclasses.replace(cfg.geometry, recentre=recentre))
     torch.manual_seed(1)
     model = FoveateModel(cfg).eval()
     ckpt = checkpoint_dict(model, cfg, CLASSES)
@@ -109,6 +118,9 @@ def test_workers_without_ray_match_forward_chain(data, tmp_path, selector, aggre
     items = sw.score_batch([(s, str(data["stores"] / f"{s}.zarr")) for s in ["s0", "s1", "incomplete"]])
     assert [i["status"] for i in items] == ["ok", "ok", "error"]
     assert "incomplete" in items[2]["error"]
+    assert (items[0]["offsets"] is None) == (not recentre)
+    if recentre:  # the textured tissue moves some reads off their cells
+        assert np.abs(np.concatenate([items[0]["offsets"], items[1]["offsets"]])).max() > 0
     rows = cw.classify_batch(items)  # s0 and s1 go through the network as one batch
     for row in rows[:2]:
         coords, probs, pscores = _reference(model, data["stores"] / f"{row['slide_id']}.zarr")

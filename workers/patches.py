@@ -28,6 +28,7 @@ import logging
 import math
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -50,6 +51,7 @@ __all__ = [
     "lowres_input",
     "lowres_view",
     "prepare_slide",
+    "recentring",
     "gather_patches",
     "clear_cache",
 ]
@@ -311,9 +313,17 @@ class PatchReader:
         store: the slide store (its level-0 array ``store.levels[0]`` is looked up at each call).
         grid: the patch grid on this store.
         out_size: side of the returned patches (None: ``grid.patch_size``, read as they are).
+        recentre: shifts of each cell's read window (``[M, 2]`` top-left corners -> ``[M, 2]`` int64 level-0
+            ``(dx, dy)``, :class:`workers.recentre.Recentring`), applied when :meth:`read` is given no offsets.
     """
 
-    def __init__(self, store: SlideStore, grid: PatchGrid, out_size: int | None = None):
+    def __init__(
+        self,
+        store: SlideStore,
+        grid: PatchGrid,
+        out_size: int | None = None,
+        recentre: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ):
         if not isinstance(store, SlideStore):
             raise TypeError(f"store must be a SlideStore, got {type(store).__name__}")
         if not isinstance(grid, PatchGrid):
@@ -325,16 +335,27 @@ class PatchReader:
         self.store = store
         self.grid = grid
         self.out_size = grid.patch_size if out_size is None else int(out_size)
+        self.recentre = recentre
         self._direct: Any = None  # workers.chunks.LocalChunkReader of level 0 (False: read through zarr)
 
     def read(self, cell_indices: Any, offsets_l0: torch.Tensor | None = None) -> torch.Tensor:
         """Patches of ``cell_indices`` (LongTensor ``[M]``, repeats allowed) -> uint8 ``[M, 3, s, s]``
         (``s = out_size``). ``offsets_l0``: optional ``[M, 2]`` integer ``(dx, dy)`` shifts of each read window in
-        level-0 pixels; pixels outside the slide read as white (255)."""
+        level-0 pixels (None: the reader's ``recentre`` shifts, if any); pixels outside the slide read as white
+        (255)."""
+        if offsets_l0 is None:
+            offsets_l0 = self.offsets(cell_indices)
         out = self._read_l0(cell_indices, offsets_l0)
         if self.out_size == self.grid.patch_size:
             return out
         return _resample_patches(out, self.out_size)
+
+    def offsets(self, cell_indices: Any) -> torch.Tensor | None:
+        """The level-0 shifts ``[M, 2]`` int64 the reader applies to cells ``[M]`` (None: no ``recentre``)."""
+        if self.recentre is None:
+            return None
+        idx = self.grid._check_indices(cell_indices)
+        return self.recentre(self.grid.cell_xy_l0(idx.reshape(-1)).cpu())
 
     def _read_l0(self, cell_indices: Any, offsets_l0: torch.Tensor | None = None) -> torch.Tensor:
         """The patches at level 0: uint8 ``[M, 3, p, p]`` (``p = grid.patch_size``)."""
@@ -486,6 +507,18 @@ def _resolve_store(store_or_sample: Any) -> SlideStore:
     )
 
 
+def recentring(
+    cfg: ModelConfig, geometry: SlideGeometry, lowres: torch.Tensor, cell_mask: torch.Tensor
+) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """The read shifts of ``cfg.geometry.recentre`` on one slide (:class:`workers.recentre.Recentring`), from its
+    low-res view ``[3, h, w]`` and tissue cells; None when it is off."""
+    if not cfg.geometry.recentre:
+        return None
+    from workers.recentre import Recentring
+
+    return Recentring.from_view(lowres, cell_mask, geometry.patch_size, geometry.stride, geometry.scorer_downsample)
+
+
 def prepare_slide(store_or_sample: Any, cfg: ModelConfig, *, cache: bool = True) -> SlideInput:
     """Grid, low-res input, tissue cells and reader for one slide (cached per process by store path and
     geometry, up to 512 MiB of low-res pixels).
@@ -521,7 +554,8 @@ def prepare_slide(store_or_sample: Any, cfg: ModelConfig, *, cache: bool = True)
     geo = slide_geometry(store, cfg)
     grid = PatchGrid.from_store(store, geo.patch_size, geo.stride)
     lowres_u8, cell_mask = lowres_view(store, cfg, geo)
-    si = SlideInput(store, grid, lowres_u8, cell_mask, PatchReader(store, grid, geo.patch_input), geometry=geo)
+    reader = PatchReader(store, grid, geo.patch_input, recentring(cfg, geo, lowres_u8, cell_mask))
+    si = SlideInput(store, grid, lowres_u8, cell_mask, reader, geometry=geo)
     if cache:
         with _CACHE_LOCK:
             _CACHE[path_key] = si

@@ -151,9 +151,10 @@ class ScorerWorker:
 
     def score_one(self, slide_id: str, store_path: str) -> dict[str, Any]:
         """Score one slide; returns ``{"slide_id", "store", "status": "ok", "scores" float32 [N] (-inf = not a
-        candidate), "grid_shape" (Gh, Gw), "cells" int64 [K] (chosen cells, increasing), "slot_weights" float32
+        candidate), "grid_shape" (Gh, Gw), "cells" int64 [K] (chosen cells, increasing), "offsets" int64 [K, 2] (level-0 shifts of their reads,
+        ``model.geometry.recentre``) or None, "slot_weights" float32
         [K] or None, "seconds"}`` or ``{..., "status": "error", "error": "..."}``."""
-        from workers.patches import lowres_view, slide_geometry
+        from workers.patches import PatchGrid, lowres_view, recentring, slide_geometry
         from workers.store import SlideStore
 
         t0 = time.perf_counter()
@@ -167,6 +168,10 @@ class ScorerWorker:
                 sel = self.model.select(self.model.local_maxima(scores, tuple(cell_mask.shape)), training=False)
             cells = sel.primary[0].cpu().numpy().astype(np.int64)
             slot_w = None if sel.slot_weights is None else sel.slot_weights[0].float().cpu().numpy()
+            shifts = recentring(self.cfg, geo, lowres, cell_mask)  # model.geometry.recentre: the reads' shifts
+            if shifts is not None:
+                grid = PatchGrid.from_store(store, geo.patch_size, geo.stride)
+                shifts = shifts(grid.cell_xy_l0(torch.from_numpy(cells))).numpy()
             return {
                 "slide_id": slide_id,
                 "store": str(store_path),
@@ -174,6 +179,7 @@ class ScorerWorker:
                 "scores": scores[0].float().cpu().numpy(),
                 "grid_shape": tuple(int(g) for g in cell_mask.shape),
                 "cells": cells,
+                "offsets": shifts,
                 "slot_weights": slot_w,
                 "seconds": time.perf_counter() - t0,
                 "device": str(self.device),
@@ -254,9 +260,13 @@ class ClassifierWorker:
             raise ValueError(f"grid shape {grid.shape} differs from the scorer's {tuple(item['grid_shape'])}")
         cells = torch.from_numpy(np.array(item["cells"], dtype=np.int64))
         # uint8 [K, 3, s, s] (s = geo.patch_input), only the chunks they touch
-        pix = PatchReader(store, grid, geo.patch_input).read(cells)
+        shifts = item.get("offsets")  # model.geometry.recentre: the scorer stage's shifts of each read
+        shifts = None if shifts is None else torch.from_numpy(np.asarray(shifts, dtype=np.int64).reshape(-1, 2))
+        pix = PatchReader(store, grid, geo.patch_input).read(cells, offsets_l0=shifts)
         positions = grid.cell_centres(cells)  # [K, 2]
-        coords = grid.cell_xy_l0(cells).numpy()  # [K, 2]
+        coords = grid.cell_xy_l0(cells).numpy()  # [K, 2] where each patch was read
+        if shifts is not None:
+            coords = coords + shifts.numpy()
         return store, grid, pix, positions, coords
 
     def classify_batch(self, items: list[Mapping[str, Any]]) -> list[dict[str, Any]]:

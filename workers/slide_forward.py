@@ -18,7 +18,7 @@ import torch
 from operators.evidence import neutral_loss
 from operators.model import FoveateModel, ModelOutput
 from workers.feature_cache import FeatureCache, features_frozen
-from workers.patches import gather_patches, prepare_slide, slide_geometry
+from workers.patches import SlideInput, gather_patches, prepare_slide, slide_geometry
 from workers.strata import cell_rarity, draw_cells, rare_cells, slide_strata
 
 __all__ = ["forward_slide", "color_jitter_patches", "symmetry_patches", "augment_patches"]
@@ -335,9 +335,17 @@ def forward_slide(
         logits=logits,
         scores=scores[0],
         cell_indices=cells,
-        coords_l0=slide.grid.cell_xy_l0(cells.cpu()),
+        coords_l0=_read_corners(slide, cells.cpu()),
         patch_scores=scores[0, cells],
         aux_losses=aux_losses,
         selection=sel,
         info=info,
     )
+
+
+def _read_corners(slide: SlideInput, cells: torch.Tensor) -> torch.Tensor:
+    """Level-0 top-left corners ``[K, 2]`` where the reader reads ``cells`` (the cells' own, or moved by
+    ``model.geometry.recentre``)."""
+    xy = slide.grid.cell_xy_l0(cells)
+    shifts = slide.reader.offsets(cells)
+    return xy if shifts is None else xy + shifts
