@@ -47,10 +47,22 @@ from benchmarks.robustness import TASKS, Task, overlap_areas, prepare_data
 PROBE_AT = ("centred", "cell", "recentred")
 
 
-def object_crops(stores: Path, model_cfg, at: str = "centred") -> list[tuple[str, torch.Tensor, list[str]]]:
-    """Per store (sorted): ``(slide_id, uint8 crops [n, 3, s, s], kinds)`` of its sidecar's informative objects;
-    ``at="centred"``: a patch centred on each object; ``"cell"``: the grid cell that overlaps the object most, the
-    best-centred of equal ones (the patch a perfect selection reads)."""
+def placement(xy: np.ndarray, patch: int, objs: list[dict]) -> np.ndarray:
+    """``[n, 2]``: per object, the L-infinity distance (level-0 px) from its box's centre to the centre of the
+    ``patch``-px read at top-left ``xy[n, 2]``, and 1.0 when the box lies whole inside the read."""
+    box = np.array([[o["x"], o["y"], o["x"] + o["width"], o["y"] + o["height"]] for o in objs], dtype=np.float64)
+    xy = np.asarray(xy, dtype=np.float64)
+    centre = (box[:, :2] + box[:, 2:]) / 2.0
+    off = np.abs(xy + patch / 2.0 - centre).max(1)
+    whole = (box[:, :2] >= xy).all(1) & (box[:, 2:] <= xy + patch).all(1)
+    return np.stack([off, whole.astype(np.float64)], 1)
+
+
+def object_crops(stores: Path, model_cfg, at: str = "centred") -> list[tuple[str, torch.Tensor, list[str], np.ndarray]]:
+    """Per store (sorted): ``(slide_id, uint8 crops [n, 3, s, s], kinds, placement [n, 2])`` of its sidecar's
+    informative objects (:func:`placement` of each read); ``at="centred"``: a patch centred on each object;
+    ``"cell"``: the grid cell that overlaps the object most, the best-centred of equal ones (the patch a perfect
+    selection reads); ``"recentred"``: that cell's read moved as ``model.geometry.recentre`` moves it."""
     if at not in PROBE_AT:
         raise ValueError(f"at must be one of {PROBE_AT}, got {at!r}")
     import pandas as pd
@@ -86,12 +98,13 @@ def object_crops(stores: Path, model_cfg, at: str = "centred") -> list[tuple[str
                     grid.cell_xy_l0(best)
                 )
             crops = reader.read(best, offsets_l0=shift)
+            xy = grid.cell_xy_l0(best) + (0 if shift is None else shift)
         else:
             xy = torch.tensor(
                 [[round(o["x"] + o["width"] / 2 - p / 2), round(o["y"] + o["height"] / 2 - p / 2)] for o in objs]
             )
             crops = reader.read(torch.zeros(len(objs), dtype=torch.long), offsets_l0=xy)  # cell 0 moved onto each
-        out.append((slide_id, crops, [str(o["kind"]) for o in objs]))
+        out.append((slide_id, crops, [str(o["kind"]) for o in objs], placement(xy.numpy(), p, objs)))
     return out
 
 
@@ -187,17 +200,24 @@ def main(argv: list[str] | None = None) -> int:
 
     t0 = time.perf_counter()
     per_slide = object_crops(stores, model_cfg, args.at)
-    kinds = sorted({k for _, _, ks in per_slide for k in ks})
+    kinds = sorted({k for _, _, ks, _ in per_slide for k in ks})
+    where = np.concatenate([pl for *_, pl in per_slide])
+    place = {"median_offset_px": float(np.median(where[:, 0])), "whole_inside": float(where[:, 1].mean())}
     n_test = max(1, round(args.test_fraction * len(per_slide)))
     train, test = per_slide[:-n_test], per_slide[-n_test:]
 
     def stack(part):
-        x = torch.cat([c for _, c, _ in part])
-        y = torch.tensor([kinds.index(k) for _, _, ks in part for k in ks])
+        x = torch.cat([c for _, c, _, _ in part])
+        y = torch.tensor([kinds.index(k) for _, _, ks, _ in part for k in ks])
         return x, y
 
     (xtr, ytr), (xte, yte) = stack(train), stack(test)
     print(f"[probe] {len(per_slide)} slides, {len(ytr)} train / {len(yte)} test crops, kinds {kinds}", flush=True)
+    print(
+        f"[probe] reads ({args.at}): median offset {place['median_offset_px']:.1f} px (L-inf, object centre to read "
+        f"centre), object whole inside {place['whole_inside']:.3f}",
+        flush=True,
+    )
 
     torch.manual_seed(args.seed)
     random_enc = ResNet(features.resnet())  # the initialisation the Pretrainer starts from (same seed)
@@ -221,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, enc, obj, ep in (("random", random_enc, "-", 0), ("pretrained", pretrained, objective, epochs)):
         pred = probe_predictions(embed(enc, xtr), ytr, embed(enc, xte), len(kinds))
         acc = float((pred == yte).double().mean())
-        vote = majority_vote_accuracy(pred, yte, [len(ks) for _, _, ks in test])
+        vote = majority_vote_accuracy(pred, yte, [len(ks) for _, _, ks, _ in test])
         rows.append(
             {
                 "encoder": name,
@@ -256,6 +276,7 @@ def main(argv: list[str] | None = None) -> int:
         "encoder": args.encoder,
         "features": dataclasses.asdict(features),
         "majority_class": chance,
+        "placement": place,
         "seconds": time.perf_counter() - t0,
         "rows": rows,
     }

@@ -33,3 +33,11 @@ def test_slide_vote_is_the_strict_mode_of_the_predicted_kinds(probe):
 def test_object_crops_rejects_an_unknown_place(probe, tmp_path):
     with pytest.raises(ValueError, match=r"at must be one of \('centred', 'cell', 'recentred'\), got 'corner'"):
         probe.object_crops(tmp_path, None, "corner")
+
+
+def test_placement_is_the_offset_to_the_read_centre_and_whether_the_object_fits(probe):
+    objs = [{"x": 10, "y": 20, "width": 20, "height": 10}, {"x": 0, "y": 0, "width": 40, "height": 40}]
+    got = probe.placement(
+        [[4, 9], [0, 0]], 32, objs
+    )  # read centres (20, 25) and (16, 16); object centres (20, 25), (20, 20)
+    assert got.tolist() == [[0.0, 1.0], [4.0, 0.0]]  # the first fits, the 40-px object cannot

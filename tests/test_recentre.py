@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from workers.recentre import Recentring, content_map, recentre_offsets, tissue_pixels
+from workers.recentre import Recentring, background_luminance, content_map, recentre_offsets, tissue_pixels
 
 
 def _reference(content: np.ndarray, xy: np.ndarray, patch: int, d: int, max_shift: int) -> np.ndarray:
@@ -57,13 +57,29 @@ def test_content_map_is_darkness_under_the_tissue_median():
     lowres[:, 3, 3] = 255  # background, brighter than the tissue: no content
     tissue = torch.ones(4, 4, dtype=torch.bool)
     tissue[3, 3] = False
-    c = content_map(lowres, tissue)
+    bg = background_luminance(lowres, tissue)
+    assert bg == pytest.approx(200 / 255, abs=1e-6)
+    c = content_map(lowres, bg)
     assert c[0, 0] == pytest.approx(100 / 255, abs=1e-6) and c[3, 3] == 0 and c[1, 1] == 0
-    torch.testing.assert_close(content_map(lowres.float() / 255, tissue), c)
+    torch.testing.assert_close(content_map(lowres.float() / 255, bg), c)
+    assert background_luminance(lowres, torch.zeros(4, 4, dtype=torch.bool)) == bg  # no tissue: every pixel
     with pytest.raises(ValueError, match=r"lowres must be a tensor \[3, h, w\]"):
-        content_map(torch.zeros(4, 4))
+        content_map(torch.zeros(4, 4), bg)
     with pytest.raises(ValueError, match="tissue must be"):
-        content_map(lowres, tissue[:2])
+        background_luminance(lowres, tissue[:2])
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_recentring_of_a_view_equals_the_shifts_on_its_content_map(seed):
+    """Recentring computes the content around the requested cells only: the same shifts as on the whole map,
+    cells at the view's edges included (beyond the view: no content)."""
+    g = torch.Generator().manual_seed(seed)
+    lowres = torch.randint(120, 230, (3, 20, 24), dtype=torch.uint8, generator=g)
+    cell_mask = torch.ones(10, 12, dtype=torch.bool)
+    r = Recentring.from_view(lowres, cell_mask, patch=16, stride=8, downsample=4)
+    xy = torch.stack([torch.arange(0, 96, 8).repeat(10), torch.arange(0, 80, 8).repeat_interleave(12)], 1)
+    want = recentre_offsets(content_map(lowres, r.background), xy, 16, 4, 4)
+    assert torch.equal(r(xy), want) and want.abs().max() > 0
 
 
 def test_arguments():

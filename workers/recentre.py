@@ -19,37 +19,47 @@ import math
 
 import torch
 
-__all__ = ["Recentring", "content_map", "recentre_offsets", "tissue_pixels"]
+__all__ = ["Recentring", "background_luminance", "content_map", "recentre_offsets", "tissue_pixels"]
 
 _LUMA = (0.299, 0.587, 0.114)  # ITU-R BT.601
+_MEDIAN_PIXELS = 1 << 20  # the background median is taken over at most about this many tissue pixels (evenly spaced)
 
 
-def content_map(lowres: torch.Tensor, tissue: torch.Tensor | None = None) -> torch.Tensor:
-    """How much darker than the slide's tissue each low-res pixel is.
-
-    Args:
-        lowres: ``[3, h, w]`` RGB, float in [0, 1] or uint8.
-        tissue: optional ``[h, w]`` bool, the pixels whose median luminance is the background (None or none set:
-            every pixel).
-
-    Returns:
-        ``[h, w]`` float32 ``relu(median luminance of the tissue - luminance)``.
-    """
-    if not isinstance(lowres, torch.Tensor) or lowres.dim() != 3 or lowres.shape[0] != 3:
-        raise ValueError(f"lowres must be a tensor [3, h, w], got {getattr(lowres, 'shape', type(lowres))}")
+def _luminance(lowres: torch.Tensor) -> torch.Tensor:
+    """``[..., 3, h, w]`` RGB (uint8, or float in [0, 1]) -> ``[..., h, w]`` float32 luminance in [0, 1]."""
     x = lowres.to(torch.float32)
     if lowres.dtype == torch.uint8:
         x = x / 255.0
-    luma = sum(c * x[i] for i, c in enumerate(_LUMA))
-    if tissue is not None:
-        if tissue.shape != luma.shape:
-            raise ValueError(f"tissue must be [h, w] = {tuple(luma.shape)}, got {tuple(tissue.shape)}")
-        vals = luma[tissue.bool()]
-        if vals.numel() == 0:
-            vals = luma.flatten()
-    else:
-        vals = luma.flatten()
-    return (vals.median() - luma).clamp_min_(0.0)
+    return _LUMA[0] * x[..., 0, :, :] + _LUMA[1] * x[..., 1, :, :] + _LUMA[2] * x[..., 2, :, :]
+
+
+def _check_view(lowres: torch.Tensor) -> None:
+    if not isinstance(lowres, torch.Tensor) or lowres.dim() != 3 or lowres.shape[0] != 3:
+        raise ValueError(f"lowres must be a tensor [3, h, w], got {getattr(lowres, 'shape', type(lowres))}")
+
+
+def background_luminance(lowres: torch.Tensor, tissue: torch.Tensor | None = None) -> float:
+    """The median luminance of the tissue pixels of a low-res view (every pixel when ``tissue`` is None or empty).
+
+    Args:
+        lowres: ``[3, h, w]`` RGB, uint8 or float in [0, 1].
+        tissue: optional ``[h, w]`` bool.
+    """
+    _check_view(lowres)
+    if tissue is not None and tuple(tissue.shape) != tuple(lowres.shape[1:]):
+        raise ValueError(f"tissue must be [h, w] = {tuple(lowres.shape[1:])}, got {tuple(tissue.shape)}")
+    where = torch.nonzero(tissue.bool().flatten()).squeeze(1) if tissue is not None else None
+    if where is None or where.numel() == 0:
+        where = torch.arange(lowres.shape[1] * lowres.shape[2])
+    where = where[:: max(1, where.numel() // _MEDIAN_PIXELS)]
+    return float(_luminance(lowres.flatten(1)[:, where][:, None, :])[0].median())
+
+
+def content_map(lowres: torch.Tensor, background: float) -> torch.Tensor:
+    """How much darker than ``background`` each pixel of a low-res view ``[3, h, w]`` is: ``[h, w]`` float32
+    ``relu(background - luminance)`` (stained structures are darker than the tissue around them; white is none)."""
+    _check_view(lowres)
+    return (background - _luminance(lowres)).clamp_min_(0.0)
 
 
 def _overlap(
@@ -61,6 +71,58 @@ def _overlap(
     a = torch.maximum(start[:, None], lo)
     b = torch.minimum(start[:, None] + patch, lo + d)
     return (b - a).clamp(0.0, d) / d, (a + b) / 2
+
+
+def _neighbourhood(img: torch.Tensor, first: torch.Tensor, n: int, fill: float) -> torch.Tensor:
+    """``[C, M, n, n]``: the ``n x n`` pixels of ``img [C, h, w]`` from row ``first[:, 1]``, column ``first[:, 0]``
+    on; pixels beyond the image are ``fill``."""
+    h, w = img.shape[-2:]
+    rows = first[:, 1, None] + torch.arange(n)  # [M, n]
+    cols = first[:, 0, None] + torch.arange(n)
+    out = img[:, rows.clamp(0, h - 1)[:, :, None], cols.clamp(0, w - 1)[:, None, :]]
+    outside = ((rows < 0) | (rows >= h))[:, :, None] | ((cols < 0) | (cols >= w))[:, None, :]  # [M, n, n]
+    return out.masked_fill(outside, fill)
+
+
+def _check_shift_args(xy_l0, patch, downsample, max_shift, iters) -> None:
+    if not isinstance(xy_l0, torch.Tensor) or xy_l0.dim() != 2 or xy_l0.shape[1] != 2 or xy_l0.is_floating_point():
+        raise ValueError(f"xy_l0 must be an integer tensor [M, 2], got {getattr(xy_l0, 'shape', type(xy_l0))}")
+    for name, v, lo in (("patch", patch, 1), ("max_shift", max_shift, 0), ("iters", iters, 1)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+            raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
+    if not (isinstance(downsample, (int, float)) and not isinstance(downsample, bool) and downsample > 0):
+        raise ValueError(f"downsample must be a positive number (level-0 pixels per low-res pixel), got {downsample!r}")
+
+
+def _span(patch: int, d: float, max_shift: int) -> int:
+    return math.ceil((patch + 2 * max_shift) / d) + 2  # low-res pixels any shifted window can touch, per axis
+
+
+def _first(xy_l0: torch.Tensor, d: float, max_shift: int) -> torch.Tensor:
+    return torch.floor((xy_l0.to(torch.float64) - max_shift) / d).long() - 1  # [M, 2] first column / row
+
+
+def _mean_shift(
+    local: torch.Tensor, first: torch.Tensor, xy_l0: torch.Tensor, patch: int, d: float, max_shift: int, iters: int
+) -> torch.Tensor:
+    """The shifts of :func:`recentre_offsets` from each window's neighbourhood ``local [M, n, n]`` of the content
+    map (low-res pixels from ``first [M, 2]`` on)."""
+    n = local.shape[-1]
+    local = local.to(torch.float64)
+    home = xy_l0.to(torch.float64)
+    pos = home.clone()
+    for _ in range(iters):
+        wx, mx = _overlap(pos[:, 0], first[:, 0].to(torch.float64), n, patch, d)  # [M, n] share, centre of it
+        wy, my = _overlap(pos[:, 1], first[:, 1].to(torch.float64), n, patch, d)
+        mass_cols = torch.einsum("mi,mij->mj", wy, local) * wx  # [M, n]: mass per column inside the window
+        mass_rows = torch.einsum("mij,mj->mi", local, wx) * wy  # [M, n]: per row
+        mass = mass_cols.sum(1)
+        cx = (mass_cols * mx).sum(1) / mass.clamp_min(1e-12)
+        cy = (mass_rows * my).sum(1) / mass.clamp_min(1e-12)
+        moved = torch.stack([cx, cy], dim=1) - patch / 2.0
+        pos = torch.where((mass > 1e-9)[:, None], moved, pos)
+        pos = torch.minimum(torch.maximum(pos, home - max_shift), home + max_shift)
+    return torch.round(pos - home).long()
 
 
 def recentre_offsets(
@@ -90,38 +152,13 @@ def recentre_offsets(
     """
     if not isinstance(content, torch.Tensor) or content.dim() != 2:
         raise ValueError(f"content must be a tensor [h, w], got {getattr(content, 'shape', type(content))}")
-    if not isinstance(xy_l0, torch.Tensor) or xy_l0.dim() != 2 or xy_l0.shape[1] != 2 or xy_l0.is_floating_point():
-        raise ValueError(f"xy_l0 must be an integer tensor [M, 2], got {getattr(xy_l0, 'shape', type(xy_l0))}")
-    for name, v, lo in (("patch", patch, 1), ("max_shift", max_shift, 0), ("iters", iters, 1)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-            raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
-    if not (isinstance(downsample, (int, float)) and not isinstance(downsample, bool) and downsample > 0):
-        raise ValueError(f"downsample must be a positive number (level-0 pixels per low-res pixel), got {downsample!r}")
-    m = xy_l0.shape[0]
-    if m == 0 or max_shift == 0:
-        return torch.zeros((m, 2), dtype=torch.long)
-    d = float(downsample)
-    h, w = content.shape
-    n = math.ceil((patch + 2 * max_shift) / d) + 2  # low-res pixels any shifted window can touch, per axis
-    c = torch.nn.functional.pad(content.to(torch.float64), (n, n, n, n))  # zeros beyond the view
-    home = xy_l0.to(torch.float64)
-    first = torch.floor((home - max_shift) / d).long() - 1  # [M, 2] first low-res column / row of the neighbourhood
-    rows = (first[:, 1, None] + n + torch.arange(n)).clamp(0, h + 2 * n - 1)  # [M, n] in the padded map
-    cols = (first[:, 0, None] + n + torch.arange(n)).clamp(0, w + 2 * n - 1)
-    local = c[rows[:, :, None], cols[:, None, :]]  # [M, n, n]
-    pos = home.clone()
-    for _ in range(iters):
-        wx, mx = _overlap(pos[:, 0], first[:, 0].to(torch.float64), n, patch, d)  # [M, n] share, centre of it
-        wy, my = _overlap(pos[:, 1], first[:, 1].to(torch.float64), n, patch, d)
-        mass_cols = torch.einsum("mi,mij->mj", wy, local) * wx  # [M, n]: mass per column inside the window
-        mass_rows = torch.einsum("mij,mj->mi", local, wx) * wy  # [M, n]: per row
-        mass = mass_cols.sum(1)
-        cx = (mass_cols * mx).sum(1) / mass.clamp_min(1e-12)
-        cy = (mass_rows * my).sum(1) / mass.clamp_min(1e-12)
-        moved = torch.stack([cx, cy], dim=1) - patch / 2.0
-        pos = torch.where((mass > 1e-9)[:, None], moved, pos)
-        pos = torch.minimum(torch.maximum(pos, home - max_shift), home + max_shift)
-    return torch.round(pos - home).long()
+    _check_shift_args(xy_l0, patch, downsample, max_shift, iters)
+    if xy_l0.shape[0] == 0 or max_shift == 0:
+        return torch.zeros((xy_l0.shape[0], 2), dtype=torch.long)
+    d, n = float(downsample), _span(patch, float(downsample), max_shift)
+    first = _first(xy_l0, d, max_shift)
+    local = _neighbourhood(content[None], first, n, 0.0)[0]
+    return _mean_shift(local, first, xy_l0, patch, d, max_shift, iters)
 
 
 def tissue_pixels(cell_mask: torch.Tensor, stride: int, downsample: float, hw: tuple[int, int]) -> torch.Tensor:
@@ -135,18 +172,25 @@ def tissue_pixels(cell_mask: torch.Tensor, stride: int, downsample: float, hw: t
 
 
 class Recentring:
-    """The read shifts of one slide: :func:`recentre_offsets` on its :func:`content_map`.
+    """The read shifts of one slide: :func:`recentre_offsets` on the :func:`content_map` of its low-res view,
+    computed around the requested cells only (the view is kept by reference, not copied).
 
     Args:
-        content: ``[h, w]`` content map of the slide's low-res view.
+        lowres: ``[3, h, w]`` the slide's low-res view (uint8, or float in [0, 1]).
+        background: the tissue's luminance (:func:`background_luminance`).
         patch: the read window's side, level-0 pixels.
         downsample: level-0 pixels per low-res pixel.
         max_shift: largest shift per axis, level-0 pixels.
         iters: mean-shift steps.
     """
 
-    def __init__(self, content: torch.Tensor, patch: int, downsample: float, max_shift: int, iters: int = 3):
-        self.content = content
+    def __init__(
+        self, lowres: torch.Tensor, background: float, patch: int, downsample: float, max_shift: int, iters: int = 3
+    ):
+        _check_view(lowres)
+        _check_shift_args(torch.zeros((0, 2), dtype=torch.long), patch, downsample, max_shift, iters)
+        self.lowres = lowres
+        self.background = float(background)
         self.patch = int(patch)
         self.downsample = float(downsample)
         self.max_shift = int(max_shift)
@@ -159,8 +203,16 @@ class Recentring:
         """From a slide's low-res view ``[3, h, w]`` and tissue cells ``[Gh, Gw]``; shifts up to half a stride
         (the cell nearest an object is never further than that from it)."""
         tissue = tissue_pixels(cell_mask, stride, downsample, tuple(lowres.shape[1:]))
-        return cls(content_map(lowres, tissue), patch, downsample, max(0, stride // 2))
+        return cls(lowres, background_luminance(lowres, tissue), patch, downsample, max(0, stride // 2))
 
     def __call__(self, xy_l0: torch.Tensor) -> torch.Tensor:
         """``[M, 2]`` level-0 top-left corners -> ``[M, 2]`` int64 shifts ``(dx, dy)``."""
-        return recentre_offsets(self.content, xy_l0, self.patch, self.downsample, self.max_shift, self.iters)
+        _check_shift_args(xy_l0, self.patch, self.downsample, self.max_shift, self.iters)
+        if xy_l0.shape[0] == 0 or self.max_shift == 0:
+            return torch.zeros((xy_l0.shape[0], 2), dtype=torch.long)
+        d, n = self.downsample, _span(self.patch, self.downsample, self.max_shift)
+        first = _first(xy_l0, d, self.max_shift)
+        white = 255.0 if self.lowres.dtype == torch.uint8 else 1.0  # beyond the view: no content
+        local = _neighbourhood(self.lowres, first, n, white).permute(1, 0, 2, 3)  # [M, 3, n, n]
+        content = (self.background - _luminance(local)).clamp_min_(0.0)
+        return _mean_shift(content, first, xy_l0, self.patch, d, self.max_shift, self.iters)
