@@ -91,14 +91,13 @@ def object_crops(stores: Path, model_cfg, at: str = "centred") -> list[tuple[str
             off = np.abs((cell_xy[:, None, :] + p / 2.0) - centre[None]).sum(-1)  # L1, cell centre to object centre
             # most overlap; among equal overlaps (a small object inside several cells) the best-centred cell
             best = torch.from_numpy((area - off / (4.0 * p)).argmax(0))
+            xy = grid.cell_xy_l0(best)
             shift = None
             if at == "recentred":  # the read moved onto the ink's centre of mass, as model.geometry.recentre does
                 lowres, cell_mask = lowres_view(store, model_cfg, geo)
-                shift = Recentring.from_view(lowres, cell_mask, p, geo.stride, geo.scorer_downsample)(
-                    grid.cell_xy_l0(best)
-                )
+                shift = Recentring.from_view(lowres, cell_mask, p, geo.stride, geo.scorer_downsample)(xy)
+                xy = xy + shift
             crops = reader.read(best, offsets_l0=shift)
-            xy = grid.cell_xy_l0(best) + (0 if shift is None else shift)
         else:
             xy = torch.tensor(
                 [[round(o["x"] + o["width"] / 2 - p / 2), round(o["y"] + o["height"] / 2 - p / 2)] for o in objs]

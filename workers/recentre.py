@@ -16,6 +16,7 @@ per axis, so a cell keeps most of its own area. Coordinates: level-0 pixels, ``(
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -94,22 +95,22 @@ def _check_shift_args(xy_l0, patch, downsample, max_shift, iters) -> None:
         raise ValueError(f"downsample must be a positive number (level-0 pixels per low-res pixel), got {downsample!r}")
 
 
-def _span(patch: int, d: float, max_shift: int) -> int:
-    return math.ceil((patch + 2 * max_shift) / d) + 2  # low-res pixels any shifted window can touch, per axis
-
-
-def _first(xy_l0: torch.Tensor, d: float, max_shift: int) -> torch.Tensor:
-    return torch.floor((xy_l0.to(torch.float64) - max_shift) / d).long() - 1  # [M, 2] first column / row
-
-
 def _mean_shift(
-    local: torch.Tensor, first: torch.Tensor, xy_l0: torch.Tensor, patch: int, d: float, max_shift: int, iters: int
+    xy_l0: torch.Tensor,
+    patch: int,
+    d: float,
+    max_shift: int,
+    iters: int,
+    neighbourhood: Callable[[torch.Tensor, int], torch.Tensor],
 ) -> torch.Tensor:
-    """The shifts of :func:`recentre_offsets` from each window's neighbourhood ``local [M, n, n]`` of the content
-    map (low-res pixels from ``first [M, 2]`` on)."""
-    n = local.shape[-1]
-    local = local.to(torch.float64)
+    """The shifts of :func:`recentre_offsets` (arguments already checked); ``neighbourhood(first, n)`` gives each
+    window's ``[M, n, n]`` content from low-res column / row ``first [M, 2]`` on."""
+    if xy_l0.shape[0] == 0 or max_shift == 0:
+        return torch.zeros((xy_l0.shape[0], 2), dtype=torch.long)
+    n = math.ceil((patch + 2 * max_shift) / d) + 2  # low-res pixels any shifted window can touch, per axis
     home = xy_l0.to(torch.float64)
+    first = torch.floor((home - max_shift) / d).long() - 1  # [M, 2] first column / row of the neighbourhood
+    local = neighbourhood(first, n).to(torch.float64)
     pos = home.clone()
     for _ in range(iters):
         wx, mx = _overlap(pos[:, 0], first[:, 0].to(torch.float64), n, patch, d)  # [M, n] share, centre of it
@@ -153,12 +154,14 @@ def recentre_offsets(
     if not isinstance(content, torch.Tensor) or content.dim() != 2:
         raise ValueError(f"content must be a tensor [h, w], got {getattr(content, 'shape', type(content))}")
     _check_shift_args(xy_l0, patch, downsample, max_shift, iters)
-    if xy_l0.shape[0] == 0 or max_shift == 0:
-        return torch.zeros((xy_l0.shape[0], 2), dtype=torch.long)
-    d, n = float(downsample), _span(patch, float(downsample), max_shift)
-    first = _first(xy_l0, d, max_shift)
-    local = _neighbourhood(content[None], first, n, 0.0)[0]
-    return _mean_shift(local, first, xy_l0, patch, d, max_shift, iters)
+    return _mean_shift(
+        xy_l0,
+        patch,
+        float(downsample),
+        max_shift,
+        iters,
+        lambda first, n: _neighbourhood(content[None], first, n, 0.0)[0],
+    )
 
 
 def tissue_pixels(cell_mask: torch.Tensor, stride: int, downsample: float, hw: tuple[int, int]) -> torch.Tensor:
@@ -208,11 +211,10 @@ class Recentring:
     def __call__(self, xy_l0: torch.Tensor) -> torch.Tensor:
         """``[M, 2]`` level-0 top-left corners -> ``[M, 2]`` int64 shifts ``(dx, dy)``."""
         _check_shift_args(xy_l0, self.patch, self.downsample, self.max_shift, self.iters)
-        if xy_l0.shape[0] == 0 or self.max_shift == 0:
-            return torch.zeros((xy_l0.shape[0], 2), dtype=torch.long)
-        d, n = self.downsample, _span(self.patch, self.downsample, self.max_shift)
-        first = _first(xy_l0, d, self.max_shift)
         white = 255.0 if self.lowres.dtype == torch.uint8 else 1.0  # beyond the view: no content
-        local = _neighbourhood(self.lowres, first, n, white).permute(1, 0, 2, 3)  # [M, 3, n, n]
-        content = (self.background - _luminance(local)).clamp_min_(0.0)
-        return _mean_shift(content, first, xy_l0, self.patch, d, self.max_shift, self.iters)
+
+        def content(first: torch.Tensor, n: int) -> torch.Tensor:  # the content map around the cells only
+            local = _neighbourhood(self.lowres, first, n, white).permute(1, 0, 2, 3)  # [M, 3, n, n]
+            return (self.background - _luminance(local)).clamp_min_(0.0)
+
+        return _mean_shift(xy_l0, self.patch, self.downsample, self.max_shift, self.iters, content)

@@ -151,9 +151,9 @@ class ScorerWorker:
 
     def score_one(self, slide_id: str, store_path: str) -> dict[str, Any]:
         """Score one slide; returns ``{"slide_id", "store", "status": "ok", "scores" float32 [N] (-inf = not a
-        candidate), "grid_shape" (Gh, Gw), "cells" int64 [K] (chosen cells, increasing), "offsets" int64 [K, 2] (level-0 shifts of their reads,
-        ``model.geometry.recentre``) or None, "slot_weights" float32
-        [K] or None, "seconds"}`` or ``{..., "status": "error", "error": "..."}``."""
+        candidate), "grid_shape" (Gh, Gw), "cells" int64 [K] (chosen cells, increasing), "offsets" int64 [K, 2]
+        (level-0 shifts of their reads, ``model.geometry.recentre``) or None, "slot_weights" float32 [K] or None,
+        "seconds"}`` or ``{..., "status": "error", "error": "..."}``."""
         from workers.patches import PatchGrid, lowres_view, recentring, slide_geometry
         from workers.store import SlideStore
 
