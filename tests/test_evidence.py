@@ -228,7 +228,9 @@ def test_per_module_clipping_keeps_the_classifier_update_when_the_scorer_gradien
         agg = [p for p in tr.model.aggregator.parameters()]
         sc = [p for p in tr.model.scorer.parameters()]
 
-        def fake_forward(store, *, training, sigma, target=None, rarity=0.0, rare=1.0, agg=agg, sc=sc):
+        def fake_forward(
+            store, *, training, sigma, target=None, rarity=0.0, rare=1.0, fixed_selection=False, agg=agg, sc=sc
+        ):
             loss = sum(p.sum() for p in agg) / math.sqrt(sum(p.numel() for p in agg))
             loss = loss + 1000.0 * sum(p.sum() for p in sc) / math.sqrt(sum(p.numel() for p in sc))
             return SimpleNamespace(
@@ -426,7 +428,7 @@ def test_trainer_passes_the_scheduled_rarity_share_and_forward_slide_mixes_it_in
     )
     seen, seen_rare = [], []
 
-    def fake_forward(store, *, training, sigma, target=None, rarity=0.0, rare=1.0):
+    def fake_forward(store, *, training, sigma, target=None, rarity=0.0, rare=1.0, fixed_selection=False):
         seen.append(rarity)
         seen_rare.append(rare)
         w = next(tr.model.aggregator.parameters())

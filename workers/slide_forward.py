@@ -9,6 +9,7 @@ Geometry and reading are :mod:`workers.patches`, appearance strata :mod:`workers
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 from typing import Any
@@ -174,6 +175,7 @@ def forward_slide(
     rarity: float = 0.0,
     rare_scale: float = 1.0,
     feature_cache: FeatureCache | None = None,
+    fixed_selection: str | None = None,
 ) -> ModelOutput:
     """The whole chain for ONE slide: low-res input -> scores -> selection -> patch reading -> features ->
     logits.
@@ -194,6 +196,10 @@ def forward_slide(
             already cached skip the read and the encoder, new ones are written. Used at inference, and in
             training only without colour jitter (the selected slots only when each is one cell, ``S = 1``); see
             :mod:`workers.feature_cache`.
+        fixed_selection: in training, the second phase of ``schedule.select_until`` (the caller freezes the
+            scorer): ``"draw"``, the selector's training draw from the scores, or ``"topk"``, the hard top-k of
+            inference; nothing else is read (no exploration, rare-bag or neutral cells, no evidence losses); the
+            augmentation and ``model.experimental.neighbour_views`` still apply. None (default): not fixed.
 
     Returns:
         :class:`~operators.model.ModelOutput` (logits ``[1, C]``; add ``sum(out.aux_losses.values())`` to the
@@ -206,9 +212,16 @@ def forward_slide(
     device, dtype = param.device, param.dtype
     cell_mask = slide.cell_mask
     geo = slide.geometry if slide.geometry is not None else slide_geometry(slide.store, model.cfg)
-    scores = model.score(slide.lowres_u8[None].to(device), cell_mask[None].to(device), geo)  # converted per tile
+    if fixed_selection not in (None, "draw", "topk"):
+        raise ValueError(f"fixed_selection must be None, 'draw' or 'topk', got {fixed_selection!r}")
+    fixed = training and fixed_selection is not None
+    with torch.no_grad() if fixed else contextlib.nullcontext():
+        scores = model.score(slide.lowres_u8[None].to(device), cell_mask[None].to(device), geo)  # converted per tile
     sel = model.select(
-        model.local_maxima(scores, tuple(cell_mask.shape)), training=training, sigma=sigma, generator=generator
+        model.local_maxima(scores, tuple(cell_mask.shape)),
+        training=training and fixed_selection != "topk",
+        sigma=sigma,
+        generator=generator,
     )
     aug = model.cfg.augment
     cj = aug.color_jitter if training else 0.0
@@ -241,7 +254,7 @@ def forward_slide(
         return len(groups) - 1
 
     cells = sel.primary[0]
-    aux_losses = model.aux_losses(sel)
+    aux_losses = model.aux_losses(sel) if training and not fixed else {}
     extra_info: dict[str, float] = {}
     k = sel.indices.shape[1]
     groups.append(patches.flatten(0, 1) if patches is not None else (cells.cpu(), None))
@@ -251,7 +264,7 @@ def forward_slide(
         view_cells = slide.grid.neighbours(cells.cpu(), views).flatten()
         g_views = read_cells(view_cells)
         cells_read += int(torch.unique(view_cells).numel())
-    evidence = training and target is not None and model.uses_evidence
+    evidence = training and not fixed and target is not None and model.uses_evidence
     explore = rare = neutral = None
     ev_cfg = model.cfg.evidence
     if evidence:
@@ -267,7 +280,7 @@ def forward_slide(
             rare, rare_pix = slide.rare[2], slide.rare[3]
             g_rare = read_cells(rare, rare_pix)
             cells_read += int(rare.numel())
-    if training and target is not None and ev_cfg.neutral_cells > 0:
+    if training and not fixed and target is not None and ev_cfg.neutral_cells > 0:
         neutral = draw_cells(scores[0], ev_cfg.neutral_cells, generator)  # uniform candidate cells
         g_neutral = read_cells(neutral) if neutral.numel() else None
         cells_read += int(neutral.numel())

@@ -138,6 +138,13 @@ class ScheduleConfig:
     ``rare_until``: with ``model.evidence.rare_cells``, the rare bag's weight decays linearly from ``model.evidence.rare_weight``
     to 0 at this fraction of training (its fixed cells are needed until the scorer finds the structures, and
     are memorised after); None (default): constant.
+
+    ``select_until``: two-phase training. From this fraction of training on the selection is fixed: the scorer
+    gets no more updates and the terms that only serve finding the structures stop (evidence instance and rank
+    losses, exploration reads, the rare bag, the neutral cells); the feature network and aggregator train on the
+    bags the fixed scorer picks: ``select_bag`` ``draw`` (default), the selector's training draw (for the perturbed
+    top-k the per-slot modes under the scheduled sigma), or ``topk``, the hard top-k of inference. Augmentation and
+    ``model.experimental.neighbour_views`` still apply. None (default): one phase, the scorer trains throughout.
     """
 
     sigma_start: float = 0.05
@@ -146,6 +153,8 @@ class ScheduleConfig:
     rarity_until: float = 0.5
     rarity_end: float = 0.0
     rare_until: float | None = None
+    select_until: float | None = None
+    select_bag: str = "draw"
 
     def __post_init__(self) -> None:
         _check_finite("schedule.sigma_start", self.sigma_start)
@@ -160,9 +169,18 @@ class ScheduleConfig:
             self.rarity_end <= self.rarity_start,
             f"at most rarity_start ({self.rarity_start})",
         )
-        v = self.rare_until
-        ok = v is None or (not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v) and 0 < v <= 1)
-        _check("schedule.rare_until", v, ok, "None or a number in (0, 1]")
+        for name in ("rare_until", "select_until"):
+            v = getattr(self, name)
+            ok = v is None or (
+                not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v) and 0 < v <= 1
+            )
+            _check(f"schedule.{name}", v, ok, "None or a number in (0, 1]")
+        _check("schedule.select_bag", self.select_bag, self.select_bag in ("draw", "topk"), "'draw' or 'topk'")
+
+    def selection_fixed(self, step: int, total_steps: int) -> bool:
+        """Whether optimizer step ``step`` (0-based) of ``total_steps`` is in the second phase of
+        ``select_until`` (the selection fixed)."""
+        return self.select_until is not None and step >= math.ceil(self.select_until * total_steps - 1e-9)
 
 
 def linear_decay(step: int, total_steps: int, start: float, until: float, end: float = 0.0) -> float:
@@ -180,8 +198,11 @@ def earliest_stop_epoch(
     """The first epoch early stopping may stop after: ``early_stopping.min_epochs``, and no earlier than the
     scheduled exploration terms end (``schedule.rarity_until`` of ``epochs`` when ``schedule.rarity_start`` > 0, the
     end of its decay also when ``schedule.rarity_end`` keeps a floor after it;
-    ``schedule.rare_until`` of ``epochs`` when the model reads a rare bag, ``model.evidence.rare_cells`` > 0)."""
+    ``schedule.rare_until`` of ``epochs`` when the model reads a rare bag, ``model.evidence.rare_cells`` > 0; one
+    epoch after ``schedule.select_until`` of ``epochs``, so the second phase is evaluated at least once)."""
     floor = int(early_stopping.min_epochs)
+    if schedule.select_until is not None:
+        floor = max(floor, min(epochs, math.ceil(schedule.select_until * epochs - 1e-9) + 1))
     if schedule.rarity_start > 0:
         floor = max(floor, math.ceil(schedule.rarity_until * epochs - 1e-9))
     rare_cells = getattr(getattr(model_config, "evidence", None), "rare_cells", 0)
@@ -425,6 +446,7 @@ class Trainer:
         self.generator = torch.Generator(device=self.device)  # selection noise is drawn on the model's device
         self.generator.manual_seed(seed * 1000 + self.rank)
         self.epoch, self.global_step, self.train_seconds = 0, 0, 0.0
+        self._selection_fixed = False  # in the second phase of schedule.select_until
         self._stores: dict[str, Any] = {}
         self.ema_model: torch.nn.Module | None = None
         if optim.ema_epochs > 0:
@@ -485,6 +507,7 @@ class Trainer:
         rarity: float = 0.0,
         rare: float = 1.0,
         model: torch.nn.Module | None = None,
+        fixed_selection: str | None = None,
     ):
         from workers.slide_forward import forward_slide
 
@@ -498,6 +521,7 @@ class Trainer:
             rarity=rarity,
             rare_scale=rare,
             feature_cache=self.feature_cache,
+            fixed_selection=fixed_selection,
         )
 
     # ------------------------------------------------------------------ step
@@ -516,12 +540,24 @@ class Trainer:
         rare = 1.0
         if self.schedule.rare_until is not None:
             rare = linear_decay(self.global_step, self.total_steps, 1.0, self.schedule.rare_until)
+        fixed = self.schedule.selection_fixed(self.global_step, self.total_steps)
+        if fixed != self._selection_fixed:  # the second phase of schedule.select_until: the scorer frozen
+            self._selection_fixed = fixed
+            self.model.scorer.requires_grad_(not fixed)
+            if fixed:
+                log.info("selection fixed from step %d (schedule.select_until): the scorer is frozen", self.global_step)
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum, correct, patches = 0.0, 0, 0
         aux_sums: dict[str, float] = {}
         for rec in batch:
             out = self._forward(
-                self._store(rec.store), training=True, sigma=sigma, target=rec.target, rarity=rarity, rare=rare
+                self._store(rec.store),
+                training=True,
+                sigma=sigma,
+                target=rec.target,
+                rarity=rarity,
+                rare=rare,
+                fixed_selection=self.schedule.select_bag if fixed else None,
             )
             loss, parts = slide_loss(out, rec.target)
             (loss / len(batch)).backward()
@@ -535,6 +571,9 @@ class Trainer:
             result.probs.append(prob.tolist())
             patches += num_patches(out)
         self.collective.allreduce_grads(self.params)
+        if fixed:  # no update at all (an all-reduce fills missing grads with zeros: AdamW would still move them)
+            for p in self.model.scorer.parameters():
+                p.grad = None
         grad_norm = float("nan")
         if self.optim_cfg.grad_clip > 0:
             if self.optim_cfg.clip == "per_module":

@@ -1,0 +1,148 @@
+"""schedule.select_until: two-phase training. After the switch the scorer gets no updates, training selects the
+inference's hard top-k and reads nothing but the bag (no exploration, rare-bag or neutral cells, no evidence
+losses); before it, training is unchanged."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from flat_model_config import flat_config
+
+from operators.errors import ConfigError
+from operators.model import FoveateModel
+from operators.resnet import ResNetConfig
+from operators.scorer import ScorerConfig
+from workers.early_stopping import EarlyStoppingConfig
+from workers.slide_forward import forward_slide
+from workers.store import write_store_from_array
+from workers.trainer import EpochResult, OptimConfig, ScheduleConfig, Trainer, earliest_stop_epoch
+
+
+def _store(tmp_path) -> str:
+    rng = np.random.default_rng(0)
+    img = np.full((512, 512, 3), 240, np.uint8)
+    img[32:480, 32:480] = np.clip(np.array([200, 130, 185]) + rng.integers(-12, 12, (448, 448, 3)), 0, 255)
+    for y, x in [(96, 96), (320, 384)]:
+        img[y : y + 40, x : x + 40] = (60, 30, 100)
+    write_store_from_array(tmp_path / "s.zarr", img, tile_size=128, min_size=64)
+    return str(tmp_path / "s.zarr")
+
+
+def _config(selector: str = "perturbed", discovery: bool = True):
+    """Every discovery term on: exploration, instance + rank losses, a rare bag and neutral cells (``discovery``
+    False: all off)."""
+    on = dict(
+        instance_weight=1.0,
+        rank_weight=0.5,
+        explore_cells=3,
+        explore_strata=4,
+        rare_cells=2,
+        rare_strata=4,
+        neutral_cells=2,
+    )
+    off = dict(instance_weight=0.0, rank_weight=0.0, explore_cells=0, rare_cells=0, neutral_cells=0)
+    return flat_config(
+        patch_size=64,
+        scorer_downsample=8.0,
+        k=3,
+        num_samples=8,
+        selector=selector,
+        scorer=ScorerConfig(channels=8, pool="mean"),
+        features=ResNetConfig(widths=(8,), blocks=(1,), feature_dim=8),
+        color_jitter=0.0,
+        **(on if discovery else off),
+    )
+
+
+def test_select_until_is_checked_and_splits_the_steps():
+    for bad in (0, 0.0, 1.5, -0.1, True, "half", float("nan")):
+        with pytest.raises(ConfigError, match="select_until"):
+            ScheduleConfig(select_until=bad)
+    with pytest.raises(ConfigError, match="select_bag.*'draw' or 'topk'"):
+        ScheduleConfig(select_until=0.5, select_bag="hard")
+    s = ScheduleConfig(select_until=0.5)
+    assert [s.selection_fixed(i, 8) for i in range(8)] == [False] * 4 + [True] * 4
+    assert [ScheduleConfig(select_until=0.3).selection_fixed(i, 10) for i in range(10)] == [False] * 3 + [True] * 7
+    assert not any(ScheduleConfig().selection_fixed(i, 8) for i in range(8))
+    es = EarlyStoppingConfig(patience=2, min_epochs=0)
+    assert earliest_stop_epoch(es, 20, ScheduleConfig()) == 0
+    assert earliest_stop_epoch(es, 20, ScheduleConfig(select_until=0.5)) == 11  # one epoch of the second phase
+    assert earliest_stop_epoch(es, 20, ScheduleConfig(select_until=1.0)) == 20  # capped at the epochs
+
+
+@pytest.mark.parametrize("bag", ["draw", "topk"])
+@pytest.mark.parametrize("selector", ["perturbed", "attention", "sinkhorn"])
+def test_fixed_selection_reads_the_bag_and_nothing_else(tmp_path, selector, bag):
+    store = _store(tmp_path)
+    torch.manual_seed(0)
+    model = FoveateModel(_config(selector)).train()
+    g = torch.Generator().manual_seed(0)
+    soft = forward_slide(model, store, training=True, sigma=0.1, generator=g, target=1)
+    assert {"instance", "rank", "rare"} <= set(soft.aux_losses) and "neutral" in soft.aux_losses
+    assert soft.info["cells_read"] > 3
+    state = g.get_state()
+    out = forward_slide(model, store, training=True, sigma=0.1, generator=g, target=1, fixed_selection=bag)
+    with torch.no_grad():
+        if bag == "topk":  # the inference's cells
+            ref = forward_slide(model, store, training=False)
+        else:  # the selector's training draw, from the same noise, without the discovery reads
+            plain = FoveateModel(_config(selector, discovery=False)).train()
+            plain.load_state_dict(model.state_dict(), strict=False)
+            ref = forward_slide(plain, store, training=True, sigma=0.1, generator=g.set_state(state), target=1)
+    assert out.aux_losses == {} and "explore_cells" not in out.info
+    assert torch.equal(out.cell_indices, ref.cell_indices)
+    assert out.info["cells_read"] == ref.info["cells_read"] and not out.scores.requires_grad
+    assert bag == "draw" or out.info["cells_read"] == 3
+    torch.testing.assert_close(out.logits.detach(), ref.logits, rtol=0, atol=1e-6)
+    torch.nn.functional.cross_entropy(out.logits.reshape(1, -1), torch.tensor([1])).backward()
+    assert all(p.grad is None for p in model.scorer.parameters())
+    assert sum(float(p.grad.abs().sum()) for p in model.features.parameters() if p.grad is not None) > 0
+    with pytest.raises(ValueError, match="fixed_selection"):
+        forward_slide(model, store, training=True, target=1, fixed_selection=True)
+
+
+def test_trainer_freezes_the_scorer_in_the_second_phase(tmp_path):
+    store = _store(tmp_path)
+    cfg = _config()
+    tr = Trainer(
+        cfg,
+        OptimConfig(epochs=2, accumulate=1, lr=0.05, warmup=0, weight_decay=0.1),
+        ScheduleConfig(sigma_start=0.1, sigma_end=0.1, select_until=0.5),
+        slides_per_epoch=2,
+    )
+    assert tr.total_steps == 4
+    seen = []
+    forward = tr._forward
+
+    def spy(*args, **kw):
+        seen.append(kw["fixed_selection"])
+        return forward(*args, **kw)
+
+    tr._forward = spy
+    records = [SimpleNamespace(store=store, target=0), SimpleNamespace(store=store, target=1)]
+
+    def snap(module):
+        return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+    scorer0, feats0 = snap(tr.model.scorer), snap(tr.model.features)
+    for i in range(2):  # the first phase: the scorer learns
+        tr.step(records[i : i + 1], EpochResult(started=0.0))
+    scorer1 = snap(tr.model.scorer)
+    assert any(not torch.equal(scorer0[k], scorer1[k]) for k in scorer0)
+    feats1 = snap(tr.model.features)
+    assert any(not torch.equal(feats0[k], feats1[k]) for k in feats0)
+    parts = []
+    for i in range(2):  # the second phase: scorer frozen (weight decay and Adam momentum included)
+        metrics = tr.step(records[i : i + 1], EpochResult(started=0.0))
+        parts.append({k for k in metrics if k.startswith("loss_")})
+    assert seen == [None, None, "draw", "draw"]
+    scorer2 = snap(tr.model.scorer)
+    assert all(torch.equal(scorer1[k], scorer2[k]) for k in scorer1)
+    assert any(not torch.equal(feats1[k], v) for k, v in snap(tr.model.features).items())
+    assert parts == [
+        {"loss_ce"},
+        {"loss_ce"},
+    ]  # the bag CE alone: no evidence, rare-bag or neutral terms after the switch
