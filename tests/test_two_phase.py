@@ -104,12 +104,13 @@ def test_fixed_selection_reads_the_bag_and_nothing_else(tmp_path, selector, bag)
         forward_slide(model, store, training=True, target=1, fixed_selection=True)
 
 
-def test_trainer_freezes_the_scorer_in_the_second_phase(tmp_path):
+@pytest.mark.parametrize("ema", [0, 1])
+def test_trainer_freezes_the_scorer_in_the_second_phase(tmp_path, ema):
     store = _store(tmp_path)
     cfg = _config()
     tr = Trainer(
         cfg,
-        OptimConfig(epochs=2, accumulate=1, lr=0.05, warmup=0, weight_decay=0.1),
+        OptimConfig(epochs=2, accumulate=1, lr=0.05, warmup=0, weight_decay=0.1, ema_epochs=ema),
         ScheduleConfig(sigma_start=0.1, sigma_end=0.1, select_until=0.5),
         slides_per_epoch=2,
     )
@@ -140,7 +141,14 @@ def test_trainer_freezes_the_scorer_in_the_second_phase(tmp_path):
         parts.append({k for k in metrics if k.startswith("loss_")})
     assert seen == [None, None, "draw", "draw"]
     scorer2 = snap(tr.model.scorer)
-    assert all(torch.equal(scorer1[k], scorer2[k]) for k in scorer1)
+    if ema:  # the frozen scorer is the moving average's at the switch (the evaluated one), and stays
+        ema_scorer = snap(tr.ema_model.scorer)
+        assert all(torch.equal(ema_scorer[k], scorer2[k]) for k in scorer2)
+        assert any(not torch.equal(scorer1[k], scorer2[k]) for k in scorer1)
+        tr.step(records[:1], EpochResult(started=0.0))  # (a step past the end of the schedule: still frozen)
+        assert all(torch.equal(scorer2[k], v) for k, v in snap(tr.model.scorer).items())
+    else:
+        assert all(torch.equal(scorer1[k], scorer2[k]) for k in scorer1)
     assert any(not torch.equal(feats1[k], v) for k, v in snap(tr.model.features).items())
     assert parts == [
         {"loss_ce"},

@@ -140,7 +140,7 @@ class ScheduleConfig:
     are memorised after); None (default): constant.
 
     ``select_until``: two-phase training. From this fraction of training on the selection is fixed: the scorer
-    gets no more updates and the terms that only serve finding the structures stop (evidence instance and rank
+    (the moving average of its weights with ``optim.ema_epochs``, the one evaluated) gets no more updates and the terms that only serve finding the structures stop (evidence instance and rank
     losses, exploration reads, the rare bag, the neutral cells); the feature network and aggregator train on the
     bags the fixed scorer picks: ``select_bag`` ``draw`` (default), the selector's training draw (for the perturbed
     top-k the per-slot modes under the scheduled sigma), or ``topk``, the hard top-k of inference. Augmentation and
@@ -177,10 +177,15 @@ class ScheduleConfig:
             _check(f"schedule.{name}", v, ok, "None or a number in (0, 1]")
         _check("schedule.select_bag", self.select_bag, self.select_bag in ("draw", "topk"), "'draw' or 'topk'")
 
+    def select_step(self, total_steps: int) -> int | None:
+        """The first optimizer step (0-based) of the second phase of ``select_until``; None without it."""
+        return None if self.select_until is None else math.ceil(self.select_until * total_steps - 1e-9)
+
     def selection_fixed(self, step: int, total_steps: int) -> bool:
         """Whether optimizer step ``step`` (0-based) of ``total_steps`` is in the second phase of
         ``select_until`` (the selection fixed)."""
-        return self.select_until is not None and step >= math.ceil(self.select_until * total_steps - 1e-9)
+        first = self.select_step(total_steps)
+        return first is not None and step >= first
 
 
 def linear_decay(step: int, total_steps: int, start: float, until: float, end: float = 0.0) -> float:
@@ -544,6 +549,10 @@ class Trainer:
         if fixed != self._selection_fixed:  # the second phase of schedule.select_until: the scorer frozen
             self._selection_fixed = fixed
             self.model.scorer.requires_grad_(not fixed)
+            if fixed and self.ema_model is not None and self.global_step == self.schedule.select_step(self.total_steps):
+                # the scorer that is frozen is the evaluated one, the moving average (a resume after the switch
+                # finds it there already)
+                self.model.scorer.load_state_dict(self.ema_model.scorer.state_dict())
             if fixed:
                 log.info("selection fixed from step %d (schedule.select_until): the scorer is frozen", self.global_step)
         self.optimizer.zero_grad(set_to_none=True)
