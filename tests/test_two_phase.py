@@ -154,3 +154,41 @@ def test_trainer_freezes_the_scorer_in_the_second_phase(tmp_path, ema):
         {"loss_ce"},
         {"loss_ce"},
     ]  # the bag CE alone: no evidence, rare-bag or neutral terms after the switch
+
+
+def test_select_reinit_starts_the_classifier_afresh_at_the_switch(tmp_path):
+    store = _store(tmp_path)
+    tr = Trainer(
+        _config(),
+        OptimConfig(epochs=2, accumulate=1, lr=0.05, warmup=0, ema_epochs=1),
+        ScheduleConfig(select_until=0.5, select_reinit=True),
+        slides_per_epoch=2,
+        seed=3,
+    )
+    with pytest.raises(ConfigError, match="select_reinit"):
+        ScheduleConfig(select_until=0.5, select_reinit="yes")
+    records = [SimpleNamespace(store=store, target=0), SimpleNamespace(store=store, target=1)]
+    calls = []
+    reinit = tr._reinit_classifier
+    tr._reinit_classifier = lambda: (calls.append(tr.global_step), reinit())
+    for i in range(2):
+        tr.step(records[i : i + 1], EpochResult(started=0.0))
+    assert calls == [] and tr.optimizer.state  # first phase: Adam moments for every trained parameter
+    scorer = {k: v.clone() for k, v in tr.model.scorer.state_dict().items()}
+    rng = torch.get_rng_state()
+    reinit()
+    assert torch.equal(torch.get_rng_state(), rng)  # the global RNG is not consumed
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(3 * 1000 + 7)
+        fresh = FoveateModel(tr.model.cfg)
+    for name in ("features", "aggregator", "instance_head"):
+        want = getattr(fresh, name).state_dict()
+        for m in (tr.model, tr.ema_model):
+            got = getattr(m, name).state_dict()
+            assert all(torch.equal(got[k], want[k]) for k in want), name
+        assert all(p not in tr.optimizer.state for p in getattr(tr.model, name).parameters())
+    assert all(torch.equal(scorer[k], v) for k, v in tr.model.scorer.state_dict().items())
+    tr.step(records[:1], EpochResult(started=0.0))
+    assert calls == [2]  # called once, at the first step of the second phase
+    tr.step(records[1:], EpochResult(started=0.0))
+    assert calls == [2]
