@@ -139,7 +139,7 @@ def test_trainer_freezes_the_scorer_in_the_second_phase(tmp_path, ema):
     for i in range(2):  # the second phase: scorer frozen (weight decay and Adam momentum included)
         metrics = tr.step(records[i : i + 1], EpochResult(started=0.0))
         parts.append({k for k in metrics if k.startswith("loss_")})
-    assert seen == [None, None, "draw", "draw"]
+    assert seen == [None, None, "topk", "topk"]
     scorer2 = snap(tr.model.scorer)
     if ema:  # the frozen scorer is the moving average's at the switch (the evaluated one), and stays
         ema_scorer = snap(tr.ema_model.scorer)

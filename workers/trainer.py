@@ -142,8 +142,8 @@ class ScheduleConfig:
     ``select_until``: two-phase training. From this fraction of training on the selection is fixed: the scorer
     (the moving average of its weights with ``optim.ema_epochs``, the one evaluated) gets no more updates and the terms that only serve finding the structures stop (evidence instance and rank
     losses, exploration reads, the rare bag, the neutral cells); the feature network and aggregator train on the
-    bags the fixed scorer picks: ``select_bag`` ``draw`` (default), the selector's training draw (for the perturbed
-    top-k the per-slot modes under the scheduled sigma), or ``topk``, the hard top-k of inference. Augmentation and
+    bags the fixed scorer picks: ``select_bag`` ``topk`` (default), the hard top-k of inference, or ``draw``, the
+    selector's training draw (for the perturbed top-k the per-slot modes under the scheduled sigma). Augmentation and
     ``model.experimental.neighbour_views`` still apply. None (default): one phase, the scorer trains throughout.
     ``select_reinit``: at the switch, everything the second phase trains (feature network, standardisation,
     aggregator; a frozen encoder is kept, a pretrained one starts again from its init) starts afresh, with its
@@ -157,7 +157,7 @@ class ScheduleConfig:
     rarity_end: float = 0.0
     rare_until: float | None = None
     select_until: float | None = None
-    select_bag: str = "draw"
+    select_bag: str = "topk"
     select_reinit: bool = False
 
     def __post_init__(self) -> None:
