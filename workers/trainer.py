@@ -140,14 +140,11 @@ class ScheduleConfig:
     are memorised after); None (default): constant.
 
     ``select_until``: two-phase training. From this fraction of training on the selection is fixed: the scorer
-    (the moving average of its weights with ``optim.ema_epochs``, the one evaluated) gets no more updates and the terms that only serve finding the structures stop (evidence instance and rank
-    losses, exploration reads, the rare bag, the neutral cells); the feature network and aggregator train on the
-    bags the fixed scorer picks: ``select_bag`` ``topk`` (default), the hard top-k of inference, or ``draw``, the
+    (the moving average of its weights with ``optim.ema_epochs``, the one evaluated) gets no more updates and the
+    terms that only serve finding the structures stop (evidence instance and rank losses, exploration reads, the
+    rare bag, the neutral cells); the feature network and aggregator train on the bags the fixed scorer picks: ``select_bag`` ``topk`` (default), the hard top-k of inference, or ``draw``, the
     selector's training draw (for the perturbed top-k the per-slot modes under the scheduled sigma). Augmentation and
     ``model.experimental.neighbour_views`` still apply. None (default): one phase, the scorer trains throughout.
-    ``select_reinit``: at the switch, everything the second phase trains (feature network, standardisation,
-    aggregator; a frozen encoder is kept, a pretrained one starts again from its init) starts afresh, with its
-    optimizer state: the classifier is trained on the fixed bags alone, as the oracle is.
     """
 
     sigma_start: float = 0.05
@@ -158,7 +155,6 @@ class ScheduleConfig:
     rare_until: float | None = None
     select_until: float | None = None
     select_bag: str = "topk"
-    select_reinit: bool = False
 
     def __post_init__(self) -> None:
         _check_finite("schedule.sigma_start", self.sigma_start)
@@ -180,7 +176,6 @@ class ScheduleConfig:
             )
             _check(f"schedule.{name}", v, ok, "None or a number in (0, 1]")
         _check("schedule.select_bag", self.select_bag, self.select_bag in ("draw", "topk"), "'draw' or 'topk'")
-        _check("schedule.select_reinit", self.select_reinit, isinstance(self.select_reinit, bool), "true or false")
 
     def select_step(self, total_steps: int) -> int | None:
         """The first optimizer step (0-based) of the second phase of ``select_until``; None without it."""
@@ -430,7 +425,6 @@ class Trainer:
         self.on_step, self.log_every = on_step, int(log_every)
 
         torch.manual_seed(seed)
-        self._seed, self._features_init = int(seed), features_init
         self.model = FoveateModel(model_config)
         init = model_config.features.init
         if features_init is not None:
@@ -500,29 +494,6 @@ class Trainer:
         for e, b in zip(self.ema_model.buffers(), self.model.buffers()):
             e.copy_(b)
 
-    def _reinit_classifier(self) -> None:
-        """``schedule.select_reinit`` at the switch: every child module but the scorer that trains (a frozen
-        encoder is kept) back to a fresh initialisation (the same on every worker; ``features_init`` reloaded),
-        in the moving average too, and its optimizer state dropped."""
-        from operators.model import FoveateModel
-
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(self._seed * 1000 + 7)
-            fresh = FoveateModel(self.model.cfg)
-        if self._features_init is not None:
-            fresh.features.load_state_dict(self._features_init)
-        for name, child in self.model.named_children():
-            params = list(child.parameters())
-            if name == "scorer" or (params and not any(p.requires_grad for p in params)):
-                continue
-            state = getattr(fresh, name).state_dict()
-            child.load_state_dict(state)
-            if self.ema_model is not None:
-                getattr(self.ema_model, name).load_state_dict(state)
-            for p in params:
-                self.optimizer.state.pop(p, None)
-        log.info("select_reinit: the classifier starts afresh at step %d", self.global_step)
-
     # ------------------------------------------------------------------ slides
     def _store(self, path: str):
         from workers.store import SlideStore
@@ -582,12 +553,6 @@ class Trainer:
                 # the scorer that is frozen is the evaluated one, the moving average (a resume after the switch
                 # finds it there already)
                 self.model.scorer.load_state_dict(self.ema_model.scorer.state_dict())
-            if (
-                fixed
-                and self.schedule.select_reinit
-                and self.global_step == self.schedule.select_step(self.total_steps)
-            ):
-                self._reinit_classifier()
             if fixed:
                 log.info("selection fixed from step %d (schedule.select_until): the scorer is frozen", self.global_step)
         self.optimizer.zero_grad(set_to_none=True)
