@@ -142,8 +142,9 @@ class ScheduleConfig:
     ``select_until``: two-phase training. From this fraction of training on the selection is fixed: the scorer
     (the moving average of its weights with ``optim.ema_epochs``, the one evaluated) gets no more updates and the
     terms that only serve finding the structures stop (evidence instance and rank losses, exploration reads, the
-    rare bag, the neutral cells); the feature network and aggregator train on the bags the fixed scorer picks: ``select_bag`` ``topk`` (default), the hard top-k of inference, or ``draw``, the
-    selector's training draw (for the perturbed top-k the per-slot modes under the scheduled sigma). Augmentation and
+    rare bag, the neutral cells); the feature network and aggregator train on the bags the fixed scorer picks:
+    ``select_bag`` ``topk`` (default), the hard top-k of inference, or ``draw``, the selector's training draw (for
+    the perturbed top-k the per-slot modes under the scheduled sigma). Augmentation and
     ``model.experimental.neighbour_views`` still apply. None (default): one phase, the scorer trains throughout.
     """
 
