@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 import pytest
 import torch
 from flat_model_config import flat_config, flat_replace
+from tiny_stores import rare_structures_image, rare_structures_store
 
 from operators.errors import ConfigError
 from operators.evidence import evidence_rank_loss, instance_confidence, instance_loss, neutral_loss
@@ -17,7 +17,6 @@ from operators.model_config import ModelConfig
 from operators.resnet import ResNetConfig
 from operators.scorer import ScorerConfig
 from workers.slide_forward import forward_slide
-from workers.store import write_store_from_array
 from workers.strata import cell_strata, draw_cells
 
 torch.set_num_threads(1)
@@ -92,17 +91,8 @@ def test_config_validates_evidence_fields():
     assert FoveateModel(flat_config(instance_weight=1.0)).instance_head is not None
 
 
-def _image() -> np.ndarray:
-    rng = np.random.default_rng(0)
-    img = np.full((512, 512, 3), 240, np.uint8)
-    img[32:480, 32:480] = np.clip(np.array([200, 130, 185]) + rng.integers(-12, 12, (448, 448, 3)), 0, 255)
-    for y, x in [(96, 96), (320, 384)]:
-        img[y : y + 40, x : x + 40] = (60, 30, 100)  # two rare dark structures
-    return img
-
-
 def test_strata_isolate_rare_cells_and_stratified_exploration_reads_them_more_often():
-    img = torch.from_numpy(_image()).permute(2, 0, 1).float().div(255)
+    img = torch.from_numpy(rare_structures_image()).permute(2, 0, 1).float().div(255)
     lowres = torch.nn.functional.interpolate(img[None], size=(64, 64), mode="area")[0]  # 1/8, grid 8x8 of 64 px
     strata = cell_strata(lowres, (8, 8), 4)
     dark = [1 * 8 + 1, 5 * 8 + 6]  # cells holding the structures
@@ -124,8 +114,8 @@ def test_strata_isolate_rare_cells_and_stratified_exploration_reads_them_more_of
 
 
 def _image_store(tmp_path):
-    """:func:`_image` as a real Zarr store (128 px tiles)."""
-    return write_store_from_array(tmp_path / "s.zarr", _image(), tile_size=128, min_size=64)
+    """:func:`tiny_stores.rare_structures_image` as a real Zarr store (128 px tiles)."""
+    return rare_structures_store(tmp_path / "s.zarr")
 
 
 def _small_config(**extra) -> ModelConfig:
@@ -165,7 +155,7 @@ def test_forward_slide_adds_evidence_losses_only_in_training_with_a_target(tmp_p
 def test_rare_cells_are_the_smallest_strata_and_the_rare_bag_trains_the_classifier(tmp_path):
     from workers.strata import rare_cells
 
-    img = torch.from_numpy(_image()).permute(2, 0, 1).float().div(255)
+    img = torch.from_numpy(rare_structures_image()).permute(2, 0, 1).float().div(255)
     lowres = torch.nn.functional.interpolate(img[None], size=(64, 64), mode="area")[0]
     mask = torch.zeros(8, 8, dtype=torch.bool)
     mask[1:7, 1:7] = True  # the border cells (half slide background) are not tissue: never a rare cell
@@ -229,7 +219,7 @@ def test_per_module_clipping_keeps_the_classifier_update_when_the_scorer_gradien
         sc = [p for p in tr.model.scorer.parameters()]
 
         def fake_forward(
-            store, *, training, sigma, target=None, rarity=0.0, rare=1.0, fixed_selection=False, agg=agg, sc=sc
+            store, *, training, sigma, target=None, rarity=0.0, rare=1.0, fixed_selection=None, agg=agg, sc=sc
         ):
             loss = sum(p.sum() for p in agg) / math.sqrt(sum(p.numel() for p in agg))
             loss = loss + 1000.0 * sum(p.sum() for p in sc) / math.sqrt(sum(p.numel() for p in sc))
@@ -325,7 +315,7 @@ def test_rarity_prior_marks_the_smallest_strata_and_decays_on_schedule():
     from workers.strata import cell_rarity, cell_strata
     from workers.trainer import ScheduleConfig, linear_decay
 
-    img = torch.from_numpy(_image()).permute(2, 0, 1).float().div(255)
+    img = torch.from_numpy(rare_structures_image()).permute(2, 0, 1).float().div(255)
     lowres = torch.nn.functional.interpolate(img[None], size=(64, 64), mode="area")[0]
     mask = torch.zeros(8, 8, dtype=torch.bool)
     mask[1:7, 1:7] = True
@@ -428,7 +418,7 @@ def test_trainer_passes_the_scheduled_rarity_share_and_forward_slide_mixes_it_in
     )
     seen, seen_rare = [], []
 
-    def fake_forward(store, *, training, sigma, target=None, rarity=0.0, rare=1.0, fixed_selection=False):
+    def fake_forward(store, *, training, sigma, target=None, rarity=0.0, rare=1.0, fixed_selection=None):
         seen.append(rarity)
         seen_rare.append(rare)
         w = next(tr.model.aggregator.parameters())

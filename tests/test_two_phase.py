@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-import numpy as np
 import pytest
 import torch
 from flat_model_config import flat_config
+from tiny_stores import rare_structures_store
 
 from operators.errors import ConfigError
 from operators.model import FoveateModel
@@ -17,17 +17,11 @@ from operators.resnet import ResNetConfig
 from operators.scorer import ScorerConfig
 from workers.early_stopping import EarlyStoppingConfig
 from workers.slide_forward import forward_slide
-from workers.store import write_store_from_array
 from workers.trainer import EpochResult, OptimConfig, ScheduleConfig, Trainer, earliest_stop_epoch
 
 
 def _store(tmp_path) -> str:
-    rng = np.random.default_rng(0)
-    img = np.full((512, 512, 3), 240, np.uint8)
-    img[32:480, 32:480] = np.clip(np.array([200, 130, 185]) + rng.integers(-12, 12, (448, 448, 3)), 0, 255)
-    for y, x in [(96, 96), (320, 384)]:
-        img[y : y + 40, x : x + 40] = (60, 30, 100)
-    write_store_from_array(tmp_path / "s.zarr", img, tile_size=128, min_size=64)
+    rare_structures_store(tmp_path / "s.zarr")
     return str(tmp_path / "s.zarr")
 
 
@@ -150,7 +144,5 @@ def test_trainer_freezes_the_scorer_in_the_second_phase(tmp_path, ema):
     else:
         assert all(torch.equal(scorer1[k], scorer2[k]) for k in scorer1)
     assert any(not torch.equal(feats1[k], v) for k, v in snap(tr.model.features).items())
-    assert parts == [
-        {"loss_ce"},
-        {"loss_ce"},
-    ]  # the bag CE alone: no evidence, rare-bag or neutral terms after the switch
+    # the bag CE alone: no evidence, rare-bag or neutral terms after the switch
+    assert parts == [{"loss_ce"}, {"loss_ce"}]

@@ -1,5 +1,5 @@
-"""Tiny labelled stores for the training tests: 256x256 slides, the class carried by a 16x16 checkerboard's
-contrast (0: no checkerboard)."""
+"""Tiny stores for the training tests: labelled 256x256 slides, the class carried by a 16x16 checkerboard's
+contrast (0: no checkerboard); one 512x512 slide with two small rare structures (:func:`rare_structures_store`)."""
 
 from __future__ import annotations
 
@@ -30,3 +30,19 @@ def checker_stores(root: Path, classes: list[str], contrasts: list[int], count: 
     labels = root / "labels.csv"
     pd.DataFrame(rows).to_csv(labels, index=False)
     return root, labels
+
+
+def rare_structures_image() -> np.ndarray:
+    """uint8 ``[512, 512, 3]``: noisy pink tissue inside a 32-px white margin with two dark 40-px squares, the rare
+    structures, at ``(x, y)`` = (96, 96) and (384, 320) (cells 1*8+1 and 5*8+6 of the 8x8 grid of 64-px cells)."""
+    rng = np.random.default_rng(0)
+    img = np.full((512, 512, 3), 240, np.uint8)
+    img[32:480, 32:480] = np.clip(np.array([200, 130, 185]) + rng.integers(-12, 12, (448, 448, 3)), 0, 255)
+    for y, x in [(96, 96), (320, 384)]:
+        img[y : y + 40, x : x + 40] = (60, 30, 100)  # two rare dark structures
+    return img
+
+
+def rare_structures_store(path: Path):
+    """:func:`rare_structures_image` as a real Zarr store at ``path`` (128 px tiles); returns the opened store."""
+    return write_store_from_array(path, rare_structures_image(), tile_size=128, min_size=64)
