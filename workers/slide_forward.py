@@ -207,14 +207,15 @@ def forward_slide(
     """
     if not isinstance(model, FoveateModel):
         raise TypeError(f"model must be a FoveateModel, got {type(model).__name__}")
+    if fixed_selection not in (None, "draw", "topk"):
+        raise ValueError(f"fixed_selection must be None, 'draw' or 'topk', got {fixed_selection!r}")
     slide = prepare_slide(store_or_sample, model.cfg)
     param = next(model.parameters())
     device, dtype = param.device, param.dtype
     cell_mask = slide.cell_mask
     geo = slide.geometry if slide.geometry is not None else slide_geometry(slide.store, model.cfg)
-    if fixed_selection not in (None, "draw", "topk"):
-        raise ValueError(f"fixed_selection must be None, 'draw' or 'topk', got {fixed_selection!r}")
     fixed = training and fixed_selection is not None
+    discovering = training and not fixed  # the terms that train the scorer (evidence, rare bag, neutral cells)
     with torch.no_grad() if fixed else contextlib.nullcontext():
         scores = model.score(slide.lowres_u8[None].to(device), cell_mask[None].to(device), geo)  # converted per tile
     sel = model.select(
@@ -254,7 +255,7 @@ def forward_slide(
         return len(groups) - 1
 
     cells = sel.primary[0]
-    aux_losses = model.aux_losses(sel) if training and not fixed else {}
+    aux_losses = model.aux_losses(sel) if discovering else {}
     extra_info: dict[str, float] = {}
     k = sel.indices.shape[1]
     groups.append(patches.flatten(0, 1) if patches is not None else (cells.cpu(), None))
@@ -264,7 +265,7 @@ def forward_slide(
         view_cells = slide.grid.neighbours(cells.cpu(), views).flatten()
         g_views = read_cells(view_cells)
         cells_read += int(torch.unique(view_cells).numel())
-    evidence = training and not fixed and target is not None and model.uses_evidence
+    evidence = discovering and target is not None and model.uses_evidence
     explore = rare = neutral = None
     ev_cfg = model.cfg.evidence
     if evidence:
@@ -280,7 +281,7 @@ def forward_slide(
             rare, rare_pix = slide.rare[2], slide.rare[3]
             g_rare = read_cells(rare, rare_pix)
             cells_read += int(rare.numel())
-    if training and not fixed and target is not None and ev_cfg.neutral_cells > 0:
+    if discovering and target is not None and ev_cfg.neutral_cells > 0:
         neutral = draw_cells(scores[0], ev_cfg.neutral_cells, generator)  # uniform candidate cells
         g_neutral = read_cells(neutral) if neutral.numel() else None
         cells_read += int(neutral.numel())
