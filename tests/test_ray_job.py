@@ -154,7 +154,7 @@ def test_mlflow_server_requires_the_password(cluster):
             headers["Authorization"] = "Basic " + base64.b64encode(auth.encode()).decode()
         req = urllib.request.Request(url, data=body, headers=headers)
         try:
-            return urllib.request.urlopen(req, timeout=30).status
+            return urllib.request.urlopen(req, timeout=120).status  # basic auth hashes: slow on a loaded machine
         except urllib.error.HTTPError as err:
             return err.code
 
@@ -162,7 +162,7 @@ def test_mlflow_server_requires_the_password(cluster):
     assert post(f"{user}:wrong-{password}") == 401
     assert post(f"{user}:{password}") == 200
     # health stays open for up.sh's readiness check
-    assert urllib.request.urlopen(uri + "/health", timeout=30).status == 200
+    assert urllib.request.urlopen(uri + "/health", timeout=120).status == 200
 
 
 def test_ingest_train_score_as_ray_jobs(cluster, tmp_path, monkeypatch):
