@@ -155,6 +155,3 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if {"ray_local", "ray_own"} & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.ray)
-        # under pytest-xdist (``-n N --dist loadgroup``) a module's tests run in one worker: its module-scoped
-        # fixtures (stores, a trained model, its own Ray) are made once, and test order inside a module is kept
-        item.add_marker(pytest.mark.xdist_group(item.module.__name__ if item.module else item.nodeid))
