@@ -9,6 +9,7 @@ from operators.aggregators import (
 )
 from operators.attention_sampling import AttentionSampler, attention_entropy, attention_sample, slot_mode_sample
 from operators.encoders import TorchScriptEncoder
+from operators.gate import CellGate, fit_cluster_gate, spherical_kmeans, two_means_upper
 from operators.lapsum import LapSumTopK, lapsum_topk
 from operators.model import FoveateModel, ModelOutput, Selection
 from operators.model_config import FeaturesConfig, ModelConfig, SlideGeometry
@@ -58,6 +59,11 @@ __all__ = [
     "mist_loss",
     "nms_topk",
     "perturbed_topk",
+    # the cluster gate of two-phase training
+    "CellGate",
+    "fit_cluster_gate",
+    "spherical_kmeans",
+    "two_means_upper",
     "render_gaussian_heatmap",
     "sinkhorn_topk",
     "topk_cross_entropy",

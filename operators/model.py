@@ -30,6 +30,7 @@ from torch import nn
 
 from operators.aggregators import build_aggregator
 from operators.evidence import evidence_rank_loss, instance_confidence, instance_loss
+from operators.gate import CellGate
 from operators.model_config import ModelConfig, SlideGeometry
 from operators.resnet import ResNet, RunningStandardise
 from operators.scorer import (
@@ -180,6 +181,22 @@ class FoveateModel(nn.Module):
         # created only when used, so models without the evidence losses keep their parameters (and seeds)
         ev = cfg.evidence
         self.instance_head = nn.Linear(self.feature_dim, cfg.num_classes) if ev.instance_weight > 0 else None
+        # last, so models without it keep their parameters (and seeds); fitted by the trainer when the selection
+        # is fixed (schedule.select_until)
+        self.gate: CellGate | None = None
+        ex = cfg.experimental
+        if ex.gate_candidates > 0:
+            frozen = bool(cfg.features.freeze) or cfg.features.kind == "torchscript"
+            own = None if frozen else _build_features(cfg, torchscript)
+            self.gate = CellGate(own, self.feature_dim, ex.gate_clusters)
+
+    def gate_encode(self, patches: torch.Tensor) -> torch.Tensor:
+        """``patches[M, 3, p, p]`` float in [0, 1] -> the features the cell gate clusters: its frozen encoder's
+        (the model's own encoder when that one is frozen)."""
+        if self.gate is None:
+            raise ValueError("this model has no cell gate (model.experimental.gate_candidates is 0)")
+        enc = self.gate.encoder if self.gate.encoder is not None else self.features
+        return enc(patches)
 
     @property
     def feature_dim(self) -> int:

@@ -717,8 +717,17 @@ class ExperimentalConfig:
     """In training, each selected cell's 4 (or 8) grid neighbours join the bag as further views of what it holds
     (shifted by one stride); 0: off. Inference reads the K cells alone. Under study (RESULTS, "The shape family ...
     bag by bag"); perturbed and hard selection only."""
+    gate_candidates: int = 0
+    """Cluster gate (:mod:`operators.gate`) for two-phase training (``schedule.select_until``): when the selection
+    is fixed, the frozen scorer's top ``gate_candidates`` local maxima per slide are clustered by appearance and a
+    slide's bag becomes those in clusters the scorer ranks high on average, in the second phase and at inference;
+    0: off (the top ``selection.k``). Under study (RESULTS, "a gate on the frozen scorer's candidates")."""
+    gate_clusters: int = 16
+    """Appearance clusters of the cluster gate."""
 
     def __post_init__(self) -> None:
+        _int("model.experimental.gate_candidates", self.gate_candidates, 0)
+        _int("model.experimental.gate_clusters", self.gate_clusters, 2)
         _bool("model.experimental.control_variate", self.control_variate)
         _num("model.experimental.evidence_gamma", self.evidence_gamma, 0, 1, lo_open=True)
         if isinstance(self.neighbour_views, bool) or self.neighbour_views not in NEIGHBOUR_VIEWS:

@@ -70,15 +70,24 @@ def _load(model: Any):
     from operators.checkpoint import load_local, model_from_checkpoint
 
     if isinstance(model, Mapping):
-        return model_from_checkpoint(model)
-    if isinstance(model, (str, Path)):
+        loaded = model_from_checkpoint(model)
+    elif isinstance(model, (str, Path)):
         if ":/" in str(model):
             raise ValueError(
                 f"model {str(model)!r}: workers load checkpoint dicts or local paths; resolve "
                 "MLflow URIs on the driver (pipeline.mlflow_model.load_model)"
             )
-        return load_local(model)
-    raise TypeError(f"model must be a checkpoint dict or a local checkpoint path, got {type(model).__name__}")
+        loaded = load_local(model)
+    else:
+        raise TypeError(f"model must be a checkpoint dict or a local checkpoint path, got {type(model).__name__}")
+    gate = loaded[0].gate
+    if gate is not None and gate.is_fitted:
+        raise ValueError(
+            "this model has a fitted cell gate (model.experimental.gate_candidates, under study): its bags are "
+            "chosen by the gate, which the scoring stages do not apply yet; evaluate it with `foveate train`'s "
+            "validation or benchmarks/robustness.py"
+        )
+    return loaded
 
 
 def _describe(exc: BaseException) -> str:

@@ -17,12 +17,12 @@ from typing import Any
 import torch
 
 from operators.evidence import neutral_loss
-from operators.model import FoveateModel, ModelOutput
+from operators.model import FoveateModel, ModelOutput, Selection
 from workers.feature_cache import FeatureCache, features_frozen
 from workers.patches import SlideInput, gather_patches, prepare_slide, slide_geometry
 from workers.strata import cell_rarity, draw_cells, rare_cells, slide_strata
 
-__all__ = ["forward_slide", "color_jitter_patches", "symmetry_patches", "augment_patches"]
+__all__ = ["forward_slide", "gate_candidates", "color_jitter_patches", "symmetry_patches", "augment_patches"]
 
 log = logging.getLogger(__name__)
 
@@ -218,6 +218,8 @@ def forward_slide(
     discovering = training and not fixed  # the terms that train the scorer (evidence, rare bag, neutral cells)
     with torch.no_grad() if fixed else contextlib.nullcontext():
         scores = model.score(slide.lowres_u8[None].to(device), cell_mask[None].to(device), geo)  # converted per tile
+    if model.gate is not None and model.gate.is_fitted and (fixed or not training):
+        return _forward_gated(model, slide, scores, training=training, generator=generator)
     sel = model.select(
         model.local_maxima(scores, tuple(cell_mask.shape)),
         training=training and fixed_selection != "topk",
@@ -352,6 +354,65 @@ def forward_slide(
         coords_l0=_read_corners(slide, cells.cpu()),
         patch_scores=scores[0, cells],
         aux_losses=aux_losses,
+        selection=sel,
+        info=info,
+    )
+
+
+def gate_candidates(model: FoveateModel, slide: SlideInput, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cell gate's candidates of one slide: the top ``model.experimental.gate_candidates`` local maxima of
+    ``scores [1, N]`` (fewer where the slide has fewer), best first -> ``(cells [n] long, on the CPU; their
+    scores [n])``."""
+    lm = model.local_maxima(scores, tuple(slide.cell_mask.shape))[0]
+    n = min(model.cfg.experimental.gate_candidates, int(torch.isfinite(lm).sum()))
+    top = lm.topk(max(n, 1))
+    return top.indices.cpu(), top.values
+
+
+def _forward_gated(
+    model: FoveateModel,
+    slide: SlideInput,
+    scores: torch.Tensor,
+    *,
+    training: bool,
+    generator: torch.Generator | None,
+) -> ModelOutput:
+    """The bag of a fitted cell gate (:mod:`operators.gate`): the slide's :func:`gate_candidates` read once, the
+    gate keeps those in informative clusters, the classifier sees the kept cells (cell order) with equal weights.
+    In training (the second phase of ``schedule.select_until``) the kept patches are augmented; nothing else is
+    read."""
+    param = next(model.parameters())
+    device, dtype = param.device, param.dtype
+    cand, _ = gate_candidates(model, slide, scores)
+    pixels = slide.reader.read(cand).to(device=device, dtype=dtype).div_(255.0)
+    with torch.no_grad():
+        keep = model.gate.keep(model.gate_encode(pixels)).cpu()
+    cells, order = cand[keep].sort()
+    patches = pixels[keep.to(device)][order.to(device)]
+    aug = model.cfg.augment
+    if training and (aug.color_jitter > 0 or aug.symmetry != "none"):
+        patches = augment_patches(patches, aug, generator)
+    feats = model.embed(patches)
+    positions = slide.grid.cell_centres(cells).to(device=device, dtype=dtype)
+    logits = model.aggregate(feats[None], positions[None], None)
+    k = int(cells.numel())
+    idx = cells.to(scores.device)
+    sel = Selection(indices=idx[None, :, None], weights=torch.ones(1, k, 1, device=scores.device, dtype=scores.dtype))
+    info = {
+        "num_cells": float(slide.grid.num_cells),
+        "num_candidates": float(torch.isfinite(scores[0]).sum()),
+        "tissue_fallback": float(int(slide.cell_mask.sum()) < model.cfg.selection.k),
+        "cells_read": float(cand.numel()),
+        "gate_candidates": float(cand.numel()),
+        "gate_kept": float(k),
+    }
+    return ModelOutput(
+        logits=logits,
+        scores=scores[0],
+        cell_indices=idx,
+        coords_l0=_read_corners(slide, cells),
+        patch_scores=scores[0, idx],
+        aux_losses={},
         selection=sel,
         info=info,
     )

@@ -426,6 +426,13 @@ class Trainer:
         self.on_step, self.log_every = on_step, int(log_every)
 
         torch.manual_seed(seed)
+        self.seed = seed
+        if model_config.experimental.gate_candidates > 0 and schedule.select_until is None:
+            raise ValueError(
+                "model.experimental.gate_candidates > 0 needs schedule.select_until (the gate is fitted when the "
+                f"selection is fixed); got gate_candidates={model_config.experimental.gate_candidates} and "
+                "schedule.select_until=None: set schedule.select_until (e.g. 0.5) or gate_candidates: 0"
+            )
         self.model = FoveateModel(model_config)
         init = model_config.features.init
         if features_init is not None:
@@ -453,6 +460,7 @@ class Trainer:
         self.generator.manual_seed(seed * 1000 + self.rank)
         self.epoch, self.global_step, self.train_seconds = 0, 0, 0.0
         self._selection_fixed = False  # in the second phase of schedule.select_until
+        self._train_records: Sequence[Any] = ()
         self._stores: dict[str, Any] = {}
         self.ema_model: torch.nn.Module | None = None
         if optim.ema_epochs > 0:
@@ -556,6 +564,9 @@ class Trainer:
                 self.model.scorer.load_state_dict(self.ema_model.scorer.state_dict())
             if fixed:
                 log.info("selection fixed from step %d (schedule.select_until): the scorer is frozen", self.global_step)
+                gate = self.model.gate
+                if gate is not None and not gate.is_fitted:  # a resume after the switch finds it fitted already
+                    self._fit_gate()
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum, correct, patches = 0.0, 0, 0
         aux_sums: dict[str, float] = {}
@@ -622,9 +633,53 @@ class Trainer:
         metrics.update({f"loss_{k}": v / max(len(batch), 1) for k, v in aux_sums.items()})
         return metrics
 
+    @torch.no_grad()
+    def _fit_gate(self) -> None:
+        """Fit the cell gate (:mod:`operators.gate`) when the selection is fixed: the frozen scorer's candidates of
+        every worker's training slides, embedded by a frozen copy of the encoder as it is now; the same fit on every
+        worker (all candidates gathered, one seed), copied into the moving average."""
+        from workers.patches import prepare_slide
+        from workers.slide_forward import gate_candidates
+
+        model, gate = self.model, self.model.gate
+        if gate.encoder is not None:
+            gate.encoder.load_state_dict(model.features.state_dict())
+        was_training = model.training
+        model.eval()
+        feats, scores = [], []
+        for rec in self._train_records:
+            slide = prepare_slide(self._store(rec.store), model.cfg)
+            s = model.score(
+                slide.lowres_u8[None].to(self.device), slide.cell_mask[None].to(self.device), slide.geometry
+            )
+            cells, values = gate_candidates(model, slide, s)
+            pixels = slide.reader.read(cells).to(device=self.device, dtype=torch.float32).div_(255.0)
+            feats.append(model.gate_encode(pixels).cpu())
+            scores.append(values.cpu())
+        model.train(was_training)
+        parts = self.collective.all_gather((torch.cat(feats), torch.cat(scores)) if feats else None)
+        parts = [p for p in parts if p is not None]
+        if not parts:
+            raise ValueError("the cell gate has no training slides to fit on (model.experimental.gate_candidates)")
+        f_all, s_all = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+        fit = gate.fit(f_all, s_all, torch.Generator().manual_seed(int(self.seed)))
+        if self.ema_model is not None:
+            self.ema_model.gate.load_state_dict(gate.state_dict())
+        kept = fit["informative"][fit["assignment"]].double().mean()
+        log.info(
+            "cell gate fitted on %d candidates of %d training slides: %d of %d clusters informative, %.0f%% of the "
+            "candidates in them",
+            f_all.shape[0],
+            sum(len(p[0]) for p in parts) // max(model.cfg.experimental.gate_candidates, 1),
+            int(fit["informative"].sum()),
+            fit["centroids"].shape[0],
+            100 * float(kept),
+        )
+
     def train_epoch(self, records: Sequence[Any]) -> EpochResult:
         """One epoch over this worker's ``records`` (already sharded and shuffled), ``optim.accumulate``
         slides per optimizer step."""
+        self._train_records = records  # the cell gate is fitted on them when the selection is fixed
         self.model.train()
         result = EpochResult(started=time.perf_counter())
         acc = self.optim_cfg.accumulate

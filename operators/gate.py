@@ -1,0 +1,206 @@
+"""Cluster gate: which of a frozen scorer's candidate cells enter the bag.
+
+A scorer trained to rank cells puts the informative ones near the top of a slide's ranking, but its scores are no
+in/out call: the top K of a slide holds its few informative cells *and* filler, and the filler costs the
+classifier what it could learn (``benchmarks/RESULTS.md``, "The shape family, version 2: a gate on the frozen
+scorer's candidates"). A single cell's score is too noisy to cut on; the mean score over many cells of one
+appearance is not. So the gate decides per *appearance cluster*:
+
+1. the top-N candidates (local maxima) of every training slide are embedded by the encoder as it is when the
+   selection is fixed (a frozen copy is kept), standardised and L2-normalised;
+2. spherical k-means (k-means++ seeding, cosine assignments) groups them into ``clusters`` appearance clusters;
+3. a cluster is *informative* when its cells' mean score falls in the upper group of a weighted two-means split of
+   the clusters' mean scores (weights: cluster sizes).
+
+A slide's bag is then those of its top-N candidates whose nearest cluster is informative (at least its best-scored
+candidate). Label-free: the slide labels are not used, the scorer's own ranking is, averaged over each cluster.
+
+Shapes: ``M`` candidate cells, ``D`` feature size, ``k`` clusters.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+__all__ = ["CellGate", "fit_cluster_gate", "spherical_kmeans", "two_means_upper"]
+
+
+def _check_2d(name: str, x: object) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[0] == 0:
+        raise ValueError(f"{name} must be a non-empty [M, D] tensor, got {getattr(x, 'shape', type(x).__name__)}")
+    return x
+
+
+def spherical_kmeans(
+    x: torch.Tensor, k: int, generator: torch.Generator | None = None, iters: int = 50
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Spherical k-means (cosine similarity) with k-means++ seeding.
+
+    Args:
+        x: ``[M, D]`` rows of unit length (not checked; normalise first).
+        k: clusters, ``1 <= k``; more than ``M`` are cut to ``M``.
+        generator: RNG of the seeding (CPU).
+        iters: Lloyd iterations (stops early when the assignments no longer change).
+
+    Returns:
+        ``(centroids [k', D] unit rows, assignment [M] long)`` with ``k' = min(k, M)``; a cluster that empties
+        keeps its previous centroid.
+    """
+    x = _check_2d("x", x)
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"k must be an int >= 1, got {k!r}")
+    m = x.shape[0]
+    k = min(k, m)
+    first = int(torch.randint(m, (1,), generator=generator))
+    cen = [x[first]]
+    dist = 1.0 - x @ x[first]  # cosine distance to the nearest centroid so far
+    for _ in range(1, k):
+        p = dist.clamp_min(0)
+        i = int(torch.multinomial(p / p.sum(), 1, generator=generator)) if float(p.sum()) > 0 else int(dist.argmax())
+        cen.append(x[i])
+        dist = torch.minimum(dist, 1.0 - x @ x[i])
+    c = torch.stack(cen)
+    assign = (x @ c.T).argmax(1)
+    for _ in range(iters):
+        sums = torch.zeros_like(c).index_add_(0, assign, x)
+        norms = sums.norm(dim=1, keepdim=True)
+        c = torch.where(norms > 0, sums / norms.clamp_min(1e-12), c)
+        new = (x @ c.T).argmax(1)
+        if torch.equal(new, assign):
+            break
+        assign = new
+    return c, assign
+
+
+def two_means_upper(values: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """The upper group of the exact weighted two-means split of 1-D ``values``.
+
+    Among the cuts of the sorted values, the one that maximises the between-group variance
+    ``W_lo * W_hi * (mean_hi - mean_lo)^2`` (weighted means and totals; Otsu's criterion).
+
+    Args:
+        values: ``[k]``.
+        weights: ``[k]`` >= 0 (default all 1); values of weight 0 take no part in the cut (they are in the upper
+            group when above it).
+
+    Returns:
+        ``[k]`` bool, True in the upper group; all True when fewer than two values have weight.
+    """
+    if not isinstance(values, torch.Tensor) or values.dim() != 1 or values.numel() == 0:
+        raise ValueError(
+            f"values must be a non-empty [k] tensor, got {getattr(values, 'shape', type(values).__name__)}"
+        )
+    v = values.double()
+    w = torch.ones_like(v) if weights is None else weights.double()
+    if w.shape != v.shape or bool((w < 0).any()):
+        raise ValueError(f"weights must be [k] = {tuple(v.shape)} and >= 0, got {tuple(w.shape)}")
+    live = w > 0
+    if int(live.sum()) < 2:
+        return torch.ones_like(live)
+    vs, order = v[live].sort()
+    ws = w[live][order]
+    cw, cvw = ws.cumsum(0), (vs * ws).cumsum(0)
+    w_lo, w_hi = cw[:-1], cw[-1] - cw[:-1]
+    m_lo, m_hi = cvw[:-1] / w_lo, (cvw[-1] - cvw[:-1]) / w_hi
+    between = w_lo * w_hi * (m_hi - m_lo) ** 2
+    between = torch.where(vs[1:] > vs[:-1], between, torch.full_like(between, -1.0))  # cut only between distinct
+    if float(between.max()) < 0:
+        return torch.ones_like(live)
+    cut = vs[int(between.argmax()) + 1]
+    return v >= cut
+
+
+def fit_cluster_gate(
+    features: torch.Tensor, scores: torch.Tensor, clusters: int, generator: torch.Generator | None = None
+) -> dict[str, torch.Tensor]:
+    """Fit the gate's clusters on candidate cells (see the module docstring).
+
+    Args:
+        features: ``[M, D]`` the encoder's features of the training slides' candidates.
+        scores: ``[M]`` their scores (any monotone scale; only means over clusters are compared).
+        clusters: k.
+        generator: RNG of the k-means seeding.
+
+    Returns:
+        ``{"mean": [D], "std": [D], "centroids": [k', D], "informative": [k'] bool, "assignment": [M] long}``
+        (``k' = min(k, M)``); features are standardised by ``mean`` / ``std`` and L2-normalised before the
+        cosine assignment.
+    """
+    features = _check_2d("features", features).double()
+    if not isinstance(scores, torch.Tensor) or scores.shape != features.shape[:1]:
+        raise ValueError(
+            f"scores must be [M] = {tuple(features.shape[:1])}, got {getattr(scores, 'shape', type(scores).__name__)}"
+        )
+    mean, std = features.mean(0), features.std(0, unbiased=False).clamp_min(1e-6)
+    x = nn.functional.normalize((features - mean) / std, dim=1)
+    cen, assign = spherical_kmeans(x, clusters, generator)
+    k = cen.shape[0]
+    size = torch.bincount(assign, minlength=k).double()
+    mean_score = torch.zeros(k, dtype=torch.float64).index_add_(0, assign, scores.double()) / size.clamp_min(1)
+    informative = two_means_upper(mean_score, size)
+    return {"mean": mean, "std": std, "centroids": cen, "informative": informative, "assignment": assign}
+
+
+class CellGate(nn.Module):
+    """The fitted gate: a frozen encoder (or none: the model's own, when that one is frozen), the feature
+    standardisation, the cluster centroids and which clusters are informative. Unfitted it keeps every candidate.
+
+    Args:
+        encoder: the frozen copy of the feature network (kept in eval mode, no gradients), or None.
+        feature_dim: D.
+        clusters: k.
+    """
+
+    def __init__(self, encoder: nn.Module | None, feature_dim: int, clusters: int):
+        super().__init__()
+        self.encoder = encoder
+        if encoder is not None:
+            encoder.requires_grad_(False).eval()
+        self.register_buffer("mean", torch.zeros(feature_dim))
+        self.register_buffer("std", torch.ones(feature_dim))
+        self.register_buffer("centroids", torch.zeros(clusters, feature_dim))
+        self.register_buffer("informative", torch.ones(clusters, dtype=torch.bool))
+        self.register_buffer("fitted", torch.zeros((), dtype=torch.bool))
+
+    def train(self, mode: bool = True) -> CellGate:
+        super().train(mode)
+        if self.encoder is not None:
+            self.encoder.eval()  # frozen: its normalisation statistics never follow a training batch
+        return self
+
+    @property
+    def is_fitted(self) -> bool:
+        return bool(self.fitted)
+
+    def fit(self, features: torch.Tensor, scores: torch.Tensor, generator: torch.Generator | None = None) -> dict:
+        """:func:`fit_cluster_gate` on ``features [M, D]`` (from :meth:`encode`) and ``scores [M]``; stores the
+        result (fewer candidates than clusters: the spare centroids are never nearest, marked not informative)."""
+        fit = fit_cluster_gate(features.detach().cpu(), scores.detach().cpu(), self.centroids.shape[0], generator)
+        k = fit["centroids"].shape[0]
+        dt = self.centroids.dtype
+        self.mean.copy_(fit["mean"].to(dt))
+        self.std.copy_(fit["std"].to(dt))
+        self.centroids.zero_()
+        self.centroids[:k] = fit["centroids"].to(dt)
+        self.informative.zero_()
+        self.informative[:k] = fit["informative"]
+        self.fitted.fill_(True)
+        return fit
+
+    def assign(self, features: torch.Tensor) -> torch.Tensor:
+        """``features [M, D]`` -> nearest cluster ``[M]`` (cosine, after the fitted standardisation)."""
+        x = nn.functional.normalize((_check_2d("features", features) - self.mean) / self.std, dim=1)
+        live = self.centroids.norm(dim=1) > 0
+        sim = (x @ self.centroids.T).masked_fill(~live, float("-inf"))
+        return sim.argmax(1)
+
+    def keep(self, features: torch.Tensor) -> torch.Tensor:
+        """``features [M, D]`` of a slide's candidates, best-scored first -> ``[M]`` bool: in an informative
+        cluster; the first candidate kept when none is. All True while unfitted."""
+        if not self.is_fitted:
+            return torch.ones(features.shape[0], dtype=torch.bool, device=features.device)
+        k = self.informative[self.assign(features)]
+        if not bool(k.any()):
+            k[0] = True
+        return k

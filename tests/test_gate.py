@@ -1,0 +1,201 @@
+"""The cluster gate (operators/gate.py, model.experimental.gate_candidates): the two-means cut against brute
+force in float64, k-means on separated clusters, the fit's informative clusters, the gated bag in forward_slide,
+the trainer fitting it when the selection is fixed (and the moving average getting the same gate), a checkpoint
+round trip, and the scoring stages refusing a gated model with a clear error."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from types import SimpleNamespace
+
+import pytest
+import torch
+from test_two_phase import _config, _store
+
+from operators.gate import CellGate, fit_cluster_gate, spherical_kmeans, two_means_upper
+from operators.model import FoveateModel
+from workers.slide_forward import forward_slide, gate_candidates
+from workers.trainer import OptimConfig, ScheduleConfig, Trainer
+
+
+def _brute_upper(v: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Every cut between distinct sorted values, the between-group variance computed directly."""
+    best, mask = -1.0, torch.ones_like(v, dtype=torch.bool)
+    for cut in sorted(set(v.tolist()))[1:]:
+        hi = v >= cut
+        lo = ~hi
+        wl, wh = float(w[lo].sum()), float(w[hi].sum())
+        if wl == 0 or wh == 0:
+            continue
+        ml, mh = float((v[lo] * w[lo]).sum()) / wl, float((v[hi] * w[hi]).sum()) / wh
+        b = wl * wh * (mh - ml) ** 2
+        if b > best:
+            best, mask = b, hi
+    return mask
+
+
+def test_two_means_upper_matches_brute_force_in_float64():
+    g = torch.Generator().manual_seed(0)
+    for n in (2, 3, 5, 9, 16):
+        for _ in range(20):
+            v = torch.rand(n, generator=g, dtype=torch.float64).round(decimals=2)  # ties included
+            w = torch.randint(1, 50, (n,), generator=g).double()
+            assert torch.equal(two_means_upper(v, w), _brute_upper(v, w)), (v, w)
+    # two obvious groups; the weights move nothing here
+    v = torch.tensor([0.86, 0.85, 0.93, 0.87, 0.92, 0.91], dtype=torch.float64)
+    assert two_means_upper(v).tolist() == [False, False, True, False, True, True]
+    assert two_means_upper(torch.tensor([0.5])).tolist() == [True]
+    assert two_means_upper(torch.tensor([0.5, 0.5, 0.5])).all()
+    with pytest.raises(ValueError, match="weights"):
+        two_means_upper(v, -torch.ones(6))
+    with pytest.raises(ValueError, match="values"):
+        two_means_upper(torch.zeros(2, 2))
+
+
+def _blobs(centres: torch.Tensor, per: int, spread: float, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = centres.repeat_interleave(per, 0) + spread * torch.randn(len(centres) * per, centres.shape[1], generator=g)
+    return x, torch.arange(len(centres)).repeat_interleave(per)
+
+
+def test_spherical_kmeans_recovers_separated_directions():
+    centres = torch.eye(4, 6, dtype=torch.float64) * 5
+    x, label = _blobs(centres, 30, 0.3)
+    x = torch.nn.functional.normalize(x, dim=1)
+    cen, assign = spherical_kmeans(x, 4, torch.Generator().manual_seed(1))
+    assert cen.shape == (4, 6) and torch.allclose(cen.norm(dim=1), torch.ones(4, dtype=torch.float64))
+    # the partition is the blobs' (up to the clusters' order)
+    pairs = set(zip(label.tolist(), assign.tolist()))
+    assert len(pairs) == 4 and len({a for _, a in pairs}) == 4
+    again = spherical_kmeans(x, 4, torch.Generator().manual_seed(1))
+    assert torch.equal(again[1], assign)
+    assert spherical_kmeans(x[:3], 8)[0].shape[0] == 3  # k cut to M
+    with pytest.raises(ValueError, match="k must"):
+        spherical_kmeans(x, 0)
+
+
+def test_fit_marks_the_clusters_the_scorer_ranks_high_on_average():
+    # six appearance blobs; the scorer's score per cell is noisy (blobs overlap cell by cell) but two blobs are
+    # ranked high on average: those two are the informative clusters
+    centres = torch.eye(6, 8, dtype=torch.float64) * 4 + 1.0
+    x, label = _blobs(centres, 40, 0.2)
+    g = torch.Generator().manual_seed(3)
+    high = (label == 1) | (label == 4)
+    scores = torch.where(high, 0.93, 0.86).double() + 0.04 * torch.randn(len(label), generator=g, dtype=torch.float64)
+    assert float(((scores[high][:, None] > scores[~high][None]).double()).mean()) < 0.95  # cell by cell: noisy
+    fit = fit_cluster_gate(x, scores, 6, torch.Generator().manual_seed(0))
+    kept = fit["informative"][fit["assignment"]]
+    assert torch.equal(kept, high)
+    with pytest.raises(ValueError, match="scores"):
+        fit_cluster_gate(x, scores[:-1], 6)
+
+    gate = CellGate(None, 8, 6)
+    assert gate.keep(x.float()[:5]).all()  # unfitted: every candidate
+    gate.fit(x, scores, torch.Generator().manual_seed(0))
+    assert gate.is_fitted and torch.equal(gate.keep(x.float()), high)
+    lows = x.float()[~high][:3]
+    assert gate.keep(lows).tolist() == [True, False, False]  # none informative: the best-scored (first) one
+    small = CellGate(None, 8, 16)  # more clusters than candidates: spare centroids never nearest
+    small.fit(x[:10], scores[:10])
+    assert int(small.assign(x.float()[:10]).max()) < 10
+
+
+def _gated_config(candidates: int = 6, clusters: int = 3):
+    cfg = _config()
+    return dataclasses.replace(
+        cfg,
+        experimental=dataclasses.replace(cfg.experimental, gate_candidates=candidates, gate_clusters=clusters),
+    )
+
+
+def test_gated_forward_reads_the_candidates_once_and_classifies_the_kept_ones(tmp_path):
+    store = _store(tmp_path)
+    torch.manual_seed(0)
+    model = FoveateModel(_gated_config()).eval()
+    assert model.gate is not None and model.gate.encoder is not None
+    assert not any(p.requires_grad for p in model.gate.parameters())
+    with torch.no_grad():
+        before = forward_slide(model, store, training=False)
+    assert before.cell_indices.numel() == 3  # unfitted: the plain top-k
+    from workers.patches import prepare_slide
+
+    slide = prepare_slide(store, model.cfg)
+    with torch.no_grad():
+        scores = model.score(slide.lowres_u8[None], slide.cell_mask[None], slide.geometry)
+        cells, values = gate_candidates(model, slide, scores)
+        assert cells.numel() == 6 and torch.all(values[:-1] >= values[1:])
+        pix = slide.reader.read(cells).float() / 255
+        feats = model.gate_encode(pix)
+    model.gate.fit(feats.double(), values, torch.Generator().manual_seed(0))
+    keep = model.gate.keep(feats)
+    with torch.no_grad():
+        out = forward_slide(model, store, training=False)
+        ref_cells = cells[keep].sort().values
+        ref = model.aggregate(
+            model.embed(slide.reader.read(ref_cells).float() / 255)[None],
+            slide.grid.cell_centres(ref_cells)[None],
+            None,
+        )
+    assert torch.equal(out.cell_indices, ref_cells)
+    assert out.info["cells_read"] == 6 and out.info["gate_kept"] == ref_cells.numel()
+    torch.testing.assert_close(out.logits, ref, rtol=0, atol=1e-6)
+    # training: the gate applies in the second phase only (fixed selection); the first phase is unchanged
+    model.train()
+    g = torch.Generator().manual_seed(0)
+    fixed = forward_slide(model, store, training=True, generator=g, target=1, fixed_selection="topk")
+    assert torch.equal(fixed.cell_indices, ref_cells) and fixed.aux_losses == {}
+    free = forward_slide(model, store, training=True, sigma=0.1, generator=g, target=1)
+    assert "gate_kept" not in free.info and free.cell_indices.numel() == 3
+
+
+def test_trainer_fits_the_gate_at_the_switch_and_it_survives_a_checkpoint(tmp_path):
+    store = _store(tmp_path)
+    with pytest.raises(ValueError, match="needs schedule.select_until"):
+        Trainer(_gated_config(), OptimConfig(epochs=1), ScheduleConfig(), slides_per_epoch=1)
+    tr = Trainer(
+        _gated_config(),
+        OptimConfig(epochs=2, accumulate=1, lr=0.05, warmup=0, weight_decay=0.1, ema_epochs=1),
+        ScheduleConfig(sigma_start=0.1, sigma_end=0.1, select_until=0.5),
+        slides_per_epoch=2,
+    )
+    records = [SimpleNamespace(store=store, target=0), SimpleNamespace(store=store, target=1)]
+    tr.train_epoch(records)
+    assert not tr.model.gate.is_fitted  # the first phase
+    enc_at_switch = {k: v.clone() for k, v in tr.model.features.state_dict().items()}
+    tr.train_epoch(records)
+    gate, ema_gate = tr.model.gate, tr.ema_model.gate
+    assert gate.is_fitted and ema_gate.is_fitted
+    for k, v in gate.state_dict().items():
+        assert torch.equal(v, ema_gate.state_dict()[k]), k
+    for k, v in gate.encoder.state_dict().items():  # the frozen copy is the encoder as it was at the switch
+        assert torch.equal(v, enc_at_switch[k]), k
+    assert any(not torch.equal(v, enc_at_switch[k]) for k, v in tr.model.features.state_dict().items())
+    model = tr.eval_model.eval()
+    with torch.no_grad():
+        out = forward_slide(model, store, training=False)
+    assert "gate_kept" in out.info
+    # a checkpoint's state dict gives the same gated predictions in a fresh model
+    fresh = FoveateModel(model.cfg).eval()
+    fresh.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        again = forward_slide(fresh, store, training=False)
+    assert torch.equal(again.cell_indices, out.cell_indices)
+    torch.testing.assert_close(again.logits, out.logits, rtol=0, atol=0)
+
+    from operators.checkpoint import save_checkpoint
+    from workers.scoring import ScorerWorker
+
+    path = tmp_path / "gated.pt"
+    save_checkpoint(path, model, model.cfg, ["a", "b"])
+    with pytest.raises(ValueError, match="fitted cell gate"):
+        ScorerWorker(str(path), device="cpu")
+
+
+@pytest.mark.parametrize(("candidates", "clusters"), list(itertools.product((-1, 1.5, True), (16,))) + [(8, 1)])
+def test_gate_settings_are_checked(candidates, clusters):
+    from operators.errors import ConfigError
+    from operators.model_config import ExperimentalConfig
+
+    with pytest.raises(ConfigError, match="gate_"):
+        ExperimentalConfig(gate_candidates=candidates, gate_clusters=clusters)
