@@ -1,7 +1,7 @@
 """The cluster gate (operators/gate.py, model.experimental.gate_candidates): the two-means cut against brute
 force in float64, k-means on separated clusters, the fit's informative clusters, the gated bag in forward_slide,
 the trainer fitting it when the selection is fixed (and the moving average getting the same gate), a checkpoint
-round trip, and the scoring stages refusing a gated model with a clear error."""
+round trip, and the scoring stages (scorer and classifier workers) giving the same bag and probabilities."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import dataclasses
 import itertools
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from test_two_phase import _config, _store
@@ -123,7 +124,7 @@ def test_gated_forward_reads_the_candidates_once_and_classifies_the_kept_ones(tm
     slide = prepare_slide(store, model.cfg)
     with torch.no_grad():
         scores = model.score(slide.lowres_u8[None], slide.cell_mask[None], slide.geometry)
-        cells, values = gate_candidates(model, slide, scores)
+        cells, values = gate_candidates(model, scores, tuple(slide.cell_mask.shape))
         assert cells.numel() == 6 and torch.all(values[:-1] >= values[1:])
         pix = slide.reader.read(cells).float() / 255
         feats = model.gate_encode(pix)
@@ -178,18 +179,36 @@ def test_trainer_fits_the_gate_at_the_switch_and_it_survives_a_checkpoint(tmp_pa
     # a checkpoint's state dict gives the same gated predictions in a fresh model
     fresh = FoveateModel(model.cfg).eval()
     fresh.load_state_dict(model.state_dict())
+
+    def fresh_plain():
+        return FoveateModel(model.cfg).eval()  # the same config, its gate never fitted
+
     with torch.no_grad():
         again = forward_slide(fresh, store, training=False)
     assert torch.equal(again.cell_indices, out.cell_indices)
     torch.testing.assert_close(again.logits, out.logits, rtol=0, atol=0)
 
+    # the scoring stages (foveate score, the served model) give the same bag and probabilities
     from operators.checkpoint import save_checkpoint
-    from workers.scoring import ScorerWorker
+    from workers.scoring import ClassifierWorker, ScorerWorker
 
-    path = tmp_path / "gated.pt"
-    save_checkpoint(path, model, model.cfg, ["a", "b"])
-    with pytest.raises(ValueError, match="fitted cell gate"):
-        ScorerWorker(str(path), device="cpu")
+    path = save_checkpoint(tmp_path / "gated.pt", model, model.cfg, ["a", "b"])
+    sw, cw = ScorerWorker(str(path), device="cpu"), ClassifierWorker(str(path))
+    items = sw.score_batch([("s", store)])
+    assert items[0]["gated"] and len(items[0]["cells"]) == out.info["gate_candidates"]
+    row = cw.classify_batch(items)[0]
+    assert row["status"] == "ok", row
+    xy = out.coords_l0.numpy()
+    np.testing.assert_array_equal([[p["x"], p["y"]] for p in row["patches"]], xy)
+    probs = torch.softmax(out.logits.reshape(-1), 0).numpy()
+    np.testing.assert_allclose([row["probabilities"][c] for c in ("a", "b")], probs, rtol=1e-5, atol=1e-6)
+    # bags of different sizes in one batch: each slide classified on its own
+    other = {**items[0], "slide_id": "t", "cells": items[0]["cells"][:1]}
+    rows = cw.classify_batch([items[0], other])
+    assert [len(r["patches"]) for r in rows] == [len(xy), 1]
+    np.testing.assert_allclose([rows[0]["probabilities"][c] for c in ("a", "b")], probs, rtol=1e-5, atol=1e-6)
+    plain = ClassifierWorker(save_checkpoint(tmp_path / "plain.pt", fresh_plain(), model.cfg, ["a", "b"]))
+    assert "no fitted gate" in plain.classify_batch(items)[0]["error"]
 
 
 @pytest.mark.parametrize(("candidates", "clusters"), list(itertools.product((-1, 1.5, True), (16,))) + [(8, 1)])

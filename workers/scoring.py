@@ -80,14 +80,14 @@ def _load(model: Any):
         loaded = load_local(model)
     else:
         raise TypeError(f"model must be a checkpoint dict or a local checkpoint path, got {type(model).__name__}")
-    gate = loaded[0].gate
-    if gate is not None and gate.is_fitted:
-        raise ValueError(
-            "this model has a fitted cell gate (model.experimental.gate_candidates, under study): its bags are "
-            "chosen by the gate, which the scoring stages do not apply yet; evaluate it with `foveate train`'s "
-            "validation or benchmarks/robustness.py"
-        )
     return loaded
+
+
+def _gated(model: Any) -> bool:
+    """The model has a fitted cell gate (``model.experimental.gate_candidates``): the scorer stage hands on the
+    gate's candidates, the classifier stage keeps those the gate keeps."""
+    gate = getattr(model, "gate", None)
+    return gate is not None and gate.is_fitted
 
 
 def _describe(exc: BaseException) -> str:
@@ -172,11 +172,18 @@ class ScorerWorker:
             self._check_mpp(slide_id, store)
             geo = slide_geometry(store, self.cfg)  # µm settings: this slide's pixels (no mpp: an error row)
             lowres, cell_mask = lowres_view(store, self.cfg, geo)  # uint8, converted per scorer tile
+            gated = _gated(self.model)
             with torch.inference_mode():
                 scores = self.model.score(lowres[None].to(self.device), cell_mask[None].to(self.device), geo)
-                sel = self.model.select(self.model.local_maxima(scores, tuple(cell_mask.shape)), training=False)
-            cells = sel.primary[0].cpu().numpy().astype(np.int64)
-            slot_w = None if sel.slot_weights is None else sel.slot_weights[0].float().cpu().numpy()
+                if gated:  # the gate's candidates, best first; the classifier stage keeps the gate's choice
+                    from workers.slide_forward import gate_candidates
+
+                    cells_t, _ = gate_candidates(self.model, scores, tuple(cell_mask.shape))
+                    cells, slot_w = cells_t.numpy().astype(np.int64), None
+                else:
+                    sel = self.model.select(self.model.local_maxima(scores, tuple(cell_mask.shape)), training=False)
+                    cells = sel.primary[0].cpu().numpy().astype(np.int64)
+                    slot_w = None if sel.slot_weights is None else sel.slot_weights[0].float().cpu().numpy()
             shifts = recentring(self.cfg, geo, lowres, cell_mask)  # model.geometry.recentre: the reads' shifts
             if shifts is not None:
                 grid = PatchGrid.from_store(store, geo.patch_size, geo.stride)
@@ -190,6 +197,7 @@ class ScorerWorker:
                 "cells": cells,
                 "offsets": shifts,
                 "slot_weights": slot_w,
+                "gated": gated,
                 "seconds": time.perf_counter() - t0,
                 "device": str(self.device),
                 "store_handoff": store.handoff(),  # the classifier reads the store without opening it again
@@ -272,16 +280,25 @@ class ClassifierWorker:
         shifts = item.get("offsets")  # model.geometry.recentre: the scorer stage's shifts of each read
         shifts = None if shifts is None else torch.from_numpy(np.asarray(shifts, dtype=np.int64).reshape(-1, 2))
         pix = PatchReader(store, grid, geo.patch_input).read(cells, offsets_l0=shifts)
+        if item.get("gated"):  # the cell gate's candidates: keep the gate's choice, in increasing cell order
+            if not _gated(self.model):
+                raise ValueError("the scorer stage handed on cell-gate candidates; this model has no fitted gate")
+            with torch.inference_mode():
+                keep = self.model.gate.keep(self.model.gate_encode(pix.to(torch.float32).div_(255.0)))
+            idx = torch.nonzero(keep).flatten()
+            idx = idx[cells[idx].argsort()]
+            cells, pix = cells[idx], pix[idx]
+            shifts = None if shifts is None else shifts[idx]
         positions = grid.cell_centres(cells)  # [K, 2]
         coords = grid.cell_xy_l0(cells).numpy()  # [K, 2] where each patch was read
         if shifts is not None:
             coords = coords + shifts.numpy()
-        return store, grid, pix, positions, coords
+        return store, grid, pix, positions, coords, cells.numpy()
 
     def classify_batch(self, items: list[Mapping[str, Any]]) -> list[dict[str, Any]]:
         """Prediction rows for scorer outputs ``items`` (error items pass through as error rows)."""
         rows: list[dict[str, Any] | None] = [None] * len(items)
-        ready = []  # (index, store, grid, pix, positions, coords, t_read)
+        ready = []  # (index, store, grid, pix, positions, coords, cells, t_read)
         for i, item in enumerate(items):
             if item.get("status") != "ok":
                 rows[i] = error_row(
@@ -310,11 +327,11 @@ class ClassifierWorker:
                 [r[3] for r in ready], [r[4] for r in ready], [items[r[0]].get("slot_weights") for r in ready]
             )
             per_slide = (time.perf_counter() - t0) / len(ready)
-            for (i, store, grid, _pix, _pos, coords, t_read), p in zip(ready, probs):
+            for (i, store, grid, _pix, _pos, coords, cells, t_read), p in zip(ready, probs):
                 item = items[i]
                 t1 = time.perf_counter()
                 try:
-                    rows[i] = self._row(item, store, grid, coords, p)
+                    rows[i] = self._row(item, store, grid, coords, p, cells)
                     rows[i]["seconds"] = float(item.get("seconds", 0.0) + t_read + per_slide + time.perf_counter() - t1)
                 except Exception as exc:
                     rows[i] = error_row(
@@ -330,7 +347,9 @@ class ClassifierWorker:
         self, pixes: list[torch.Tensor], positions: list[torch.Tensor], slot_weights: list[np.ndarray | None]
     ) -> np.ndarray:
         """Class probabilities ``[B, C]`` of B slides: one feature-network call over all ``B*K`` patches, one
-        aggregator call over the B slides."""
+        aggregator call over the B slides (one call per slide where their K differ: a cell gate's bags)."""
+        if len({int(p.shape[0]) for p in pixes}) > 1:
+            return np.concatenate([self._classify([p], [q], [w]) for p, q, w in zip(pixes, positions, slot_weights)])
         b, k = len(pixes), pixes[0].shape[0]
         patches = torch.stack(pixes).to(torch.float32).div_(255.0)  # [B, K, 3, p, p]
         pos = torch.stack(positions).to(torch.float32)
@@ -342,9 +361,11 @@ class ClassifierWorker:
             logits = self.model.aggregate(feats, pos, weights)
             return torch.softmax(logits.float(), dim=-1).numpy()
 
-    def _row(self, item: Mapping[str, Any], store, grid, coords: np.ndarray, probs: np.ndarray) -> dict[str, Any]:
+    def _row(
+        self, item: Mapping[str, Any], store, grid, coords: np.ndarray, probs: np.ndarray, cells: np.ndarray
+    ) -> dict[str, Any]:
         scores = np.asarray(item["scores"], dtype=np.float32)
-        cells = np.asarray(item["cells"], dtype=np.int64)
+        cells = np.asarray(cells, dtype=np.int64)
         cls = int(np.argmax(probs))
         p = grid.patch_size  # this slide's level-0 pixels (µm patches: per slide)
         patches = [

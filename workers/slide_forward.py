@@ -359,11 +359,13 @@ def forward_slide(
     )
 
 
-def gate_candidates(model: FoveateModel, slide: SlideInput, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def gate_candidates(
+    model: FoveateModel, scores: torch.Tensor, grid_shape: tuple[int, int]
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The cell gate's candidates of one slide: the top ``model.experimental.gate_candidates`` local maxima of
-    ``scores [1, N]`` (fewer where the slide has fewer), best first -> ``(cells [n] long, on the CPU; their
-    scores [n])``."""
-    lm = model.local_maxima(scores, tuple(slide.cell_mask.shape))[0]
+    ``scores [1, N]`` on the ``(Gh, Gw)`` grid (fewer where the slide has fewer), best first -> ``(cells [n] long, on
+    the CPU; their scores [n])``."""
+    lm = model.local_maxima(scores, tuple(grid_shape))[0]
     n = min(model.cfg.experimental.gate_candidates, int(torch.isfinite(lm).sum()))
     top = lm.topk(max(n, 1))
     return top.indices.cpu(), top.values
@@ -383,7 +385,7 @@ def _forward_gated(
     read."""
     param = next(model.parameters())
     device, dtype = param.device, param.dtype
-    cand, _ = gate_candidates(model, slide, scores)
+    cand, _ = gate_candidates(model, scores, tuple(slide.cell_mask.shape))
     pixels = slide.reader.read(cand).to(device=device, dtype=dtype).div_(255.0)
     with torch.no_grad():
         keep = model.gate.keep(model.gate_encode(pixels)).cpu()

@@ -652,7 +652,7 @@ class Trainer:
             s = model.score(
                 slide.lowres_u8[None].to(self.device), slide.cell_mask[None].to(self.device), slide.geometry
             )
-            cells, values = gate_candidates(model, slide, s)
+            cells, values = gate_candidates(model, s, tuple(slide.cell_mask.shape))
             pixels = slide.reader.read(cells).to(device=self.device, dtype=torch.float32).div_(255.0)
             feats.append(model.gate_encode(pixels).cpu())
             scores.append(values.cpu())
