@@ -218,3 +218,58 @@ def test_gate_settings_are_checked(candidates, clusters):
 
     with pytest.raises(ConfigError, match="gate_"):
         ExperimentalConfig(gate_candidates=candidates, gate_clusters=clusters)
+
+
+def test_select_restart_starts_the_classifier_and_the_learning_rate_again(tmp_path):
+    from operators.errors import ConfigError
+    from workers.trainer import EpochResult, lr_factor
+
+    with pytest.raises(ConfigError, match="select_restart"):
+        ScheduleConfig(select_restart=True)
+    with pytest.raises(ConfigError, match="select_restart"):
+        ScheduleConfig(select_until=0.5, select_restart="yes")
+    store = _store(tmp_path)
+    optim = OptimConfig(epochs=2, accumulate=1, lr=0.05, warmup=1, weight_decay=0.1, ema_epochs=1)
+    tr = Trainer(
+        _gated_config(),
+        optim,
+        ScheduleConfig(sigma_start=0.1, sigma_end=0.1, select_until=0.5, select_restart=True),
+        slides_per_epoch=2,
+        seed=3,
+    )
+    records = [SimpleNamespace(store=store, target=0), SimpleNamespace(store=store, target=1)]
+    calls = []
+    restart = tr._restart_classifier
+
+    def spy():
+        calls.append(tr.global_step)
+        before = {k: v.clone() for k, v in tr.model.scorer.state_dict().items()}
+        restart()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(3 * 7919 + 1)
+            fresh = FoveateModel(tr.model.cfg)
+        for name in ("features", "feature_norm", "aggregator"):
+            mine, ref = getattr(tr.model, name), getattr(fresh, name)
+            if mine is None:
+                continue
+            for k, v in ref.state_dict().items():
+                assert torch.equal(mine.state_dict()[k], v), (name, k)
+            assert all(p not in tr.optimizer.state for p in mine.parameters())
+        for k, v in tr.model.state_dict().items():  # the moving average starts from the weights as they are
+            assert torch.equal(tr.ema_model.state_dict()[k], v), k
+        for k, v in tr.model.scorer.state_dict().items():  # the fixed scorer stays
+            assert torch.equal(before[k], v), k
+        assert tr.model.gate.is_fitted  # fitted before the restart, on the encoder as it was
+
+    tr._restart_classifier = spy
+    tr._train_records = records  # what train_epoch hands on (the gate is fitted on them)
+    lrs = []
+    for i in range(4):
+        lrs.append(tr.optimizer.param_groups[0]["lr"])
+        tr.step(records[i % 2 : i % 2 + 1], EpochResult(started=0.0))
+    assert calls == [2]
+    # warm-up and cosine over steps 0-3, or again over 2-3 from the switch
+    assert lrs == pytest.approx(
+        [0.05 * lr_factor(s, 4, 1, optim.min_lr_ratio) for s in (0, 1)]
+        + [0.05 * lr_factor(s, 2, 1, optim.min_lr_ratio) for s in (0, 1)]
+    )

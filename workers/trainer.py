@@ -146,6 +146,11 @@ class ScheduleConfig:
     ``select_bag`` ``topk`` (default), the hard top-k of inference, or ``draw``, the selector's training draw (for
     the perturbed top-k the per-slot modes under the scheduled sigma). Augmentation and
     ``model.experimental.neighbour_views`` still apply. None (default): one phase, the scorer trains throughout.
+
+    ``select_restart``: at the switch of ``select_until`` the classifier (feature network, its standardisation,
+    aggregator) starts again from a fresh initialisation (its optimizer state and moving average too) and the
+    learning rate runs its warm-up and cosine again over the remaining steps; the fixed scorer and a cell gate
+    (fitted before the restart, on the encoder as it was) stay. Under study; False (default): the classifier goes on.
     """
 
     sigma_start: float = 0.05
@@ -156,6 +161,7 @@ class ScheduleConfig:
     rare_until: float | None = None
     select_until: float | None = None
     select_bag: str = "topk"
+    select_restart: bool = False
 
     def __post_init__(self) -> None:
         _check_finite("schedule.sigma_start", self.sigma_start)
@@ -177,6 +183,13 @@ class ScheduleConfig:
             )
             _check(f"schedule.{name}", v, ok, "None or a number in (0, 1]")
         _check("schedule.select_bag", self.select_bag, self.select_bag in ("draw", "topk"), "'draw' or 'topk'")
+        _check("schedule.select_restart", self.select_restart, isinstance(self.select_restart, bool), "true or false")
+        _check(
+            "schedule.select_restart",
+            self.select_restart,
+            not self.select_restart or self.select_until is not None,
+            "false without schedule.select_until (the restart is at its switch)",
+        )
 
     def select_step(self, total_steps: int) -> int | None:
         """The first optimizer step (0-based) of the second phase of ``select_until``; None without it."""
@@ -445,6 +458,7 @@ class Trainer:
                 f"model.features.init={init!r} is an MLflow URI: the driver resolves it "
                 "(pipeline.encoder_init.resolve_init) and passes the state dict as features_init"
             )
+        self._features_init = features_init
         self.model = self.model.to(self.device)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         groups = [[q for q in child.parameters() if q.requires_grad] for child in self.model.children()]
@@ -453,9 +467,14 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(self.params, lr=optim.lr, weight_decay=optim.weight_decay)
         self.steps_per_epoch = math.ceil(slides_per_epoch / optim.accumulate)
         self.total_steps = self.steps_per_epoch * optim.epochs
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: lr_factor(s, self.total_steps, optim.warmup, optim.min_lr_ratio)
-        )
+        restart = schedule.select_step(self.total_steps) if schedule.select_restart else None
+
+        def factor(s: int) -> float:
+            if restart is not None and s >= restart:  # select_restart: warm-up and cosine again after the switch
+                return lr_factor(s - restart, self.total_steps - restart, optim.warmup, optim.min_lr_ratio)
+            return lr_factor(s, self.total_steps, optim.warmup, optim.min_lr_ratio)
+
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, factor)
         self.generator = torch.Generator(device=self.device)  # selection noise is drawn on the model's device
         self.generator.manual_seed(seed * 1000 + self.rank)
         self.epoch, self.global_step, self.train_seconds = 0, 0, 0.0
@@ -567,6 +586,8 @@ class Trainer:
                 gate = self.model.gate
                 if gate is not None and not gate.is_fitted:  # a resume after the switch finds it fitted already
                     self._fit_gate()
+                if self.schedule.select_restart and self.global_step == self.schedule.select_step(self.total_steps):
+                    self._restart_classifier()
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum, correct, patches = 0.0, 0, 0
         aux_sums: dict[str, float] = {}
@@ -675,6 +696,30 @@ class Trainer:
             fit["centroids"].shape[0],
             100 * float(kept),
         )
+
+    def _restart_classifier(self) -> None:
+        """``schedule.select_restart``: the feature network, its standardisation and the aggregator from a fresh
+        initialisation (the same on every worker: a seed of their own), their optimizer state dropped; the moving
+        average restarts from the weights as they now are."""
+        from operators.model import FoveateModel
+
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.seed * 7919 + 1)
+            fresh = FoveateModel(self.model.cfg)
+        names = ("features", "feature_norm", "aggregator")
+        for name in names:
+            mine = getattr(self.model, name)
+            if mine is None:
+                continue
+            state = getattr(fresh, name).state_dict()
+            if name == "features" and self._features_init is not None:  # a pretrained start stays the start
+                state = self._features_init
+            mine.load_state_dict(state)
+            for p in mine.parameters():
+                self.optimizer.state.pop(p, None)
+        if self.ema_model is not None:
+            self.ema_model.load_state_dict(self.model.state_dict())
+        log.info("classifier restarted at step %d (schedule.select_restart)", self.global_step)
 
     def train_epoch(self, records: Sequence[Any]) -> EpochResult:
         """One epoch over this worker's ``records`` (already sharded and shuffled), ``optim.accumulate``
