@@ -273,3 +273,41 @@ def test_select_restart_starts_the_classifier_and_the_learning_rate_again(tmp_pa
         [0.05 * lr_factor(s, 4, 1, optim.min_lr_ratio) for s in (0, 1)]
         + [0.05 * lr_factor(s, 2, 1, optim.min_lr_ratio) for s in (0, 1)]
     )
+
+
+def test_gate_refits_fit_the_gate_again_during_the_second_phase(tmp_path):
+    from operators.errors import ConfigError
+    from workers.trainer import EpochResult
+
+    for bad in (-1, 1.0, True):
+        with pytest.raises(ConfigError, match="gate_refits"):
+            ScheduleConfig(select_until=0.5, gate_refits=bad)
+    assert ScheduleConfig(gate_refits=2).gate_refit_steps(100) == []  # one phase: no gate to refit
+    assert ScheduleConfig(select_until=0.5, gate_refits=1).gate_refit_steps(100) == [75]
+    assert ScheduleConfig(select_until=0.5, gate_refits=3).gate_refit_steps(100) == [62, 75, 88]
+    assert ScheduleConfig(select_until=0.5, gate_refits=4).gate_refit_steps(4) == [3, 4]  # never at the switch
+    store = _store(tmp_path)
+    tr = Trainer(
+        _gated_config(),
+        OptimConfig(epochs=4, accumulate=1, lr=0.05, warmup=0, weight_decay=0.1, ema_epochs=1),
+        ScheduleConfig(sigma_start=0.1, sigma_end=0.1, select_until=0.5, gate_refits=1),
+        slides_per_epoch=2,
+    )
+    records = [SimpleNamespace(store=store, target=0), SimpleNamespace(store=store, target=1)]
+    tr._train_records = records
+    fits, encoders = [], []
+    fit = tr._fit_gate
+
+    def spy():
+        fits.append(tr.global_step)
+        fit()
+        encoders.append({k: v.clone() for k, v in tr.model.gate.encoder.state_dict().items()})
+
+    tr._fit_gate = spy
+    for i in range(8):
+        tr.step(records[i % 2 : i % 2 + 1], EpochResult(started=0.0))
+    assert fits == [4, 6]
+    # each fit copies the encoder as it is then: the second differs from the first (the encoder trained between)
+    assert any(not torch.equal(encoders[0][k], v) for k, v in encoders[1].items())
+    for k, v in tr.model.gate.state_dict().items():
+        assert torch.equal(tr.ema_model.gate.state_dict()[k], v), k

@@ -151,6 +151,10 @@ class ScheduleConfig:
     aggregator) starts again from a fresh initialisation (its optimizer state and moving average too) and the
     learning rate runs its warm-up and cosine again over the remaining steps; the fixed scorer and a cell gate
     (fitted before the restart, on the encoder as it was) stay. Under study; False (default): the classifier goes on.
+
+    ``gate_refits``: with a cell gate (``model.experimental.gate_candidates``), fit it again this many times, evenly
+    spaced through the second phase, on the encoder as it is then (its bags and the encoder can improve each other).
+    Under study; 0 (default): fitted once, at the switch.
     """
 
     sigma_start: float = 0.05
@@ -162,6 +166,7 @@ class ScheduleConfig:
     select_until: float | None = None
     select_bag: str = "topk"
     select_restart: bool = False
+    gate_refits: int = 0
 
     def __post_init__(self) -> None:
         _check_finite("schedule.sigma_start", self.sigma_start)
@@ -190,6 +195,21 @@ class ScheduleConfig:
             not self.select_restart or self.select_until is not None,
             "false without schedule.select_until (the restart is at its switch)",
         )
+        _check(
+            "schedule.gate_refits",
+            self.gate_refits,
+            not isinstance(self.gate_refits, bool) and isinstance(self.gate_refits, int) and self.gate_refits >= 0,
+            "an int >= 0",
+        )
+
+    def gate_refit_steps(self, total_steps: int) -> list[int]:
+        """The optimizer steps (0-based) at which ``gate_refits`` fits the cell gate again, evenly spaced through
+        the second phase (empty without ``select_until``)."""
+        first = self.select_step(total_steps)
+        if first is None or self.gate_refits <= 0:
+            return []
+        n = self.gate_refits
+        return sorted({first + round((i + 1) * (total_steps - first) / (n + 1)) for i in range(n)} - {first})
 
     def select_step(self, total_steps: int) -> int | None:
         """The first optimizer step (0-based) of the second phase of ``select_until``; None without it."""
@@ -588,6 +608,9 @@ class Trainer:
                     self._fit_gate()
                 if self.schedule.select_restart and self.global_step == self.schedule.select_step(self.total_steps):
                     self._restart_classifier()
+        gate = self.model.gate
+        if fixed and gate is not None and self.global_step in self.schedule.gate_refit_steps(self.total_steps):
+            self._fit_gate()  # schedule.gate_refits: on the encoder as it is now
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum, correct, patches = 0.0, 0, 0
         aux_sums: dict[str, float] = {}
