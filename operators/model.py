@@ -186,8 +186,7 @@ class FoveateModel(nn.Module):
         self.gate: CellGate | None = None
         ex = cfg.experimental
         if ex.gate_candidates > 0:
-            frozen = bool(cfg.features.freeze) or cfg.features.kind == "torchscript"
-            own = None if frozen else _build_features(cfg, torchscript)
+            own = None if cfg.features.weights_fixed else _build_features(cfg, torchscript)
             self.gate = CellGate(own, self.feature_dim, ex.gate_clusters)
 
     def gate_encode(self, patches: torch.Tensor) -> torch.Tensor:

@@ -507,6 +507,11 @@ class FeaturesConfig:
                 notes.append(f"{where}.{old} is deprecated: use {where}.{new}")
         return out, notes
 
+    @property
+    def weights_fixed(self) -> bool:
+        """The feature network does not train: ``freeze`` true, or a TorchScript encoder."""
+        return bool(self.freeze) or self.kind == "torchscript"
+
     def __post_init__(self) -> None:
         _choice("model.features.kind", self.kind, FEATURE_KINDS)
         widths, blocks = tuple(self.widths), tuple(self.blocks)

@@ -40,8 +40,7 @@ _CHUNK_CELLS = 1024
 
 def features_frozen(cfg: Any) -> bool:
     """The model config's feature network is frozen (``freeze`` true, or a TorchScript encoder)."""
-    f = cfg.features
-    return bool(f.freeze) or f.kind == "torchscript"
+    return cfg.features.weights_fixed
 
 
 def _encoder_digest(features: torch.nn.Module) -> str:

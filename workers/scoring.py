@@ -70,17 +70,15 @@ def _load(model: Any):
     from operators.checkpoint import load_local, model_from_checkpoint
 
     if isinstance(model, Mapping):
-        loaded = model_from_checkpoint(model)
-    elif isinstance(model, (str, Path)):
+        return model_from_checkpoint(model)
+    if isinstance(model, (str, Path)):
         if ":/" in str(model):
             raise ValueError(
                 f"model {str(model)!r}: workers load checkpoint dicts or local paths; resolve "
                 "MLflow URIs on the driver (pipeline.mlflow_model.load_model)"
             )
-        loaded = load_local(model)
-    else:
-        raise TypeError(f"model must be a checkpoint dict or a local checkpoint path, got {type(model).__name__}")
-    return loaded
+        return load_local(model)
+    raise TypeError(f"model must be a checkpoint dict or a local checkpoint path, got {type(model).__name__}")
 
 
 def _gated(model: Any) -> bool:

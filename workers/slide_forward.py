@@ -22,7 +22,15 @@ from workers.feature_cache import FeatureCache, features_frozen
 from workers.patches import SlideInput, gather_patches, prepare_slide, slide_geometry
 from workers.strata import cell_rarity, draw_cells, rare_cells, slide_strata
 
-__all__ = ["forward_slide", "gate_candidates", "color_jitter_patches", "symmetry_patches", "augment_patches"]
+__all__ = [
+    "forward_slide",
+    "score_slide",
+    "gate_candidates",
+    "read_gate_candidates",
+    "color_jitter_patches",
+    "symmetry_patches",
+    "augment_patches",
+]
 
 log = logging.getLogger(__name__)
 
@@ -213,11 +221,10 @@ def forward_slide(
     param = next(model.parameters())
     device, dtype = param.device, param.dtype
     cell_mask = slide.cell_mask
-    geo = slide.geometry if slide.geometry is not None else slide_geometry(slide.store, model.cfg)
     fixed = training and fixed_selection is not None
     discovering = training and not fixed  # the terms that train the scorer (evidence, rare bag, neutral cells)
     with torch.no_grad() if fixed else contextlib.nullcontext():
-        scores = model.score(slide.lowres_u8[None].to(device), cell_mask[None].to(device), geo)  # converted per tile
+        scores = score_slide(model, slide)
     if model.gate is not None and model.gate.is_fitted and (fixed or not training):
         return _forward_gated(model, slide, scores, training=training, generator=generator)
     sel = model.select(
@@ -335,13 +342,7 @@ def forward_slide(
         pos = slide.grid.cell_centres(neutral.cpu()).to(device=device, dtype=dtype)
         single = model.aggregate_each(parts[g_neutral], pos)  # each cell classified on its own
         aux_losses["neutral"] = ev_cfg.neutral_weight * neutral_loss(single)
-    n_tissue = int(cell_mask.sum())
-    info = {
-        "num_cells": float(slide.grid.num_cells),
-        "num_candidates": float(torch.isfinite(scores[0]).sum()),
-        "tissue_fallback": float(n_tissue < model.cfg.selection.k),
-        "cells_read": float(cells_read),
-    }
+    info = {**_slide_info(model, slide, scores), "cells_read": float(cells_read)}
     if "kept_mass" in sel.aux:
         info["kept_mass"] = float(sel.aux["kept_mass"].mean())
     info.update(extra_info)
@@ -359,6 +360,23 @@ def forward_slide(
     )
 
 
+def score_slide(model: FoveateModel, slide: SlideInput) -> torch.Tensor:
+    """``[1, N]`` the model's cell scores of a prepared slide (the slide's geometry, or the config's for its
+    store); the low-res view is converted per scorer tile on the model's device."""
+    device = next(model.parameters()).device
+    geo = slide.geometry if slide.geometry is not None else slide_geometry(slide.store, model.cfg)
+    return model.score(slide.lowres_u8[None].to(device), slide.cell_mask[None].to(device), geo)
+
+
+def _slide_info(model: FoveateModel, slide: SlideInput, scores: torch.Tensor) -> dict[str, float]:
+    """What every forward reports about the slide: grid cells, candidates, whether tissue was short of K."""
+    return {
+        "num_cells": float(slide.grid.num_cells),
+        "num_candidates": float(torch.isfinite(scores[0]).sum()),
+        "tissue_fallback": float(int(slide.cell_mask.sum()) < model.cfg.selection.k),
+    }
+
+
 def gate_candidates(
     model: FoveateModel, scores: torch.Tensor, grid_shape: tuple[int, int]
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -369,6 +387,17 @@ def gate_candidates(
     n = min(model.cfg.experimental.gate_candidates, int(torch.isfinite(lm).sum()))
     top = lm.topk(max(n, 1))
     return top.indices.cpu(), top.values
+
+
+def read_gate_candidates(
+    model: FoveateModel, slide: SlideInput, scores: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`gate_candidates` of a prepared slide and their pixels: ``(cells [n], scores [n], float patches
+    [n, 3, p, p] in [0, 1] on the model's device)`` (what the gate is fitted on and what a gated forward reads)."""
+    param = next(model.parameters())
+    cells, values = gate_candidates(model, scores, tuple(slide.cell_mask.shape))
+    pixels = slide.reader.read(cells).to(device=param.device, dtype=param.dtype).div_(255.0)
+    return cells, values, pixels
 
 
 def _forward_gated(
@@ -385,8 +414,7 @@ def _forward_gated(
     read."""
     param = next(model.parameters())
     device, dtype = param.device, param.dtype
-    cand, _ = gate_candidates(model, scores, tuple(slide.cell_mask.shape))
-    pixels = slide.reader.read(cand).to(device=device, dtype=dtype).div_(255.0)
+    cand, _, pixels = read_gate_candidates(model, slide, scores)
     with torch.no_grad():
         keep = model.gate.keep(model.gate_encode(pixels)).cpu()
     cells, order = cand[keep].sort()
@@ -401,9 +429,7 @@ def _forward_gated(
     idx = cells.to(scores.device)
     sel = Selection(indices=idx[None, :, None], weights=torch.ones(1, k, 1, device=scores.device, dtype=scores.dtype))
     info = {
-        "num_cells": float(slide.grid.num_cells),
-        "num_candidates": float(torch.isfinite(scores[0]).sum()),
-        "tissue_fallback": float(int(slide.cell_mask.sum()) < model.cfg.selection.k),
+        **_slide_info(model, slide, scores),
         "cells_read": float(cand.numel()),
         "gate_candidates": float(cand.numel()),
         "gate_kept": float(k),

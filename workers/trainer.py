@@ -594,6 +594,7 @@ class Trainer:
         if self.schedule.rare_until is not None:
             rare = linear_decay(self.global_step, self.total_steps, 1.0, self.schedule.rare_until)
         fixed = self.schedule.selection_fixed(self.global_step, self.total_steps)
+        gate = self.model.gate
         if fixed != self._selection_fixed:  # the second phase of schedule.select_until: the scorer frozen
             self._selection_fixed = fixed
             self.model.scorer.requires_grad_(not fixed)
@@ -603,12 +604,10 @@ class Trainer:
                 self.model.scorer.load_state_dict(self.ema_model.scorer.state_dict())
             if fixed:
                 log.info("selection fixed from step %d (schedule.select_until): the scorer is frozen", self.global_step)
-                gate = self.model.gate
                 if gate is not None and not gate.is_fitted:  # a resume after the switch finds it fitted already
                     self._fit_gate()
                 if self.schedule.select_restart and self.global_step == self.schedule.select_step(self.total_steps):
                     self._restart_classifier()
-        gate = self.model.gate
         if fixed and gate is not None and self.global_step in self.schedule.gate_refit_steps(self.total_steps):
             self._fit_gate()  # schedule.gate_refits: on the encoder as it is now
         self.optimizer.zero_grad(set_to_none=True)
@@ -683,7 +682,7 @@ class Trainer:
         every worker's training slides, embedded by a frozen copy of the encoder as it is now; the same fit on every
         worker (all candidates gathered, one seed), copied into the moving average."""
         from workers.patches import prepare_slide
-        from workers.slide_forward import gate_candidates
+        from workers.slide_forward import read_gate_candidates, score_slide
 
         model, gate = self.model, self.model.gate
         if gate.encoder is not None:
@@ -693,15 +692,11 @@ class Trainer:
         feats, scores = [], []
         for rec in self._train_records:
             slide = prepare_slide(self._store(rec.store), model.cfg)
-            s = model.score(
-                slide.lowres_u8[None].to(self.device), slide.cell_mask[None].to(self.device), slide.geometry
-            )
-            cells, values = gate_candidates(model, s, tuple(slide.cell_mask.shape))
-            pixels = slide.reader.read(cells).to(device=self.device, dtype=torch.float32).div_(255.0)
+            _, values, pixels = read_gate_candidates(model, slide, score_slide(model, slide))
             feats.append(model.gate_encode(pixels).cpu())
             scores.append(values.cpu())
         model.train(was_training)
-        parts = self.collective.all_gather((torch.cat(feats), torch.cat(scores)) if feats else None)
+        parts = self.collective.all_gather((torch.cat(feats), torch.cat(scores), len(feats)) if feats else None)
         parts = [p for p in parts if p is not None]
         if not parts:
             raise ValueError("the cell gate has no training slides to fit on (model.experimental.gate_candidates)")
@@ -714,7 +709,7 @@ class Trainer:
             "cell gate fitted on %d candidates of %d training slides: %d of %d clusters informative, %.0f%% of the "
             "candidates in them",
             f_all.shape[0],
-            sum(len(p[0]) for p in parts) // max(model.cfg.experimental.gate_candidates, 1),
+            sum(p[2] for p in parts),
             int(fit["informative"].sum()),
             fit["centroids"].shape[0],
             100 * float(kept),
