@@ -155,3 +155,12 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if {"ray_local", "ray_own"} & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.ray)
+    # the long modules first: those with a real cluster, then those with end-to-end runs, then the rest, each
+    # group in file order. With ``-n 2 --dist loadscope`` a module runs whole on one worker in this order, so the
+    # short modules fill the end instead of one worker finishing a long end-to-end test alone.
+    rank: dict[str, int] = {}
+    for item in items:
+        mod = item.nodeid.split("::", 1)[0]
+        r = 0 if item.get_closest_marker("cluster") else 1 if item.get_closest_marker("e2e") else 2
+        rank[mod] = min(rank.get(mod, 2), r)
+    items.sort(key=lambda it: rank[it.nodeid.split("::", 1)[0]])  # stable: file and test order kept per group
