@@ -124,6 +124,9 @@ def _without_init(config: Mapping[str, Any]) -> tuple[dict[str, Any], str | None
             init = init or str(features[key])
             features[key] = None
     config["features"] = features
+    experimental = config.get("experimental")
+    if isinstance(experimental, Mapping) and experimental.get("gate_encoder") is not None:
+        config["experimental"] = dict(experimental, gate_encoder=None)  # its weights: the state dict's gate.encoder
     return config, init
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -186,8 +186,12 @@ class FoveateModel(nn.Module):
         self.gate: CellGate | None = None
         ex = cfg.experimental
         if ex.gate_candidates > 0:
-            own = None if cfg.features.weights_fixed else _build_features(cfg, torchscript)
+            if ex.gate_encoder is not None:  # its own frozen encoder (a pretrained file), never refreshed
+                own = ResNet(replace(cfg.features.resnet(), weights=ex.gate_encoder, frozen=True))
+            else:  # a copy of the model's encoder made at each fit, or none: the model's own when that is frozen
+                own = None if cfg.features.weights_fixed else _build_features(cfg, torchscript)
             self.gate = CellGate(own, self.feature_dim, ex.gate_clusters)
+            self.gate.encoder_fixed = ex.gate_encoder is not None
 
     def gate_encode(self, patches: torch.Tensor) -> torch.Tensor:
         """``patches[M, 3, p, p]`` float in [0, 1] -> the features the cell gate clusters: its frozen encoder's

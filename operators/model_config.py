@@ -729,10 +729,18 @@ class ExperimentalConfig:
     0: off (the top ``selection.k``). Under study (RESULTS, "a gate on the frozen scorer's candidates")."""
     gate_clusters: int = 16
     """Appearance clusters of the cluster gate."""
+    gate_encoder: str | None = None
+    """A frozen encoder for the cluster gate alone: a state_dict file of the model's ResNet (what ``foveate
+    pretrain`` writes as ``encoder.pt``); the gate clusters the candidates with it instead of with a copy of the
+    model's encoder at the fit, and the model's own encoder trains as before. null: that copy."""
 
     def __post_init__(self) -> None:
         _int("model.experimental.gate_candidates", self.gate_candidates, 0)
         _int("model.experimental.gate_clusters", self.gate_clusters, 2)
+        if self.gate_encoder is not None and (not isinstance(self.gate_encoder, str) or not self.gate_encoder):
+            raise ConfigError(
+                f"model.experimental.gate_encoder must be a state_dict file path or null, got {self.gate_encoder!r}"
+            )
         _bool("model.experimental.control_variate", self.control_variate)
         _num("model.experimental.evidence_gamma", self.evidence_gamma, 0, 1, lo_open=True)
         if isinstance(self.neighbour_views, bool) or self.neighbour_views not in NEIGHBOUR_VIEWS:
@@ -782,6 +790,18 @@ class ModelConfig:
                 "model.experimental.neighbour_views needs model.selection.selector perturbed or hard (a bag of equal "
                 f"slots), got {self.selection.selector!r}"
             )
+        ex = self.experimental
+        if ex.gate_encoder is not None:
+            if ex.gate_candidates == 0:
+                raise ConfigError(
+                    "model.experimental.gate_encoder is set but the cluster gate is off: set "
+                    "model.experimental.gate_candidates (e.g. 16) or remove gate_encoder"
+                )
+            if self.features.kind != "resnet" or self.features.weights_fixed:
+                raise ConfigError(
+                    "model.experimental.gate_encoder needs a trained ResNet encoder (model.features.kind resnet, not "
+                    "frozen): with a frozen encoder the gate clusters with that encoder; remove gate_encoder"
+                )
         self._encoder_geometry()
 
     def _encoder_geometry(self) -> None:

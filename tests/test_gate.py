@@ -311,3 +311,50 @@ def test_gate_refits_fit_the_gate_again_during_the_second_phase(tmp_path):
     assert any(not torch.equal(encoders[0][k], v) for k, v in encoders[1].items())
     for k, v in tr.model.gate.state_dict().items():
         assert torch.equal(tr.ema_model.gate.state_dict()[k], v), k
+
+
+def test_gate_encoder_file_is_the_gates_own_and_is_never_refreshed(tmp_path):
+    from operators.checkpoint import load_checkpoint, save_checkpoint
+    from operators.errors import ConfigError
+    from operators.resnet import ResNet
+
+    store = _store(tmp_path)
+    base = _gated_config()
+    torch.manual_seed(7)
+    pretrained = ResNet(base.features.resnet())  # what `foveate pretrain` writes: the encoder's state dict
+    torch.save(pretrained.state_dict(), tmp_path / "encoder.pt")
+    cfg = dataclasses.replace(
+        base, experimental=dataclasses.replace(base.experimental, gate_encoder=str(tmp_path / "encoder.pt"))
+    )
+    tr = Trainer(
+        cfg,
+        OptimConfig(epochs=2, accumulate=1, lr=0.05, warmup=0, weight_decay=0.1, ema_epochs=1),
+        ScheduleConfig(sigma_start=0.1, sigma_end=0.1, select_until=0.5),
+        slides_per_epoch=2,
+    )
+    records = [SimpleNamespace(store=store, target=0), SimpleNamespace(store=store, target=1)]
+    tr.train_epoch(records)
+    tr.train_epoch(records)
+    gate = tr.model.gate
+    assert gate.is_fitted and gate.encoder_fixed
+    for k, v in gate.encoder.state_dict().items():  # the file's weights, not the model's encoder at the switch
+        assert torch.equal(v, pretrained.state_dict()[k]), k
+    assert any(not torch.equal(v, pretrained.state_dict()[k]) for k, v in tr.model.features.state_dict().items())
+    assert not any(p.requires_grad for p in gate.encoder.parameters())
+    # a checkpoint loads without the file: the gate's encoder is in its state dict
+    model = tr.eval_model.eval()
+    path = save_checkpoint(tmp_path / "g.pt", model, model.cfg, ["a", "b"])
+    (tmp_path / "encoder.pt").unlink()
+    loaded, lcfg, _ = load_checkpoint(path)
+    assert lcfg.experimental.gate_encoder is None
+    with torch.no_grad():
+        a, b = forward_slide(model, store, training=False), forward_slide(loaded.eval(), store, training=False)
+    assert torch.equal(a.cell_indices, b.cell_indices)
+    torch.testing.assert_close(a.logits, b.logits, rtol=0, atol=0)
+    # a missing file, the gate off, a frozen encoder: each a clear error
+    with pytest.raises(ValueError, match="existing state_dict file"):
+        FoveateModel(cfg)
+    with pytest.raises(ConfigError, match="gate is off"):
+        dataclasses.replace(cfg, experimental=dataclasses.replace(cfg.experimental, gate_candidates=0))
+    with pytest.raises(ConfigError, match="trained ResNet encoder"):
+        dataclasses.replace(cfg, features=dataclasses.replace(cfg.features, freeze=True))
