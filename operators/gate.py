@@ -9,8 +9,10 @@ appearance is not. So the gate decides per *appearance cluster*:
 1. the top-N candidates (local maxima) of every training slide are embedded by the encoder as it is when the
    selection is fixed (a frozen copy is kept), standardised and L2-normalised;
 2. spherical k-means (k-means++ seeding, cosine assignments) groups them into ``clusters`` appearance clusters;
-3. a cluster is *informative* when its cells' mean score falls in the upper group of a weighted two-means split of
-   the clusters' mean scores (weights: cluster sizes).
+3. a cluster is *informative* when its cells' mean score falls in the upper group of a two-means split of the
+   clusters' mean scores, each cluster one point whatever its size (weighted by size, a few large low-scored
+   clusters pull the cut up and a smaller informative cluster falls out of the bag: RESULTS, "a pretrained encoder
+   for the gate").
 
 A slide's bag is then those of its top-N candidates whose nearest cluster is informative (at least its best-scored
 candidate). Label-free: the slide labels are not used, the scorer's own ranking is, averaged over each cluster.
@@ -138,7 +140,7 @@ def fit_cluster_gate(
     k = cen.shape[0]
     size = torch.bincount(assign, minlength=k).double()
     mean_score = torch.zeros(k, dtype=torch.float64).index_add_(0, assign, scores.double()) / size.clamp_min(1)
-    informative = two_means_upper(mean_score, size)
+    informative = two_means_upper(mean_score, (size > 0).double())  # one point per (non-empty) cluster
     return {"mean": mean, "std": std, "centroids": cen, "informative": informative, "assignment": assign}
 
 

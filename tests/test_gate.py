@@ -358,3 +358,23 @@ def test_gate_encoder_file_is_the_gates_own_and_is_never_refreshed(tmp_path):
         dataclasses.replace(cfg, experimental=dataclasses.replace(cfg.experimental, gate_candidates=0))
     with pytest.raises(ConfigError, match="trained ResNet encoder"):
         dataclasses.replace(cfg, features=dataclasses.replace(cfg.features, freeze=True))
+
+
+def test_the_cut_counts_clusters_not_cells():
+    # cluster mean scores and sizes as a pretrained gate encoder gave them on the shape family (one seed): four
+    # glyph clusters (0.94-0.88), twelve of strokes (0.85-0.84), the strokes' clusters the larger. Weighted by size
+    # the split leaves the fourth glyph cluster (246 cells) out; one point per cluster keeps it.
+    ms = torch.tensor([0.9367, 0.9197, 0.8928, 0.8782] + [0.8495, 0.8472, 0.8472, 0.8470, 0.8461, 0.8431, 0.8428]
+                      + [0.8426, 0.8415, 0.8407, 0.8397, 0.8378], dtype=torch.float64)  # fmt: skip
+    size = torch.tensor([511, 444, 255, 246, 228, 82, 361, 252, 334, 190, 261, 225, 296, 150, 110, 343])
+    assert int(two_means_upper(ms, size.double()).sum()) == 3
+    assert two_means_upper(ms, torch.ones(16, dtype=torch.float64)).tolist() == [True] * 4 + [False] * 12
+    # the fit does the same: features in 16 separated blobs of those sizes, each blob scored at its mean
+    centres = torch.eye(16, 20, dtype=torch.float64) * 6 + 1.0
+    g = torch.Generator().manual_seed(0)
+    x = centres.repeat_interleave(size, 0) + 0.1 * torch.randn(int(size.sum()), 20, generator=g, dtype=torch.float64)
+    label = torch.arange(16).repeat_interleave(size)
+    scores = ms[label] + 0.01 * torch.randn(len(label), generator=g, dtype=torch.float64)
+    fit = fit_cluster_gate(x, scores, 16, torch.Generator().manual_seed(1))  # a seeding that finds the 16 blobs
+    assert len(set(zip(fit["assignment"].tolist(), label.tolist()))) == 16
+    assert torch.equal(fit["informative"][fit["assignment"]], label < 4)
