@@ -156,7 +156,8 @@ def pytest_collection_modifyitems(config, items):
         if {"ray_local", "ray_own"} & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.ray)
     # the long modules first: those with a real cluster, then those with end-to-end runs, then the rest, each
-    # group in file order. With ``-n 2 --dist loadscope`` a module runs whole on one worker in this order, so the
+    # group in file order. With ``-n 2 --dist loadscope --no-loadscope-reorder`` a module runs whole on one worker in
+    # this order (xdist would otherwise order modules by their number of tests: a one-test cluster module last), so the
     # short modules fill the end instead of one worker finishing a long end-to-end test alone.
     rank: dict[str, int] = {}
     for item in items:
