@@ -164,7 +164,6 @@ class CellGate(nn.Module):
         self.register_buffer("centroids", torch.zeros(clusters, feature_dim))
         self.register_buffer("informative", torch.ones(clusters, dtype=torch.bool))
         self.register_buffer("fitted", torch.zeros((), dtype=torch.bool))
-        self.encoder_fixed = False  # True: its own encoder (model.experimental.gate_encoder), not refreshed at a fit
 
     def train(self, mode: bool = True) -> CellGate:
         super().train(mode)

@@ -69,6 +69,12 @@ def _int(where: str, v: Any, minimum: int) -> None:
         raise ConfigError(f"{where} must be an int >= {minimum}, got {v!r}")
 
 
+def _file_path(where: str, value: Any) -> None:
+    """``value`` is a file path (a non-empty string) or None."""
+    if value is not None and (not isinstance(value, str) or not value.strip()):
+        raise ConfigError(f"{where} must be a file path (a non-empty string) or null, got {value!r}")
+
+
 def _num(where: str, v: Any, lo: float, hi: float = math.inf, *, lo_open: bool = False, hi_open: bool = False) -> None:
     ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
     ok = ok and (v > lo if lo_open else v >= lo) and (v < hi if hi_open else v <= hi)
@@ -532,9 +538,7 @@ class FeaturesConfig:
         if self.feature_dim is not None:
             _int("model.features.feature_dim", self.feature_dim, 1)
         for name in ("init", "path"):
-            v = getattr(self, name)
-            if v is not None and (not isinstance(v, str) or not v.strip()):
-                raise ConfigError(f"model.features.{name} must be a file path (a non-empty string) or null, got {v!r}")
+            _file_path(f"model.features.{name}", getattr(self, name))
         if self.input_size is not None:
             _int("model.features.input_size", self.input_size, 8)
         if self.input_um is not None:
@@ -737,10 +741,7 @@ class ExperimentalConfig:
     def __post_init__(self) -> None:
         _int("model.experimental.gate_candidates", self.gate_candidates, 0)
         _int("model.experimental.gate_clusters", self.gate_clusters, 2)
-        if self.gate_encoder is not None and (not isinstance(self.gate_encoder, str) or not self.gate_encoder):
-            raise ConfigError(
-                f"model.experimental.gate_encoder must be a state_dict file path or null, got {self.gate_encoder!r}"
-            )
+        _file_path("model.experimental.gate_encoder", self.gate_encoder)
         _bool("model.experimental.control_variate", self.control_variate)
         _num("model.experimental.evidence_gamma", self.evidence_gamma, 0, 1, lo_open=True)
         if isinstance(self.neighbour_views, bool) or self.neighbour_views not in NEIGHBOUR_VIEWS:
@@ -797,7 +798,7 @@ class ModelConfig:
                     "model.experimental.gate_encoder is set but the cluster gate is off: set "
                     "model.experimental.gate_candidates (e.g. 16) or remove gate_encoder"
                 )
-            if self.features.kind != "resnet" or self.features.weights_fixed:
+            if self.features.weights_fixed:  # frozen, or a TorchScript encoder
                 raise ConfigError(
                     "model.experimental.gate_encoder needs a trained ResNet encoder (model.features.kind resnet, not "
                     "frozen): with a frozen encoder the gate clusters with that encoder; remove gate_encoder"

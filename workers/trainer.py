@@ -685,7 +685,7 @@ class Trainer:
         from workers.slide_forward import read_gate_candidates, score_slide
 
         model, gate = self.model, self.model.gate
-        if gate.encoder is not None and not gate.encoder_fixed:
+        if gate.encoder is not None and model.cfg.experimental.gate_encoder is None:  # else the gate's own file's
             gate.encoder.load_state_dict(model.features.state_dict())
         was_training = model.training
         model.eval()
