@@ -8,7 +8,8 @@ appearance is not. So the gate decides per *appearance cluster*:
 
 1. the top-N candidates (local maxima) of every training slide are embedded by the encoder as it is when the
    selection is fixed (a frozen copy is kept), standardised and L2-normalised;
-2. spherical k-means (k-means++ seeding, cosine assignments) groups them into ``clusters`` appearance clusters;
+2. spherical k-means (k-means++ seeding, the best of several seedings, cosine assignments) groups them into
+   ``clusters`` appearance clusters;
 3. a cluster is *informative* when its cells' mean score falls in the upper group of a two-means split of the
    clusters' mean scores, each cluster one point whatever its size (weighted by size, a few large low-scored
    clusters pull the cut up and a smaller informative cluster falls out of the bag: RESULTS, "a pretrained encoder
@@ -35,15 +36,17 @@ def _check_2d(name: str, x: object) -> torch.Tensor:
 
 
 def spherical_kmeans(
-    x: torch.Tensor, k: int, generator: torch.Generator | None = None, iters: int = 50
+    x: torch.Tensor, k: int, generator: torch.Generator | None = None, iters: int = 50, restarts: int = 1
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Spherical k-means (cosine similarity) with k-means++ seeding.
+    """Spherical k-means (cosine similarity) with k-means++ seeding, the best of ``restarts`` runs.
 
     Args:
         x: ``[M, D]`` rows of unit length (not checked; normalise first).
         k: clusters, ``1 <= k``; more than ``M`` are cut to ``M``.
-        generator: RNG of the seeding (CPU).
+        generator: RNG of the seeding (CPU); the runs draw from it one after the other.
         iters: Lloyd iterations (stops early when the assignments no longer change).
+        restarts: independent seedings; the run with the highest objective (the sum of every row's cosine
+            similarity to its centroid) is returned (the first on a tie).
 
     Returns:
         ``(centroids [k', D] unit rows, assignment [M] long)`` with ``k' = min(k, M)``; a cluster that empties
@@ -52,6 +55,20 @@ def spherical_kmeans(
     x = _check_2d("x", x)
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ValueError(f"k must be an int >= 1, got {k!r}")
+    if isinstance(restarts, bool) or not isinstance(restarts, int) or restarts < 1:
+        raise ValueError(f"restarts must be an int >= 1, got {restarts!r}")
+    best = None
+    for _ in range(restarts):
+        cen, assign = _kmeans_once(x, k, generator, iters)
+        objective = float((x * cen[assign]).sum())
+        if best is None or objective > best[0]:
+            best = (objective, cen, assign)
+    return best[1], best[2]
+
+
+def _kmeans_once(
+    x: torch.Tensor, k: int, generator: torch.Generator | None, iters: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     m = x.shape[0]
     k = min(k, m)
     first = int(torch.randint(m, (1,), generator=generator))
@@ -114,7 +131,11 @@ def two_means_upper(values: torch.Tensor, weights: torch.Tensor | None = None) -
 
 
 def fit_cluster_gate(
-    features: torch.Tensor, scores: torch.Tensor, clusters: int, generator: torch.Generator | None = None
+    features: torch.Tensor,
+    scores: torch.Tensor,
+    clusters: int,
+    generator: torch.Generator | None = None,
+    restarts: int = 8,
 ) -> dict[str, torch.Tensor]:
     """Fit the gate's clusters on candidate cells (see the module docstring).
 
@@ -123,6 +144,8 @@ def fit_cluster_gate(
         scores: ``[M]`` their scores (any monotone scale; only means over clusters are compared).
         clusters: k.
         generator: RNG of the k-means seeding.
+        restarts: k-means seedings, the best kept (:func:`spherical_kmeans`): one seeding alone can merge an
+            informative appearance with filler into one cluster of middling score that falls out of the bag.
 
     Returns:
         ``{"mean": [D], "std": [D], "centroids": [k', D], "informative": [k'] bool, "assignment": [M] long}``
@@ -136,7 +159,7 @@ def fit_cluster_gate(
         )
     mean, std = features.mean(0), features.std(0, unbiased=False).clamp_min(1e-6)
     x = nn.functional.normalize((features - mean) / std, dim=1)
-    cen, assign = spherical_kmeans(x, clusters, generator)
+    cen, assign = spherical_kmeans(x, clusters, generator, restarts=restarts)
     k = cen.shape[0]
     size = torch.bincount(assign, minlength=k).double()
     mean_score = torch.zeros(k, dtype=torch.float64).index_add_(0, assign, scores.double()) / size.clamp_min(1)

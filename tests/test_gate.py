@@ -76,6 +76,24 @@ def test_spherical_kmeans_recovers_separated_directions():
         spherical_kmeans(x, 0)
 
 
+def test_spherical_kmeans_restarts_keep_the_best_of_the_same_seedings():
+    # many overlapping blobs and k below their number: single seedings end in different partitions; the restarts
+    # return the one of highest objective among exactly the runs single calls make from the same generator stream
+    centres = torch.randn(12, 5, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    x = torch.nn.functional.normalize(_blobs(centres, 15, 0.6)[0], dim=1)
+
+    def objective(cen, assign):
+        return float((x * cen[assign]).sum())
+
+    g = torch.Generator().manual_seed(4)
+    singles = [objective(*spherical_kmeans(x, 5, g)) for _ in range(6)]
+    assert len({round(v, 9) for v in singles}) > 1  # the seedings disagree: the choice matters
+    best = spherical_kmeans(x, 5, torch.Generator().manual_seed(4), restarts=6)
+    assert objective(*best) == pytest.approx(max(singles), abs=1e-12)
+    with pytest.raises(ValueError, match="restarts must"):
+        spherical_kmeans(x, 5, restarts=0)
+
+
 def test_fit_marks_the_clusters_the_scorer_ranks_high_on_average():
     # six appearance blobs; the scorer's score per cell is noisy (blobs overlap cell by cell) but two blobs are
     # ranked high on average: those two are the informative clusters
