@@ -734,8 +734,10 @@ class ExperimentalConfig:
     gate_clusters: int = 16
     """Appearance clusters of the cluster gate."""
     gate_encoder: str | None = None
-    """A frozen encoder for the cluster gate alone: a state_dict file of the model's ResNet (what ``foveate
-    pretrain`` writes as ``encoder.pt``); the gate clusters the candidates with it instead of with a copy of the
+    """A frozen encoder for the cluster gate alone, of the model's ResNet architecture: a state_dict file (what
+    ``foveate pretrain`` writes as ``encoder.pt``) or the encoder of a ``foveate pretrain`` run,
+    ``runs:/<run_id>[/encoder]`` or ``models:/<name>/<version|@alias>`` (resolved through MLflow by ``foveate
+    train``, as ``model.features.init``); the gate clusters the candidates with it instead of with a copy of the
     model's encoder at the fit, and the model's own encoder trains as before. null: that copy."""
 
     def __post_init__(self) -> None:

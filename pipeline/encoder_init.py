@@ -119,21 +119,25 @@ def _download(init: str, tracking_uri: str | None, where: str) -> dict[str, torc
     )
 
 
-def resolve_init(features: FeaturesConfig, *, tracking_uri: str | None = None) -> dict[str, torch.Tensor]:
+def resolve_init(
+    features: FeaturesConfig, *, tracking_uri: str | None = None, key: str = "model.features.init"
+) -> dict[str, torch.Tensor]:
     """The state dict ``features.init`` names, checked against ``features``' architecture.
 
     Args:
         features: ``model.features`` (``kind: resnet``, ``init`` set).
         tracking_uri: the MLflow tracking URI for ``runs:/`` and ``models:/`` (default: ``$MLFLOW_TRACKING_URI``, else
             MLflow's current one).
+        key: the config key that named ``init``, for the messages (``model.experimental.gate_encoder`` names the
+            cluster gate's encoder the same way).
 
     Raises:
         ConfigError: the file or the MLflow encoder cannot be found, or its widths / blocks / feature_dim / norm
             differ from ``features``' (the message gives both).
     """
     if features.kind != "resnet" or not features.init:
-        raise ConfigError(f"model.features.init applies to kind resnet with init set, got {features!r}")
-    where = f"model.features.init={features.init!r}"
+        raise ConfigError(f"{key} applies to kind resnet with init set, got {features!r}")
+    where = f"{key}={features.init!r}"
     if is_init_uri(features.init):
         state = _download(features.init, tracking_uri, where)
     else:

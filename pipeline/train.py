@@ -306,7 +306,7 @@ def train(
         )
     uri = resolve_tracking_uri(default_dir=config.workdir)
     client = client_for(uri)
-    features_init = _features_init(config, uri)
+    inits = _encoder_inits(config, uri)
     resolved = to_dict(config)
     if resume:
         state = json.loads(storage.read_file(storage.join(run_dir, STATE_FILE)) or b"{}")
@@ -349,7 +349,7 @@ def train(
 
     started = init_ray(address, num_cpus=max(2, config.workers * config.cpus_per_worker))
     try:
-        result = _fit(config, run_dir, train_recs, val_recs, table.class_names, uri, run_id, after_epoch, features_init)
+        result = _fit(config, run_dir, train_recs, val_recs, table.class_names, uri, run_id, after_epoch, inits)
         ckpt = _load_ckpt(result)
         model, model_cfg, class_names = model_from_checkpoint(ckpt)
         import pandas as pd
@@ -439,19 +439,31 @@ def _log_early_stopping(cfg: TrainConfig, val_recs) -> None:
         )
 
 
-def _features_init(config: TrainConfig, uri: str) -> dict[str, torch.Tensor] | None:
-    """``model.features.init`` checked before Ray starts (the file or MLflow encoder exists, its architecture is the
-    config's); the state dict to ship to the workers when it is an MLflow URI (a local file is read where the
-    model is built)."""
-    f = config.model.features
-    if f.kind != "resnet" or f.init is None:
-        return None
+def _encoder_inits(config: TrainConfig, uri: str) -> dict[str, dict[str, torch.Tensor]]:
+    """The pretrained encoders a config names, checked before Ray starts (the file or MLflow encoder exists, its
+    architecture is the config's): ``model.features.init`` and ``model.experimental.gate_encoder``. Returns the
+    state dicts to ship to the workers, as the Trainer's keyword arguments (``features_init``,
+    ``gate_encoder_init``), for those given as MLflow URIs (a local file is read where the model is built)."""
     from operators.model_config import is_init_uri
     from pipeline.encoder_init import resolve_init
 
-    state = resolve_init(f, tracking_uri=uri)
-    log.info("model.features.init: the encoder of %s%s", f.init, " (frozen)" if f.freeze else "")
-    return state if is_init_uri(f.init) else None
+    f = config.model.features
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    if f.kind != "resnet":
+        return out
+    if f.init is not None:
+        state = resolve_init(f, tracking_uri=uri)
+        log.info("model.features.init: the encoder of %s%s", f.init, " (frozen)" if f.freeze else "")
+        if is_init_uri(f.init):
+            out["features_init"] = state
+    gate = config.model.experimental.gate_encoder
+    if gate is not None:
+        key = "model.experimental.gate_encoder"
+        state = resolve_init(dataclasses.replace(f, init=gate, freeze=True), tracking_uri=uri, key=key)
+        log.info("%s: the cluster gate clusters with the encoder of %s", key, gate)
+        if is_init_uri(gate):
+            out["gate_encoder_init"] = state
+    return out
 
 
 def _load_ckpt(result) -> dict:
@@ -470,7 +482,7 @@ def _fit(
     uri: str,
     run_id: str,
     after_epoch: Callable[[int], None] | None = None,
-    features_init: dict[str, torch.Tensor] | None = None,
+    inits: dict[str, dict[str, torch.Tensor]] | None = None,
 ):
     use_gpu = resolve_use_gpu(cfg)
     loop_config = {
@@ -483,8 +495,7 @@ def _fit(
     }
     if after_epoch is not None:
         loop_config["after_epoch"] = after_epoch
-    if features_init is not None:
-        loop_config["features_init"] = features_init
+    loop_config.update(inits or {})  # pretrained encoders named by MLflow URIs (_encoder_inits)
     cache_dir = feature_cache_dir(cfg, run_dir)
     if cache_dir is not None:
         loop_config["feature_cache"] = cache_dir

@@ -101,6 +101,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         early_stopping=cfg.early_stopping,
         features_init=loop_config.get("features_init"),
         feature_cache=loop_config.get("feature_cache"),
+        gate_encoder_init=loop_config.get("gate_encoder_init"),
     )
 
     ckpt = ray.train.get_checkpoint()

@@ -231,6 +231,7 @@ def _trial(values: dict[str, Any], setup: dict[str, Any]) -> None:
             early_stopping=cfg.early_stopping,
             features_init=setup.get("features_init"),
             feature_cache=feature_cache_dir(cfg, run_dir),
+            gate_encoder_init=setup.get("gate_encoder_init"),
         )
         ckpt = ray.tune.get_checkpoint()
         if ckpt is not None:
@@ -425,7 +426,7 @@ def tune(
     from pipeline.data import build_slide_table, split_train_val
     from pipeline.runtime import init_ray
     from pipeline.tracking import client_for, get_or_create_experiment, resolve_tracking_uri, start_run
-    from pipeline.train import _check_grids, _features_init, _resolve, resolve_use_gpu
+    from pipeline.train import _check_grids, _encoder_inits, _resolve, resolve_use_gpu
     from pipeline.tune_space import parse_space
     from workers import storage
 
@@ -473,7 +474,7 @@ def tune(
 
     uri = resolve_tracking_uri(default_dir=config.workdir)
     client = client_for(uri)
-    features_init = _features_init(config, uri)
+    inits = _encoder_inits(config, uri)
     experiment_id = get_or_create_experiment(client, config.tracking.experiment, uri)
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
     parent_name = config.tracking.run_name or f"tune-{stamp}"
@@ -529,8 +530,7 @@ def tune(
         "out": str(out_dir),
         "max_epochs": budget["tune.max_epochs"],
     }
-    if features_init is not None:
-        setup["features_init"] = features_init
+    setup.update(inits)  # pretrained encoders named by MLflow URIs
     if after_epoch is not None:
         setup["after_epoch"] = after_epoch
 

@@ -378,6 +378,50 @@ def test_gate_encoder_file_is_the_gates_own_and_is_never_refreshed(tmp_path):
         dataclasses.replace(cfg, features=dataclasses.replace(cfg.features, freeze=True))
 
 
+def test_gate_encoder_from_an_mlflow_run_is_resolved_by_the_driver(tmp_path):
+    import mlflow
+
+    from operators.errors import ConfigError
+    from operators.resnet import ResNet
+    from pipeline.encoder_init import ENCODER_DIR, ENCODER_FILE
+    from pipeline.train import TrainConfig, _encoder_inits
+
+    base = _gated_config()
+    torch.manual_seed(11)
+    pretrained = ResNet(base.features.resnet())
+    (tmp_path / ENCODER_DIR).mkdir()
+    torch.save(pretrained.state_dict(), tmp_path / ENCODER_DIR / ENCODER_FILE)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = mlflow.MlflowClient(uri)
+    exp = client.create_experiment("gate-encoder", artifact_location=(tmp_path / "artifacts").as_uri())
+    run_id = client.create_run(exp).info.run_id
+    client.log_artifact(run_id, str(tmp_path / ENCODER_DIR / ENCODER_FILE), ENCODER_DIR)
+    client.set_terminated(run_id)
+
+    def config(gate_encoder):
+        ex = dataclasses.replace(base.experimental, gate_encoder=gate_encoder)
+        return TrainConfig(model=dataclasses.replace(base, experimental=ex))
+
+    inits = _encoder_inits(config(f"runs:/{run_id}"), uri)
+    assert list(inits) == ["gate_encoder_init"]
+    state = inits["gate_encoder_init"]
+    assert all(torch.equal(state[k], v) for k, v in pretrained.state_dict().items())
+    assert _encoder_inits(config(str(tmp_path / ENCODER_DIR / ENCODER_FILE)), uri) == {}  # a file: read by the model
+    with pytest.raises(ConfigError, match=r"model.experimental.gate_encoder='runs:/missing'.*cannot find"):
+        _encoder_inits(config("runs:/missing"), uri)
+
+    cfg = config(f"runs:/{run_id}").model
+    optim, schedule = OptimConfig(), ScheduleConfig(select_until=0.5)
+    with pytest.raises(ValueError, match="gate_encoder=.* is an MLflow URI: the driver resolves it"):
+        Trainer(cfg, optim, schedule, slides_per_epoch=1)
+    tr = Trainer(cfg, optim, schedule, slides_per_epoch=1, gate_encoder_init=state)
+    for k, v in tr.model.gate.encoder.state_dict().items():  # the run's weights, in the model and its average
+        assert torch.equal(v, state[k]) and torch.equal(tr.eval_model.gate.encoder.state_dict()[k], v), k
+    assert any(not torch.equal(v, state[k]) for k, v in tr.model.features.state_dict().items())
+    with pytest.raises(ValueError, match="gate_encoder_init was given"):
+        Trainer(base, optim, schedule, slides_per_epoch=1, gate_encoder_init=state)
+
+
 def test_the_cut_counts_clusters_not_cells():
     # cluster mean scores and sizes as a pretrained gate encoder gave them on the shape family (one seed): four
     # glyph clusters (0.94-0.88), twelve of strokes (0.85-0.84), the strokes' clusters the larger. Weighted by size

@@ -426,6 +426,9 @@ class Trainer:
         features_init: the ResNet's initial ``state_dict`` when ``model.features.init`` is an MLflow URI (the
             driver resolves it: ``pipeline.encoder_init.resolve_init``); a local ``init`` file is read when the
             model is built. Loaded before the workers' start is made identical.
+        gate_encoder_init: the cluster gate's own encoder (``state_dict``) when ``model.experimental.gate_encoder``
+            is an MLflow URI (resolved by the driver as ``features_init``); a local file is read when the model is
+            built.
         feature_cache: a folder for the frozen-feature cache (:class:`~workers.feature_cache.FeatureCache`, in
             its ``worker<rank>`` sub-folder): with a frozen encoder the features of every cell read are kept there
             and later reads of the same cell skip the read and the encoder (in evaluation always, in training only
@@ -448,6 +451,7 @@ class Trainer:
         early_stopping: EarlyStoppingConfig | None = None,
         features_init: dict[str, torch.Tensor] | None = None,
         feature_cache: str | Any | None = None,
+        gate_encoder_init: dict[str, torch.Tensor] | None = None,
     ):
         from operators.model import FoveateModel
         from operators.model_config import is_init_uri
@@ -479,6 +483,21 @@ class Trainer:
                 "(pipeline.encoder_init.resolve_init) and passes the state dict as features_init"
             )
         self._features_init = features_init
+        gate_init = model_config.experimental.gate_encoder
+        if gate_encoder_init is not None:
+            from operators.resnet import check_architecture
+
+            if self.model.gate is None or self.model.gate.encoder is None or gate_init is None:
+                raise ValueError("gate_encoder_init was given but model.experimental.gate_encoder is not set")
+            check_architecture(
+                self.model.gate.encoder.cfg, gate_encoder_init, where=f"model.experimental.gate_encoder {gate_init!r}"
+            )
+            self.model.gate.encoder.load_state_dict(gate_encoder_init)
+        elif is_init_uri(gate_init):
+            raise ValueError(
+                f"model.experimental.gate_encoder={gate_init!r} is an MLflow URI: the driver resolves it "
+                "(pipeline.encoder_init.resolve_init) and passes the state dict as gate_encoder_init"
+            )
         self.model = self.model.to(self.device)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         groups = [[q for q in child.parameters() if q.requires_grad] for child in self.model.children()]
