@@ -388,7 +388,7 @@ class EvidenceConfig:
             )
 
 
-SYMMETRIES = ("none", "rot180", "dihedral")
+SYMMETRIES = ("none", "rot180", "flips", "dihedral")
 
 
 @dataclass(frozen=True)
@@ -399,7 +399,8 @@ class AugmentConfig:
     """Per-patch channel gain ``1 + U(-c, c)`` and offset ``U(-c/2, c/2)``; 0: off."""
     symmetry: str = "none"
     """Each patch turned by a symmetry drawn per patch: ``rot180`` (a half turn or not: keeps every orientation),
-    ``dihedral`` (the 8 flips and quarter turns: only where orientation carries no label), ``none``."""
+    ``flips`` (the half turn and the two mirrors: keeps horizontal and vertical), ``dihedral`` (the 8 flips and
+    quarter turns: only where orientation carries no label), ``none``."""
 
     def __post_init__(self) -> None:
         _num("model.augment.color_jitter", self.color_jitter, 0, 1)

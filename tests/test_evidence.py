@@ -375,7 +375,7 @@ def test_color_jitter_patches_is_a_per_patch_per_channel_affine_map_clamped_to_u
         flat_config(color_jitter=-0.1)
 
 
-@pytest.mark.parametrize("symmetry, allowed", [("dihedral", range(8)), ("rot180", (0, 2))])
+@pytest.mark.parametrize("symmetry, allowed", [("dihedral", range(8)), ("flips", (0, 2, 5, 7)), ("rot180", (0, 2))])
 def test_symmetry_patches_turns_each_patch_by_a_drawn_symmetry_of_the_square(symmetry, allowed):
     from operators.model_config import AugmentConfig
     from workers.slide_forward import augment_patches, symmetry_patches
@@ -391,6 +391,8 @@ def test_symmetry_patches_turns_each_patch_by_a_drawn_symmetry_of_the_square(sym
             hits = [s for s, q in enumerate(syms) if torch.equal(y[i, j], q)]
             assert hits, (i, j)  # a symmetry of its own patch, never another patch's pixels
             seen.add(hits[0])
+            if symmetry == "flips":  # the axes kept: the patch as it is, mirrored left-right, up-down, or both
+                assert any(torch.equal(y[i, j], p.flip(d)) for d in ((), (-1,), (-2,), (-2, -1))), (i, j)
     assert seen == set(allowed)  # every allowed symmetry is drawn, no other
     with pytest.raises(ValueError, match="square"):
         symmetry_patches(torch.rand(2, 3, 4, 5), symmetry)

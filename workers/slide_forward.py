@@ -59,10 +59,12 @@ def _dihedral_index(p: int, device: torch.device) -> torch.Tensor:
 def symmetry_patches(x: torch.Tensor, symmetry: str, generator: torch.Generator | None = None) -> torch.Tensor:
     """Each square patch of ``x[..., C, p, p]`` turned by a symmetry of the square drawn uniformly per patch from
     ``generator``: ``dihedral``: one of all 8 (0..3 quarter turns of the patch or of its transpose; tissue has no up
-    and no handedness); ``rot180``: a half turn or not (keeps every orientation: stripes stay horizontal, vertical
-    or diagonal). Training-time augmentation; one gather, no loop over patches. Returns a new tensor."""
-    if symmetry not in ("rot180", "dihedral"):
-        raise ValueError(f"symmetry must be 'rot180' or 'dihedral', got {symmetry!r}")
+    and no handedness); ``flips``: one of the 4 that keep the axes (none, the half turn, the left-right and the
+    up-down mirror: a horizontal stripe stays horizontal, a vertical one vertical); ``rot180``: a half turn or not
+    (keeps every orientation: stripes stay horizontal, vertical or diagonal). Training-time augmentation; one
+    gather, no loop over patches. Returns a new tensor."""
+    if symmetry not in ("rot180", "flips", "dihedral"):
+        raise ValueError(f"symmetry must be 'rot180', 'flips' or 'dihedral', got {symmetry!r}")
     if x.dim() < 3 or x.shape[-1] != x.shape[-2]:
         raise ValueError(f"symmetry_patches needs square patches [..., C, p, p], got {tuple(x.shape)}")
     p = x.shape[-1]
@@ -70,6 +72,11 @@ def symmetry_patches(x: torch.Tensor, symmetry: str, generator: torch.Generator 
     dev = generator.device if generator is not None else x.device
     if symmetry == "dihedral":
         code = torch.randint(0, 8, (flat.shape[0],), generator=generator, device=dev).to(x.device)
+    elif symmetry == "flips":  # codes 0 and 2 (no turn, half turn), 5 and 7 (a quarter turn of the transpose: a mirror)
+        code = torch.tensor([0, 2, 5, 7], device=dev)[
+            torch.randint(0, 4, (flat.shape[0],), generator=generator, device=dev)
+        ]
+        code = code.to(x.device)
     else:  # rot180: no turn (code 0) or two quarter turns (code 2)
         code = torch.randint(0, 2, (flat.shape[0],), generator=generator, device=dev).to(x.device) * 2
     index = _dihedral_index(p, x.device)[code]  # [n, p*p]
