@@ -56,6 +56,11 @@ def _dihedral_index(p: int, device: torch.device) -> torch.Tensor:
     return torch.stack([torch.rot90(g, r, dims=(0, 1)).reshape(-1) for g in (grid, grid.t()) for r in range(4)])
 
 
+# the rows of _dihedral_index each symmetry draws from: all 8; the axis-keeping four (no turn, the half turn, and
+# 5 / 7: a quarter turn of the transpose, i.e. the up-down and left-right mirrors); no turn or the half turn
+_SYMMETRY_CODES = {"dihedral": tuple(range(8)), "flips": (0, 2, 5, 7), "rot180": (0, 2)}
+
+
 def symmetry_patches(x: torch.Tensor, symmetry: str, generator: torch.Generator | None = None) -> torch.Tensor:
     """Each square patch of ``x[..., C, p, p]`` turned by a symmetry of the square drawn uniformly per patch from
     ``generator``: ``dihedral``: one of all 8 (0..3 quarter turns of the patch or of its transpose; tissue has no up
@@ -63,22 +68,15 @@ def symmetry_patches(x: torch.Tensor, symmetry: str, generator: torch.Generator 
     up-down mirror: a horizontal stripe stays horizontal, a vertical one vertical); ``rot180``: a half turn or not
     (keeps every orientation: stripes stay horizontal, vertical or diagonal). Training-time augmentation; one
     gather, no loop over patches. Returns a new tensor."""
-    if symmetry not in ("rot180", "flips", "dihedral"):
+    if symmetry not in _SYMMETRY_CODES:
         raise ValueError(f"symmetry must be 'rot180', 'flips' or 'dihedral', got {symmetry!r}")
     if x.dim() < 3 or x.shape[-1] != x.shape[-2]:
         raise ValueError(f"symmetry_patches needs square patches [..., C, p, p], got {tuple(x.shape)}")
     p = x.shape[-1]
     flat = x.reshape(-1, x.shape[-3], p * p)
     dev = generator.device if generator is not None else x.device
-    if symmetry == "dihedral":
-        code = torch.randint(0, 8, (flat.shape[0],), generator=generator, device=dev).to(x.device)
-    elif symmetry == "flips":  # codes 0 and 2 (no turn, half turn), 5 and 7 (a quarter turn of the transpose: a mirror)
-        code = torch.tensor([0, 2, 5, 7], device=dev)[
-            torch.randint(0, 4, (flat.shape[0],), generator=generator, device=dev)
-        ]
-        code = code.to(x.device)
-    else:  # rot180: no turn (code 0) or two quarter turns (code 2)
-        code = torch.randint(0, 2, (flat.shape[0],), generator=generator, device=dev).to(x.device) * 2
+    codes = torch.tensor(_SYMMETRY_CODES[symmetry], device=dev)
+    code = codes[torch.randint(0, len(codes), (flat.shape[0],), generator=generator, device=dev)].to(x.device)
     index = _dihedral_index(p, x.device)[code]  # [n, p*p]
     out = flat.gather(2, index[:, None, :].expand(-1, flat.shape[1], -1))
     return out.view(x.shape)

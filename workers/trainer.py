@@ -407,6 +407,26 @@ class EvalResult:
 StepCallback = Callable[[dict[str, float], int], None]
 
 
+def _load_resolved(
+    net: torch.nn.Module | None, state: dict[str, torch.Tensor] | None, key: str, value: str | None, kwarg: str
+) -> None:
+    """An encoder's ``state`` dict (the Trainer's argument ``kwarg``) that the driver resolved from the MLflow URI
+    ``value`` of config ``key`` (:mod:`pipeline.encoder_init`) into ``net``, its architecture checked; without one,
+    ``value`` must not be an MLflow URI (a local file is read when the model is built)."""
+    from operators.model_config import is_init_uri
+
+    if state is not None:
+        from operators.resnet import check_architecture
+
+        check_architecture(net.cfg, state, where=f"{key} {value!r}")
+        net.load_state_dict(state)
+    elif is_init_uri(value):
+        raise ValueError(
+            f"{key}={value!r} is an MLflow URI: the driver resolves it "
+            f"(pipeline.encoder_init.resolve_init) and passes the state dict as {kwarg}"
+        )
+
+
 class Trainer:
     """Model, optimiser, LR and sigma schedules and the selection-noise generator of one training worker.
 
@@ -454,7 +474,6 @@ class Trainer:
         gate_encoder_init: dict[str, torch.Tensor] | None = None,
     ):
         from operators.model import FoveateModel
-        from operators.model_config import is_init_uri
 
         self.optim_cfg, self.schedule = optim, schedule
         self.collective = collective if collective is not None else LocalCollective()
@@ -471,33 +490,17 @@ class Trainer:
                 "schedule.select_until=None: set schedule.select_until (e.g. 0.5) or gate_candidates: 0"
             )
         self.model = FoveateModel(model_config)
-        init = model_config.features.init
-        if features_init is not None:
-            from operators.resnet import check_architecture
-
-            check_architecture(self.model.features.cfg, features_init, where=f"model.features.init {init!r}")
-            self.model.features.load_state_dict(features_init)
-        elif is_init_uri(init):
-            raise ValueError(
-                f"model.features.init={init!r} is an MLflow URI: the driver resolves it "
-                "(pipeline.encoder_init.resolve_init) and passes the state dict as features_init"
-            )
+        _load_resolved(
+            self.model.features, features_init, "model.features.init", model_config.features.init, "features_init"
+        )
         self._features_init = features_init
         gate_init = model_config.experimental.gate_encoder
-        if gate_encoder_init is not None:
-            from operators.resnet import check_architecture
-
-            if self.model.gate is None or self.model.gate.encoder is None or gate_init is None:
-                raise ValueError("gate_encoder_init was given but model.experimental.gate_encoder is not set")
-            check_architecture(
-                self.model.gate.encoder.cfg, gate_encoder_init, where=f"model.experimental.gate_encoder {gate_init!r}"
-            )
-            self.model.gate.encoder.load_state_dict(gate_encoder_init)
-        elif is_init_uri(gate_init):
-            raise ValueError(
-                f"model.experimental.gate_encoder={gate_init!r} is an MLflow URI: the driver resolves it "
-                "(pipeline.encoder_init.resolve_init) and passes the state dict as gate_encoder_init"
-            )
+        if gate_encoder_init is not None and (
+            self.model.gate is None or self.model.gate.encoder is None or gate_init is None
+        ):
+            raise ValueError("gate_encoder_init was given but model.experimental.gate_encoder is not set")
+        gate_net = self.model.gate.encoder if gate_encoder_init is not None else None
+        _load_resolved(gate_net, gate_encoder_init, "model.experimental.gate_encoder", gate_init, "gate_encoder_init")
         self.model = self.model.to(self.device)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         groups = [[q for q in child.parameters() if q.requires_grad] for child in self.model.children()]
@@ -704,7 +707,7 @@ class Trainer:
         from workers.slide_forward import read_gate_candidates, score_slide
 
         model, gate = self.model, self.model.gate
-        if gate.encoder is not None and model.cfg.experimental.gate_encoder is None:  # else the gate's own file's
+        if gate.encoder is not None and model.cfg.experimental.gate_encoder is None:  # else its own pretrained one
             gate.encoder.load_state_dict(model.features.state_dict())
         was_training = model.training
         model.eval()
