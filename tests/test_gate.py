@@ -16,6 +16,7 @@ from test_two_phase import _config, _store
 
 from operators.gate import CellGate, fit_cluster_gate, spherical_kmeans, two_means_upper
 from operators.model import FoveateModel
+from workers.early_stopping import EarlyStoppingConfig
 from workers.slide_forward import forward_slide, gate_candidates
 from workers.trainer import OptimConfig, ScheduleConfig, Trainer
 
@@ -254,10 +255,15 @@ def test_select_restart_starts_the_classifier_and_the_learning_rate_again(tmp_pa
         ScheduleConfig(sigma_start=0.1, sigma_end=0.1, select_until=0.5, select_restart=True),
         slides_per_epoch=2,
         seed=3,
+        early_stopping=EarlyStoppingConfig(patience=2),
     )
     records = [SimpleNamespace(store=store, target=0), SimpleNamespace(store=store, target=1)]
     calls = []
     restart = tr._restart_classifier
+    # a first-phase best epoch and its kept weights: after the restart neither is a candidate for export
+    tr.stopper.update(1, 0.5)
+    tr.stopper.update(2, 0.7)
+    tr.best_state = {k: v.clone() for k, v in tr.eval_model.state_dict().items()}
 
     def spy():
         calls.append(tr.global_step)
@@ -278,6 +284,9 @@ def test_select_restart_starts_the_classifier_and_the_learning_rate_again(tmp_pa
         for k, v in tr.model.scorer.state_dict().items():  # the fixed scorer stays
             assert torch.equal(before[k], v), k
         assert tr.model.gate.is_fitted  # fitted before the restart, on the encoder as it was
+        assert tr.best_state is None  # early stopping starts over with the new classifier
+        assert (tr.stopper.best, tr.stopper.best_epoch, tr.stopper.bad_epochs) == (None, 0, 0)
+        assert not tr.stopper.update(3, 0.9) and tr.stopper.best_epoch == 3  # any value is the new best
 
     tr._restart_classifier = spy
     tr._train_records = records  # what train_epoch hands on (the gate is fitted on them)

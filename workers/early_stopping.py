@@ -32,7 +32,9 @@ class EarlyStoppingConfig:
     (the demo's ten slides) ``val_auc`` is 1.0 from the first epoch, and following it would export that epoch.
     The schedules (``schedule.*``, the LR's cosine) stay fractions of ``optim.epochs``, the cap, and training never
     stops while a scheduled exploration term is still on (``schedule.rarity_start`` > 0 until
-    ``schedule.rarity_until``; ``schedule.rare_until`` with ``model.evidence.rare_cells``).
+    ``schedule.rarity_until``; ``schedule.rare_until`` with ``model.evidence.rare_cells``). A classifier restarted at
+    the switch of ``schedule.select_until`` (``schedule.select_restart``) is a new model: the rule starts over there
+    (no best, no count), so the exported model is the best epoch of the second phase, never a first-phase one.
     """
 
     metric: Literal["val_loss", "val_auc", "val_accuracy"] = "val_loss"
@@ -121,6 +123,11 @@ class EarlyStopping:
         if stop:
             self.stopped_epoch = int(epoch)
         return stop
+
+    def restart(self) -> None:
+        """Start over: no best value and no count, as for a new model (the classifier restarted by
+        ``schedule.select_restart``); ``min_epochs`` and a stop already decided stay."""
+        self.best, self.best_epoch, self.bad_epochs = None, 0, 0
 
     @property
     def stopped(self) -> bool:

@@ -740,7 +740,7 @@ class Trainer:
     def _restart_classifier(self) -> None:
         """``schedule.select_restart``: the feature network, its standardisation and the aggregator from a fresh
         initialisation (the same on every worker: a seed of their own), their optimizer state dropped; the moving
-        average restarts from the weights as they now are."""
+        average restarts from the weights as they now are, and early stopping starts over (no best epoch)."""
         from operators.model import FoveateModel
 
         with torch.random.fork_rng(devices=[]):
@@ -759,6 +759,9 @@ class Trainer:
                 self.optimizer.state.pop(p, None)
         if self.ema_model is not None:
             self.ema_model.load_state_dict(self.model.state_dict())
+        if self.stopper is not None:  # a new model: the first phase's best epoch is no candidate for export
+            self.stopper.restart()
+            self.best_state = None
         log.info("classifier restarted at step %d (schedule.select_restart)", self.global_step)
 
     def train_epoch(self, records: Sequence[Any]) -> EpochResult:
