@@ -295,6 +295,7 @@ def run_training_in_process(
         slides_per_epoch=len(train),
         seed=cfg.seed,
         features_init=_uri_init(model_cfg),
+        gate_encoder_init=_gate_init(cfg, model_cfg, train, workdir),
     )
     metrics: dict[str, float] = {}
     with open(log, "w") as fh:
@@ -328,6 +329,58 @@ def _uri_init(model_cfg) -> dict | None:
     from pipeline.encoder_init import resolve_init
 
     return resolve_init(model_cfg.features)
+
+
+def _gate_init(cfg, model_cfg, train: list, workdir: Path) -> dict | None:
+    """The cluster gate's encoder state dict when the driver would resolve it (as ``foveate train`` does): an
+    MLflow URI through MLflow; ``pretrain``: :class:`workers.pretrain.Pretrainer` in this process on the training
+    slides with ``cfg.pretrain``, cached under ``WORKDIR/gate_encoders`` by config and split (the seeds of a task
+    share one). None otherwise (a local file loads when the model is built)."""
+    import dataclasses
+    import hashlib
+
+    import torch
+
+    from operators.model_config import GATE_ENCODER_PRETRAIN, is_init_uri
+    from pipeline.config import to_dict
+    from pipeline.data import shard
+
+    gate = model_cfg.experimental.gate_encoder
+    if is_init_uri(gate):
+        from pipeline.encoder_init import resolve_init
+
+        return resolve_init(dataclasses.replace(model_cfg.features, init=gate, freeze=True))
+    if gate != GATE_ENCODER_PRETRAIN:
+        return None
+    from workers.pretrain import Pretrainer
+
+    key = json.dumps(
+        [
+            to_dict(cfg.pretrain),
+            to_dict(model_cfg.features),
+            to_dict(model_cfg.geometry),
+            sorted(r.store for r in train),
+        ],
+        sort_keys=True,
+        default=str,
+    )
+    path = workdir / "gate_encoders" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.pt"
+    if path.is_file():
+        print(f"[gate_encoder] pretrained encoder {path.name} (cached)", flush=True)
+        return torch.load(path, map_location="cpu", weights_only=True)
+    pc = cfg.pretrain
+    pre = Pretrainer(model_cfg, pc, slides_per_epoch=len(train))
+    t0 = time.perf_counter()
+    while pre.epoch < pc.epochs:
+        m = pre.run_epoch(shard(train, 0, 1, epoch=pre.epoch, seed=pc.seed))
+        print(f"[gate_encoder] pretrain epoch {pre.epoch}/{pc.epochs}: loss {m['epoch_loss']:.4f}", flush=True)
+    print(f"[gate_encoder] pretrained in {time.perf_counter() - t0:.0f}s -> {path.name}", flush=True)
+    state = pre.encoder_state()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+    return state
 
 
 # ---------------------------------------------------------------------------------------------- ground truth

@@ -31,7 +31,7 @@ from torch import nn
 from operators.aggregators import build_aggregator
 from operators.evidence import evidence_rank_loss, instance_confidence, instance_loss
 from operators.gate import CellGate
-from operators.model_config import ModelConfig, SlideGeometry, is_init_uri
+from operators.model_config import ModelConfig, SlideGeometry, resolved_by_driver
 from operators.resnet import ResNet, RunningStandardise
 from operators.scorer import (
     ScorerCNN,
@@ -187,7 +187,7 @@ class FoveateModel(nn.Module):
         ex = cfg.experimental
         if ex.gate_candidates > 0:
             if ex.gate_encoder is not None:  # its own frozen encoder (pretrained), never refreshed
-                weights = None if is_init_uri(ex.gate_encoder) else ex.gate_encoder  # MLflow URIs: the trainer's
+                weights = None if resolved_by_driver(ex.gate_encoder) else ex.gate_encoder  # else: the trainer's
                 own = ResNet(replace(cfg.features.resnet(), weights=weights, frozen=True))
             else:  # a copy of the model's encoder made at each fit, or none: the model's own when that is frozen
                 own = None if cfg.features.weights_fixed else _build_features(cfg, torchscript)

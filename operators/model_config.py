@@ -45,6 +45,8 @@ __all__ = [
     "FEATURE_KINDS",
     "FeaturesConfig",
     "is_init_uri",
+    "resolved_by_driver",
+    "GATE_ENCODER_PRETRAIN",
     "AttentionMILConfig",
     "TransformerConfig",
     "AggregatorConfig",
@@ -427,6 +429,16 @@ def is_init_uri(init: str | None) -> bool:
     return isinstance(init, str) and init.startswith(("runs:/", "models:/"))
 
 
+#: ``model.experimental.gate_encoder: pretrain``: ``foveate train`` pretrains the gate's encoder on the training
+#: slides first (``foveate pretrain`` with the config's ``pretrain:`` section) and uses that run's encoder
+GATE_ENCODER_PRETRAIN = "pretrain"
+
+
+def resolved_by_driver(init: str | None) -> bool:
+    """An encoder setting the training driver turns into weights (an MLflow URI, or ``pretrain``), not a file."""
+    return is_init_uri(init) or init == GATE_ENCODER_PRETRAIN
+
+
 @dataclass(frozen=True)
 class FeaturesConfig:
     """The patch feature network: the project's small ResNet (``kind: resnet``, trained with the model), or a frozen
@@ -738,8 +750,11 @@ class ExperimentalConfig:
     """A frozen encoder for the cluster gate alone, of the model's ResNet architecture: a state_dict file (what
     ``foveate pretrain`` writes as ``encoder.pt``) or the encoder of a ``foveate pretrain`` run,
     ``runs:/<run_id>[/encoder]`` or ``models:/<name>/<version|@alias>`` (resolved through MLflow by ``foveate
-    train``, as ``model.features.init``); the gate clusters the candidates with it instead of with a copy of the
-    model's encoder at the fit, and the model's own encoder trains as before. null: that copy."""
+    train``, as ``model.features.init``), or ``pretrain``: ``foveate train`` first pretrains one on the training
+    slides without their labels (``foveate pretrain`` with the config's ``pretrain:`` section, its own MLflow run,
+    whose ``runs:/`` URI then stands here in the logged config); the gate clusters the candidates with it instead
+    of with a copy of the model's encoder at the fit, and the model's own encoder trains as before. null: that
+    copy."""
 
     def __post_init__(self) -> None:
         _int("model.experimental.gate_candidates", self.gate_candidates, 0)

@@ -101,6 +101,7 @@ def pretrain(
     address: str | None = None,
     workers: int | None = None,
     workdir: str | Path | None = None,
+    records: list[SlideRecord] | None = None,
 ) -> PretrainResult:
     """Pretrain ``config.model.features``' ResNet with ``config.pretrain`` on Ray Train and log it to MLflow.
 
@@ -110,6 +111,8 @@ def pretrain(
         address: Ray cluster to join (default: in-process Ray, or ``$RAY_ADDRESS``).
         workers: overrides ``config.workers``.
         workdir: overrides ``config.workdir``.
+        records: the slides to pretrain on (``foveate train`` passes its training split for
+            ``model.experimental.gate_encoder: pretrain``); default every complete store under ``data.stores``.
 
     Returns:
         :class:`PretrainResult` (the encoder's URI ``runs:/<run_id>/encoder`` and its state dict).
@@ -133,7 +136,10 @@ def pretrain(
         raise ConfigError(f"foveate pretrain trains the ResNet (model.features.kind: resnet), got kind {f.kind!r}")
     if f.init is not None or f.freeze:
         log.info("model.features.init / freeze are for training: pretraining starts from a fresh ResNet")
-    records = _stores(config.data.stores)
+    if records is None:
+        records = _stores(config.data.stores)
+    elif not records:
+        raise ValueError("records: no slide to pretrain on")
     config = dataclasses.replace(config, model=with_training_mpp(config.model, _check_grids(config.model, records)))
     pc = config.pretrain
     log.info(

@@ -35,7 +35,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -306,6 +306,7 @@ def train(
         )
     uri = resolve_tracking_uri(default_dir=config.workdir)
     client = client_for(uri)
+    config = pretrain_gate_encoder(config, train_recs, address=address, resumed_from=run_dir if resume else None)
     inits = _encoder_inits(config, uri)
     resolved = to_dict(config)
     if resume:
@@ -437,6 +438,48 @@ def _log_early_stopping(cfg: TrainConfig, val_recs) -> None:
             max(floor, 1),
             cfg.optim.epochs,
         )
+
+
+def pretrain_gate_encoder(
+    config: TrainConfig,
+    train_recs: Sequence[SlideRecord],
+    *,
+    address: str | None = None,
+    resumed_from: str | None = None,
+    name: str | None = None,
+) -> TrainConfig:
+    """``model.experimental.gate_encoder: pretrain``: pretrain the cluster gate's encoder on ``train_recs`` (their
+    pixels, not their labels: :func:`pipeline.pretrain.pretrain` with ``config.pretrain``, its own MLflow run in
+    the same experiment, named after the training run) and return ``config`` with ``runs:/<that run>`` in its
+    place (``name``: the pretraining run's name, default ``<tracking.run_name>-gate-encoder``). Resuming
+    (``resumed_from``: the run folder), the run's own encoder is used again, not a new one. Any other value:
+    ``config`` unchanged."""
+    from operators.model_config import GATE_ENCODER_PRETRAIN
+
+    ex = config.model.experimental
+    if ex.gate_encoder != GATE_ENCODER_PRETRAIN:
+        return config
+    if resumed_from is not None:
+        state = json.loads(storage.read_file(storage.join(resumed_from, STATE_FILE)) or b"{}")
+        uri = state.get("config", {}).get("model", {}).get("experimental", {}).get("gate_encoder")
+        if not uri or uri == GATE_ENCODER_PRETRAIN:
+            raise ValueError(f"--resume: the run at {resumed_from} records no pretrained gate encoder")
+        log.info("model.experimental.gate_encoder: pretrain -> %s (the resumed run's)", uri)
+    else:
+        from pipeline.pretrain import pretrain
+
+        name = name or f"{config.tracking.run_name}-gate-encoder"
+        log.info("model.experimental.gate_encoder: pretrain: %s on the %d training slides", name, len(train_recs))
+        pre_config = dataclasses.replace(
+            config,
+            tracking=dataclasses.replace(config.tracking, run_name=name),
+            pretrain=dataclasses.replace(config.pretrain, registered_model=None),
+        )
+        result = pretrain(pre_config, address=address, records=list(train_recs))
+        uri = f"runs:/{result.run_id}"
+        log.info("model.experimental.gate_encoder: pretrain -> %s", uri)
+    experimental = dataclasses.replace(ex, gate_encoder=uri)
+    return dataclasses.replace(config, model=dataclasses.replace(config.model, experimental=experimental))
 
 
 def _encoder_inits(config: TrainConfig, uri: str) -> dict[str, dict[str, torch.Tensor]]:

@@ -426,7 +426,7 @@ def tune(
     from pipeline.data import build_slide_table, split_train_val
     from pipeline.runtime import init_ray
     from pipeline.tracking import client_for, get_or_create_experiment, resolve_tracking_uri, start_run
-    from pipeline.train import _check_grids, _encoder_inits, _resolve, resolve_use_gpu
+    from pipeline.train import _check_grids, _encoder_inits, _resolve, pretrain_gate_encoder, resolve_use_gpu
     from pipeline.tune_space import parse_space
     from workers import storage
 
@@ -474,10 +474,12 @@ def tune(
 
     uri = resolve_tracking_uri(default_dir=config.workdir)
     client = client_for(uri)
-    inits = _encoder_inits(config, uri)
-    experiment_id = get_or_create_experiment(client, config.tracking.experiment, uri)
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
     parent_name = config.tracking.run_name or f"tune-{stamp}"
+    # gate_encoder: pretrain: one encoder, pretrained before the search, for every trial
+    config = pretrain_gate_encoder(config, train_recs, address=address, name=f"{parent_name}-gate-encoder")
+    inits = _encoder_inits(config, uri)
+    experiment_id = get_or_create_experiment(client, config.tracking.experiment, uri)
     out_dir = storage.normalize(out if out is not None else storage.join(config.workdir, "tune", parent_name))
     if storage.is_url(out_dir):
         raise ValueError(f"--out: a local folder, got {out_dir}")

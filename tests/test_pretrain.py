@@ -187,3 +187,54 @@ def test_pretrain_cli_then_train_starts_from_the_encoder(tmp_path, slides, ray_l
     assert all(torch.equal(model.features.state_dict()[k], v) for k, v in encoder.items())
     assert model_cfg.features.freeze and model_cfg.features.init is None
     assert client.get_run(train_id).data.params["model.features.init"] == f"runs:/{run_id}"
+
+    # the cluster gate's encoder pretrained by `foveate train` itself (gate_encoder: pretrain): a pretraining run of
+    # its own on the training split alone, whose URI the training run records and whose encoder the model carries
+    gated = ["--set", "schedule.select_until=0.5", "--set", "model.experimental.gate_candidates=4"]
+    gated += ["--set", "model.experimental.gate_clusters=2", "--set", "model.experimental.gate_encoder=pretrain"]
+    assert main(["train", "--config", str(cfg), *gated, "--set", "tracking.run_name=gated"]) == 0
+    gated_id = capsys.readouterr().out.split("run id: ", 1)[1].split()[0]
+    exp = client.get_experiment_by_name("test-pretrain").experiment_id
+    (pre,) = client.search_runs([exp], "attributes.run_name = 'gated-gate-encoder'")
+    assert pre.info.status == "FINISHED" and pre.data.tags["foveate.stage"] == "pretrain"
+    gated_run = client.get_run(gated_id)
+    assert gated_run.data.params["model.experimental.gate_encoder"] == f"runs:/{pre.info.run_id}"
+    split = json.loads(Path(client.download_artifacts(gated_id, "split.json", str(tmp_path / "g"))).read_text())
+    assert 0 < len(split["train"]) < 4
+    # 2 epochs over the training slides alone, 4 patches from each
+    assert [m.value for m in client.get_metric_history(pre.info.run_id, "patches")] == [4 * len(split["train"])] * 2
+    gate_encoder = resolve_init(dataclasses.replace(features, init=f"runs:/{pre.info.run_id}"))
+    model, model_cfg, _ = load_model(f"runs:/{gated_id}")
+    assert model.gate is not None and model.gate.is_fitted
+    assert all(torch.equal(model.gate.encoder.state_dict()[k], v) for k, v in gate_encoder.items())
+
+
+def test_gate_encoder_pretrain_is_resolved_by_the_driver(tmp_path):
+    from pipeline.train import STATE_FILE, TrainConfig, pretrain_gate_encoder
+    from workers.trainer import OptimConfig, ScheduleConfig, Trainer
+
+    gated = {"gate_candidates": 4, "gate_clusters": 2, "gate_encoder": "pretrain"}
+    model = from_dict(ModelConfig, {**MODEL, "experimental": gated})
+    config = from_dict(TrainConfig, {"model": to_dict(model), "schedule": {"select_until": 0.5}})
+    plain = from_dict(TrainConfig, {"model": MODEL})
+    assert pretrain_gate_encoder(plain, []) is plain  # nothing to pretrain
+    # a worker never pretrains: without the driver's state dict the trainer says who resolves it
+    with pytest.raises(ValueError, match="pretrain"):
+        Trainer(
+            dataclasses.replace(model, num_classes=2),
+            OptimConfig(epochs=1),
+            ScheduleConfig(select_until=0.5),
+            slides_per_epoch=1,
+        )
+    # resuming, the run's own pretrained encoder again (no second pretraining), or a clear error without one
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    recorded = dataclasses.replace(
+        model, experimental=dataclasses.replace(model.experimental, gate_encoder="runs:/abc")
+    )
+    (run_dir / STATE_FILE).write_text(json.dumps({"config": {"model": to_dict(recorded)}}))
+    again = pretrain_gate_encoder(config, [], resumed_from=str(run_dir))
+    assert again.model.experimental.gate_encoder == "runs:/abc" and again.model.selection == config.model.selection
+    (run_dir / STATE_FILE).write_text(json.dumps({"config": {"model": to_dict(model)}}))
+    with pytest.raises(ValueError, match="no pretrained gate encoder"):
+        pretrain_gate_encoder(config, [], resumed_from=str(run_dir))

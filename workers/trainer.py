@@ -413,18 +413,20 @@ def _load_resolved(
     """An encoder's ``state`` dict (the Trainer's argument ``kwarg``) that the driver resolved from the MLflow URI
     ``value`` of config ``key`` (:mod:`pipeline.encoder_init`) into ``net``, its architecture checked; without one,
     ``value`` must not be an MLflow URI (a local file is read when the model is built)."""
-    from operators.model_config import is_init_uri
+    from operators.model_config import is_init_uri, resolved_by_driver
 
     if state is not None:
         from operators.resnet import check_architecture
 
         check_architecture(net.cfg, state, where=f"{key} {value!r}")
         net.load_state_dict(state)
-    elif is_init_uri(value):
-        raise ValueError(
-            f"{key}={value!r} is an MLflow URI: the driver resolves it "
-            f"(pipeline.encoder_init.resolve_init) and passes the state dict as {kwarg}"
+    elif resolved_by_driver(value):
+        how = (
+            "is an MLflow URI: the driver resolves it (pipeline.encoder_init.resolve_init)"
+            if is_init_uri(value)
+            else "is not a file: the driver pretrains the encoder (pipeline.train.pretrain_gate_encoder)"
         )
+        raise ValueError(f"{key}={value!r} {how} and passes the state dict as {kwarg}")
 
 
 class Trainer:
