@@ -1,5 +1,5 @@
-"""benchmarks/robustness.py: the hit-rate geometry, the oracle's cell choice, the summary and argument checks
-(no training here)."""
+"""benchmarks/robustness.py: the hit-rate geometry, the oracle's cell choice, the summary and argument checks, the
+gate encoder it pretrains in-process (one tiny epoch; no training of the model here)."""
 
 from __future__ import annotations
 
@@ -145,3 +145,46 @@ def test_bag_row_decides_by_class_name_not_the_synth_class_index(rb):
     assert "distractor_hit_rate" not in rb.bag_row(xy, 32, boxes, "star")
     kinds = [{k: v for k, v in b.items() if k not in ("class", "class_index")} | {"kind": b["class"]} for b in boxes]
     assert rb.bag_row(xy, 32, kinds, "star")["decidable"] == 1.0  # the objects family names its boxes' kind
+
+
+def test_gate_encoder_pretrain_is_pretrained_in_process_once_per_split(rb, tmp_path, capsys):
+    from types import SimpleNamespace
+
+    from operators.config import from_dict
+    from operators.resnet import ResNet
+    from pipeline.train_config import TrainConfig
+    from workers.store import write_store_from_array
+
+    stores = []
+    for i in range(3):
+        img = np.full((192, 192, 3), 240, np.uint8)
+        img[32:160, 32:160] = (200, 120, 180)
+        img[32:160, 32:160] += np.random.default_rng(i).integers(0, 30, (128, 128, 1), dtype=np.uint8)
+        write_store_from_array(tmp_path / f"s{i}.zarr", img, tile_size=64, min_size=64)
+        stores.append(SimpleNamespace(store=str(tmp_path / f"s{i}.zarr")))
+    model = {
+        "geometry": {"patch_size": 32, "scorer_downsample": 4},
+        "selection": {"k": 2, "num_samples": 4},
+        "scorer": {"channels": 4, "num_layers": 2},
+        "features": {"widths": [4, 8], "blocks": [1, 1], "feature_dim": 8},
+        "experimental": {"gate_candidates": 4, "gate_clusters": 2, "gate_encoder": "pretrain"},
+    }
+    cfg = from_dict(
+        TrainConfig,
+        {
+            "model": model,
+            "schedule": {"select_until": 0.5},
+            "pretrain": {"epochs": 1, "batch_size": 4, "patches_per_slide": 2, "projection_dim": 8},
+        },
+    )
+    state = rb._gate_init(cfg, cfg.model, stores[:2], tmp_path / "w")
+    assert "pretrained in" in capsys.readouterr().out
+    ResNet(cfg.model.features.resnet()).load_state_dict(state)  # the gate encoder's architecture
+    (cached,) = (tmp_path / "w" / "gate_encoders").glob("*.pt")
+    again = rb._gate_init(cfg, cfg.model, stores[:2], tmp_path / "w")  # the next seed of the task: the cache
+    assert "(cached)" in capsys.readouterr().out
+    assert all(torch.equal(again[k], v) for k, v in state.items())
+    rb._gate_init(cfg, cfg.model, stores[1:], tmp_path / "w")  # another split: its own encoder
+    assert len(list((tmp_path / "w" / "gate_encoders").glob("*.pt"))) == 2
+    plain = from_dict(TrainConfig, {"model": {**model, "experimental": {}}})
+    assert rb._gate_init(plain, plain.model, stores, tmp_path / "w") is None
