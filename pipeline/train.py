@@ -306,11 +306,11 @@ def train(
         )
     uri = resolve_tracking_uri(default_dir=config.workdir)
     client = client_for(uri)
-    config = pretrain_gate_encoder(config, train_recs, address=address, resumed_from=run_dir if resume else None)
+    state = json.loads(storage.read_file(storage.join(run_dir, STATE_FILE)) or b"{}") if resume else None
+    config = pretrain_gate_encoder(config, train_recs, address=address, resumed=state, run_dir=run_dir)
     inits = _encoder_inits(config, uri)
     resolved = to_dict(config)
     if resume:
-        state = json.loads(storage.read_file(storage.join(run_dir, STATE_FILE)) or b"{}")
         diff = [k for k in _config_diff(state["config"], resolved) if k not in ("workers",)]
         if diff:
             raise ValueError(f"--resume: the config differs from the run's in {diff}; resume with the same config")
@@ -445,25 +445,25 @@ def pretrain_gate_encoder(
     train_recs: Sequence[SlideRecord],
     *,
     address: str | None = None,
-    resumed_from: str | None = None,
+    resumed: dict[str, Any] | None = None,
+    run_dir: str | None = None,
     name: str | None = None,
 ) -> TrainConfig:
     """``model.experimental.gate_encoder: pretrain``: pretrain the cluster gate's encoder on ``train_recs`` (their
     pixels, not their labels: :func:`pipeline.pretrain.pretrain` with ``config.pretrain``, its own MLflow run in
     the same experiment, named after the training run) and return ``config`` with ``runs:/<that run>`` in its
     place (``name``: the pretraining run's name, default ``<tracking.run_name>-gate-encoder``). Resuming
-    (``resumed_from``: the run folder), the run's own encoder is used again, not a new one. Any other value:
-    ``config`` unchanged."""
+    (``resumed``: the run's recorded state, :data:`STATE_FILE` of ``run_dir``), the run's own encoder is used
+    again, not a new one. Any other value: ``config`` unchanged."""
     from operators.model_config import GATE_ENCODER_PRETRAIN
 
     ex = config.model.experimental
     if ex.gate_encoder != GATE_ENCODER_PRETRAIN:
         return config
-    if resumed_from is not None:
-        state = json.loads(storage.read_file(storage.join(resumed_from, STATE_FILE)) or b"{}")
-        uri = state.get("config", {}).get("model", {}).get("experimental", {}).get("gate_encoder")
+    if resumed is not None:
+        uri = resumed.get("config", {}).get("model", {}).get("experimental", {}).get("gate_encoder")
         if not uri or uri == GATE_ENCODER_PRETRAIN:
-            raise ValueError(f"--resume: the run at {resumed_from} records no pretrained gate encoder")
+            raise ValueError(f"--resume: the run at {run_dir} records no pretrained gate encoder")
         log.info("model.experimental.gate_encoder: pretrain -> %s (the resumed run's)", uri)
     else:
         from pipeline.pretrain import pretrain

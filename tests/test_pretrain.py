@@ -209,8 +209,8 @@ def test_pretrain_cli_then_train_starts_from_the_encoder(tmp_path, slides, ray_l
     assert all(torch.equal(model.gate.encoder.state_dict()[k], v) for k, v in gate_encoder.items())
 
 
-def test_gate_encoder_pretrain_is_resolved_by_the_driver(tmp_path):
-    from pipeline.train import STATE_FILE, TrainConfig, pretrain_gate_encoder
+def test_gate_encoder_pretrain_is_resolved_by_the_driver():
+    from pipeline.train import TrainConfig, pretrain_gate_encoder
     from workers.trainer import OptimConfig, ScheduleConfig, Trainer
 
     gated = {"gate_candidates": 4, "gate_clusters": 2, "gate_encoder": "pretrain"}
@@ -227,14 +227,10 @@ def test_gate_encoder_pretrain_is_resolved_by_the_driver(tmp_path):
             slides_per_epoch=1,
         )
     # resuming, the run's own pretrained encoder again (no second pretraining), or a clear error without one
-    run_dir = tmp_path / "run"
-    run_dir.mkdir()
     recorded = dataclasses.replace(
         model, experimental=dataclasses.replace(model.experimental, gate_encoder="runs:/abc")
     )
-    (run_dir / STATE_FILE).write_text(json.dumps({"config": {"model": to_dict(recorded)}}))
-    again = pretrain_gate_encoder(config, [], resumed_from=str(run_dir))
+    again = pretrain_gate_encoder(config, [], resumed={"config": {"model": to_dict(recorded)}}, run_dir="run")
     assert again.model.experimental.gate_encoder == "runs:/abc" and again.model.selection == config.model.selection
-    (run_dir / STATE_FILE).write_text(json.dumps({"config": {"model": to_dict(model)}}))
-    with pytest.raises(ValueError, match="no pretrained gate encoder"):
-        pretrain_gate_encoder(config, [], resumed_from=str(run_dir))
+    with pytest.raises(ValueError, match="the run at run records no pretrained gate encoder"):
+        pretrain_gate_encoder(config, [], resumed={"config": {"model": to_dict(model)}}, run_dir="run")

@@ -410,9 +410,10 @@ StepCallback = Callable[[dict[str, float], int], None]
 def _load_resolved(
     net: torch.nn.Module | None, state: dict[str, torch.Tensor] | None, key: str, value: str | None, kwarg: str
 ) -> None:
-    """An encoder's ``state`` dict (the Trainer's argument ``kwarg``) that the driver resolved from the MLflow URI
-    ``value`` of config ``key`` (:mod:`pipeline.encoder_init`) into ``net``, its architecture checked; without one,
-    ``value`` must not be an MLflow URI (a local file is read when the model is built)."""
+    """An encoder's ``state`` dict (the Trainer's argument ``kwarg``) that the driver resolved from ``value`` of
+    config ``key`` (an MLflow URI: :mod:`pipeline.encoder_init`; ``pretrain``:
+    :func:`pipeline.train.pretrain_gate_encoder`) into ``net``, its architecture checked; without one, ``value``
+    must be neither (a local file is read when the model is built)."""
     from operators.model_config import is_init_uri, resolved_by_driver
 
     if state is not None:
