@@ -6,6 +6,7 @@ stops, resumes and exports the best epoch: tests/test_train.py.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from types import SimpleNamespace
 
@@ -14,7 +15,7 @@ import torch
 
 from pipeline.config import ConfigError, load_config, to_dict
 from pipeline.train_config import EarlyStoppingConfig, ScheduleConfig, TrainConfig
-from workers.early_stopping import EarlyStopping, stop_message
+from workers.early_stopping import CHANCE_ALPHA, EarlyStopping, chance_p_value, stop_message
 from workers.trainer import earliest_stop_epoch
 
 
@@ -110,11 +111,71 @@ def test_rule_arguments_are_checked():
     assert EarlyStopping("val_f1", mode="max").mode == "max"
 
 
+def test_chance_p_value_is_the_exact_binomial_tail():
+    # 9 or 10 of 10 right by a coin: (10 + 1) / 1024; 8 or more: 56 / 1024
+    assert chance_p_value(9, 10, 0.5) == pytest.approx(11 / 1024, rel=1e-12)
+    assert chance_p_value(8, 10, 0.5) == pytest.approx(56 / 1024, rel=1e-12)
+    assert chance_p_value(4, 4, 0.5) == pytest.approx(1 / 16, rel=1e-12)  # a 4-slide split never passes 0.05
+    # against the direct sum in float64 for an uneven prior
+    n, q = 30, 0.6
+    direct = sum(math.comb(n, k) * q**k * (1 - q) ** (n - k) for k in range(24, n + 1))
+    assert chance_p_value(24, n, q) == pytest.approx(direct, rel=1e-10)
+    assert chance_p_value(0, 7, 0.5) == 1.0 and chance_p_value(0, 0, 0.5) == 1.0
+    # a large split: 64 of 116 (0.552) is chance, 74 of 116 (0.638) is not
+    assert chance_p_value(64, 116, 0.5) > CHANCE_ALPHA > chance_p_value(74, 116, 0.5)
+    for bad in [(5, 4, 0.5), (-1, 4, 0.5), (2, 4, 1.5), (True, 4, 0.5)]:
+        with pytest.raises(ValueError, match="must be"):
+            chance_p_value(*bad)
+
+
+def test_after_chance_counts_only_once_chance_is_beaten_and_restarts_with_the_classifier():
+    losses = [0.70, 0.71, 0.72, 0.73, 0.74, 0.69, 0.60, 0.65, 0.66]
+    beats = [False, False, False, False, False, False, True, True, True]
+    plain = EarlyStopping("val_loss", patience=2)
+    assert [plain.update(e, v, beats_chance=b) for e, (v, b) in enumerate(zip(losses, beats), 1)].index(True) == 2
+    rule = EarlyStopping("val_loss", patience=2, after_chance=True)
+    stops = [rule.update(e, v, beats_chance=b) for e, (v, b) in enumerate(zip(losses, beats), 1)]
+    # epochs 2-5 do not improve on epoch 1 but chance is not yet beaten: no count; from epoch 7 it counts
+    assert stops == [False] * 8 + [True]
+    assert (rule.chance_epoch, rule.best_epoch, rule.stopped_epoch) == (7, 7, 9)
+    # an epoch at chance is no candidate once chance is beaten, even with a lower loss (a chance-level 0.69 against
+    # a learnt but less calibrated 0.75)
+    early = EarlyStopping("val_loss", patience=2, after_chance=True)
+    assert [
+        early.update(e, v, beats_chance=b) for e, (v, b) in enumerate(zip([0.69, 0.75, 0.77, 0.78], [0, 1, 1, 1]), 1)
+    ] == [False, False, False, True]
+    assert (early.chance_epoch, early.best_epoch, early.best) == (2, 2, 0.75)
+    never = EarlyStopping("val_loss", patience=1, after_chance=True)  # never past chance: the best is kept, no stop
+    assert [never.update(e, v) for e, v in enumerate([0.7, 0.69, 0.72, 0.73], 1)] == [False] * 4
+    assert (never.best_epoch, never.chance_epoch) == (2, 0)
+    state = rule.state_dict()
+    assert state["chance_epoch"] == 7
+    again = EarlyStopping("val_loss", patience=2, after_chance=True)
+    again.load_state_dict(state)
+    assert again.chance_epoch == 7 and again.counting
+    rule.restart()  # a new classifier: it has to beat chance again
+    assert rule.chance_epoch == 0 and not rule.counting
+    assert [rule.update(e, 0.8) for e in (10, 11, 12, 13)] == [False] * 4 and rule.bad_epochs == 0
+    cfg = EarlyStoppingConfig(patience=3)
+    assert EarlyStopping.from_config(cfg).after_chance is True
+    assert EarlyStopping.from_config(dataclasses.replace(cfg, after_chance=False)).after_chance is False
+
+
 # ------------------------------------------------------------------------------------------ config
 def test_config_section_defaults_and_errors():
     cfg = load_config(TrainConfig, None)
-    assert cfg.early_stopping == EarlyStoppingConfig(metric="val_loss", patience=5, min_delta=0.0, min_epochs=0)
-    assert to_dict(cfg)["early_stopping"] == {"metric": "val_loss", "patience": 5, "min_delta": 0.0, "min_epochs": 0}
+    assert cfg.early_stopping == EarlyStoppingConfig(
+        metric="val_loss", patience=5, min_delta=0.0, min_epochs=0, after_chance=True
+    )
+    assert to_dict(cfg)["early_stopping"] == {
+        "metric": "val_loss",
+        "patience": 5,
+        "min_delta": 0.0,
+        "min_epochs": 0,
+        "after_chance": True,
+    }
+    with pytest.raises(ConfigError, match="early_stopping.after_chance: got 'yes', must be true or false"):
+        EarlyStoppingConfig(after_chance="yes")
     cfg = load_config(TrainConfig, None, ["early_stopping.metric=val_auc", "early_stopping.patience=0"])
     assert cfg.early_stopping.metric == "val_auc" and cfg.early_stopping.patience == 0
     with pytest.raises(ConfigError, match=r"early_stopping.metric.*'val_loss', 'val_auc', 'val_accuracy'"):

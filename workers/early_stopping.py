@@ -4,7 +4,9 @@ train``'s config) and :class:`EarlyStopping`, the stopping rule as a plain class
 After each epoch the rule gets the epoch's validation metric (:meth:`EarlyStopping.update`). An epoch improves
 when its value beats the best so far by more than ``min_delta`` (lower for ``val_loss``, higher for ``val_auc``
 and ``val_accuracy``); training stops after ``patience`` epochs in a row without an improvement, but never before
-epoch ``min_epochs``. ``optim.epochs`` stays the cap. :class:`workers.trainer.Trainer` keeps the evaluated
+epoch ``min_epochs``, and (``after_chance``, the default) only once the model has beaten chance on the validation
+split (:func:`chance_p_value`): a classifier that has not started to learn is not stopped. ``optim.epochs`` stays
+the cap. :class:`workers.trainer.Trainer` keeps the evaluated
 weights of the best epoch and loads them back when training ends (stopped or at the cap), so the model that is
 checkpointed last, exported and logged is the best epoch's; the rule's state and those weights are part of the
 trainer's checkpointed state, so ``--resume`` continues the count.
@@ -18,10 +20,44 @@ from typing import Any, Literal
 
 from operators.errors import ConfigError
 
-__all__ = ["METRICS", "EarlyStoppingConfig", "EarlyStopping", "stop_message"]
+__all__ = ["METRICS", "CHANCE_ALPHA", "EarlyStoppingConfig", "EarlyStopping", "chance_p_value", "stop_message"]
 
 #: the validation metrics early stopping can follow, and whether lower or higher is better
 METRICS: dict[str, str] = {"val_loss": "min", "val_auc": "max", "val_accuracy": "max"}
+
+#: the significance level at which a validation accuracy has beaten chance (``after_chance``)
+CHANCE_ALPHA = 0.05
+
+
+def chance_p_value(correct: int, n: int, chance: float) -> float:
+    """One-sided binomial p-value that ``correct`` of ``n`` validation slides or more are right by chance.
+
+    Args:
+        correct: slides classified right (0..n).
+        n: validation slides (>= 0; 0 gives 1.0: nothing has been shown).
+        chance: the accuracy of the best constant guess, the majority class's share of the validation split (0..1).
+
+    Returns:
+        ``P(X >= correct)`` for ``X ~ Binomial(n, chance)``, exact (log-space sum), in [0, 1].
+    """
+    if isinstance(correct, bool) or isinstance(n, bool) or not (0 <= int(correct) <= int(n)):
+        raise ValueError(f"correct: got {correct!r} of n={n!r}, must be an integer in [0, n]")
+    if not (0.0 <= float(chance) <= 1.0):
+        raise ValueError(f"chance: got {chance!r}, must be a share in [0, 1]")
+    correct, n, chance = int(correct), int(n), float(chance)
+    if correct == 0:
+        return 1.0
+    if chance <= 0.0:
+        return 0.0
+    if chance >= 1.0:
+        return 1.0
+    lp, lq = math.log(chance), math.log1p(-chance)
+    terms = [
+        math.lgamma(n + 1) - math.lgamma(k + 1) - math.lgamma(n - k + 1) + k * lp + (n - k) * lq
+        for k in range(correct, n + 1)
+    ]
+    top = max(terms)
+    return float(min(1.0, math.exp(top) * sum(math.exp(t - top) for t in terms)))
 
 
 @dataclass(frozen=True)
@@ -35,6 +71,12 @@ class EarlyStoppingConfig:
     ``schedule.rarity_until``; ``schedule.rare_until`` with ``model.evidence.rare_cells``). A classifier restarted at
     the switch of ``schedule.select_until`` (``schedule.select_restart``) is a new model: the rule starts over there
     (no best, no count), so the exported model is the best epoch of the second phase, never a first-phase one.
+    With ``after_chance`` the count of epochs without an improvement starts only once the validation accuracy has
+    beaten chance (the majority class's share of the validation split, one-sided binomial test at p < 0.05), and
+    that epoch is the first candidate for export: a classifier still at chance (the first epochs of a restarted
+    one, a model before its discovery) is neither stopped nor kept for its (chance-level) validation loss.
+    On a validation split too small for the test to pass (4 slides or fewer in two classes: 4 of 4 right has p = 0.0625) training runs to
+    the cap and exports the best epoch.
     """
 
     metric: Literal["val_loss", "val_auc", "val_accuracy"] = "val_loss"
@@ -45,6 +87,9 @@ class EarlyStoppingConfig:
     """An epoch improves when it beats the best value so far by more than this."""
     min_epochs: int = 0
     """Never stop before this many epochs (nor before the scheduled exploration ends, see above)."""
+    after_chance: bool = True
+    """Count epochs without an improvement only once the validation accuracy has beaten chance (p < 0.05); the
+    epochs before are no candidates for the exported model (unless chance is never beaten)."""
 
     def __post_init__(self) -> None:
         if self.metric not in METRICS:
@@ -53,6 +98,8 @@ class EarlyStoppingConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ConfigError(f"early_stopping.{name}: got {v!r}, must be an integer >= 0")
+        if not isinstance(self.after_chance, bool):
+            raise ConfigError(f"early_stopping.after_chance: got {self.after_chance!r}, must be true or false")
         v = self.min_delta
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
             raise ConfigError(f"early_stopping.min_delta: got {v!r}, must be a finite number >= 0")
@@ -67,6 +114,10 @@ class EarlyStopping:
         min_delta: an improvement beats the best value by more than this.
         min_epochs: :meth:`update` never returns True for an epoch below this.
         mode: ``"min"`` or ``"max"``; default from :data:`METRICS`.
+        after_chance: count epochs without an improvement only from the first epoch :meth:`update` is told the
+            model beats chance (``beats_chance=True``), and take that epoch as the first candidate (the best
+            until then, an epoch at chance, is dropped); before it the best is kept (what a run that never
+            beats chance exports) but the count stays 0.
 
     A NaN value (e.g. the AUC of a validation split with one class) is never an improvement; while no finite value
     has been seen there is no best, and the rule never stops.
@@ -80,6 +131,7 @@ class EarlyStopping:
         min_delta: float = 0.0,
         min_epochs: int = 0,
         mode: str | None = None,
+        after_chance: bool = False,
     ):
         mode = METRICS.get(metric) if mode is None else mode
         if mode not in ("min", "max"):
@@ -92,6 +144,8 @@ class EarlyStopping:
         self.best_epoch = 0  # 0: none yet
         self.bad_epochs = 0  # epochs since the best
         self.stopped_epoch = 0  # the epoch update() returned True for; 0: not stopped
+        self.after_chance = bool(after_chance)
+        self.chance_epoch = 0  # the first epoch told the model beats chance (after_chance); 0: not yet
 
     @classmethod
     def from_config(cls, config: EarlyStoppingConfig, *, min_epochs: int | None = None) -> EarlyStopping:
@@ -101,6 +155,7 @@ class EarlyStopping:
             patience=config.patience,
             min_delta=config.min_delta,
             min_epochs=config.min_epochs if min_epochs is None else min_epochs,
+            after_chance=config.after_chance,
         )
 
     def improves(self, value: float) -> bool:
@@ -113,11 +168,21 @@ class EarlyStopping:
             return value < self.best - self.min_delta
         return value > self.best + self.min_delta
 
-    def update(self, epoch: int, value: float) -> bool:
-        """Record ``epoch``'s (1-based) metric ``value``; True when training should stop after this epoch."""
+    @property
+    def counting(self) -> bool:
+        """Whether epochs without an improvement count (always, or with ``after_chance`` once chance is beaten)."""
+        return not self.after_chance or self.chance_epoch > 0
+
+    def update(self, epoch: int, value: float, *, beats_chance: bool = False) -> bool:
+        """Record ``epoch``'s (1-based) metric ``value`` and whether the model beats chance this epoch (read with
+        ``after_chance`` only); True when training should stop after this epoch."""
+        if self.after_chance and beats_chance and self.chance_epoch == 0:
+            # the first epoch past chance is the first candidate: an earlier one at chance is never exported
+            self.chance_epoch = int(epoch)
+            self.best, self.best_epoch, self.bad_epochs = None, 0, 0
         if self.improves(value):
             self.best, self.best_epoch, self.bad_epochs = float(value), int(epoch), 0
-        elif self.best is not None:
+        elif self.best is not None and self.counting:
             self.bad_epochs += 1
         stop = self.best is not None and self.bad_epochs >= self.patience and epoch >= self.min_epochs
         if stop:
@@ -126,8 +191,9 @@ class EarlyStopping:
 
     def restart(self) -> None:
         """Start over: no best value and no count, as for a new model (the classifier restarted by
-        ``schedule.select_restart``); ``min_epochs`` and a stop already decided stay."""
-        self.best, self.best_epoch, self.bad_epochs = None, 0, 0
+        ``schedule.select_restart``; with ``after_chance`` it has to beat chance again); ``min_epochs`` and a stop
+        already decided stay."""
+        self.best, self.best_epoch, self.bad_epochs, self.chance_epoch = None, 0, 0, 0
 
     @property
     def stopped(self) -> bool:
@@ -146,6 +212,7 @@ class EarlyStopping:
             "best_epoch": self.best_epoch,
             "bad_epochs": self.bad_epochs,
             "stopped_epoch": self.stopped_epoch,
+            "chance_epoch": self.chance_epoch,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -160,6 +227,7 @@ class EarlyStopping:
         self.best_epoch = int(state.get("best_epoch", 0))
         self.bad_epochs = int(state.get("bad_epochs", 0))
         self.stopped_epoch = int(state.get("stopped_epoch", 0))
+        self.chance_epoch = int(state.get("chance_epoch", 0))
 
 
 def stop_message(metric: str, min_delta: float, stopped_epoch: int, best_epoch: int, best: float) -> str:

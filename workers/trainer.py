@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from operators.errors import ConfigError
-from workers.early_stopping import EarlyStopping, EarlyStoppingConfig
+from workers.early_stopping import CHANCE_ALPHA, EarlyStopping, EarlyStoppingConfig, chance_p_value
 from workers.metrics import classification_metrics
 
 __all__ = [
@@ -837,6 +837,9 @@ class Trainer:
             if vt:
                 metrics["val_loss"] = sum(g["val"][2] for g in gathered) / len(vt)
                 metrics.update(classification_metrics(vt, np.array(vp), prefix="val_"))
+                correct = int(sum(int(np.argmax(p)) == t for t, p in zip(vt, vp)))
+                chance = max(np.bincount(np.asarray(vt, dtype=np.int64)).tolist()) / len(vt)
+                metrics["val_chance_p"] = chance_p_value(correct, len(vt), chance)
             metrics["epoch_seconds"] = time.perf_counter() - ep.started
             metrics["epoch_patches_per_second"] = ep.patches / max(ep.step_seconds, 1e-9)
             metrics["epoch_seconds_per_step"] = ep.step_seconds / max(self.steps_per_epoch, 1)
@@ -854,8 +857,11 @@ class Trainer:
         stop = False
         if self.stopper is not None:
             name = self.stopper.metric
-            value = self.collective.all_gather(metrics.get(name) if self.rank == 0 else None)[0]
-            stop = self.stopper.update(self.epoch, math.nan if value is None else float(value))
+            value, p = self.collective.all_gather(
+                (metrics.get(name), metrics.get("val_chance_p")) if self.rank == 0 else None
+            )[0]
+            beats = p is not None and p < CHANCE_ALPHA
+            stop = self.stopper.update(self.epoch, math.nan if value is None else float(value), beats_chance=beats)
             if self.stopper.best_epoch == self.epoch:
                 self.best_state = {k: v.detach().to("cpu", copy=True) for k, v in self.eval_model.state_dict().items()}
             if self.rank == 0 and self.stopper.best is not None:
