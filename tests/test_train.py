@@ -33,6 +33,10 @@ from pipeline.train import (
 
 CLASSES = ["neg", "pos", "other"]
 
+# val_loss (cross-entropy of 3 classes, about 1.1) never improves by 10: epoch 1 stays the best; the count starts
+# at once (a 3-slide validation split can never beat chance at p < 0.05, so with after_chance it never would)
+NO_IMPROVEMENT = ["early_stopping.min_delta=10", "early_stopping.after_chance=false"]
+
 TINY = """
 data: {{stores: {stores}, labels: {labels}, val_fraction: 0.34, seed: 0}}
 model:
@@ -111,7 +115,10 @@ def test_config_errors_are_clear(tmp_path, slides, capsys):
 # ------------------------------------------------------------------------------------------ real training
 @pytest.mark.slow
 @pytest.mark.e2e
-def test_train_crash_resume_and_logged_model(tmp_path, slides, ray_local):
+def test_train_crash_resume_early_stop_and_logged_model(tmp_path, slides, ray_local, caplog):
+    """A run crashes after epoch 1, is resumed, and stops early (epochs 2 and 3 do not improve on epoch 1): the
+    run, its metrics across the crash, the exported and logged model (epoch 1's), the checkpoints and the rule's
+    state, against the training core replayed without Ray or MLflow."""
     import mlflow
 
     from pipeline.mlflow_model import load_model
@@ -126,11 +133,20 @@ def test_train_crash_resume_and_logged_model(tmp_path, slides, ray_local):
     cfg = load_config(
         TrainConfig,
         _config_file(tmp_path, slides),
-        ["tracking.run_name=crashy", "tracking.registered_model=crashy-model"],
+        [
+            "tracking.run_name=crashy",
+            "tracking.registered_model=crashy-model",
+            "optim.epochs=5",
+            "early_stopping.patience=2",
+            *NO_IMPROVEMENT,
+        ],
     )
     with pytest.raises(Exception, match="simulated crash"):
         train(cfg, after_epoch=crash_after_first_epoch)
     run_dir = tmp_path / "work" / "train" / "crashy"
+    (first,) = sorted(p for p in (run_dir / "ray").glob("checkpoint_*") if p.is_dir())
+    epoch1 = torch.load(first / "model.pt", weights_only=True)  # the best epoch's checkpoint
+    assert epoch1["metadata"]["epoch"] == 1
     state = json.loads((run_dir / "train_state.json").read_text())
     run_id = state["run_id"]
     uri = os.environ["MLFLOW_TRACKING_URI"]
@@ -139,14 +155,23 @@ def test_train_crash_resume_and_logged_model(tmp_path, slides, ray_local):
     steps_per_epoch = 2  # 3 training slides (one per class), accumulate 2 -> 2 optimizer steps
     assert [m.step for m in client.get_metric_history(run_id, "loss")] == [1, 2]
 
-    result = train(cfg, resume=True)  # no crash hook this time
+    with caplog.at_level(logging.INFO, logger="pipeline.train"):
+        result = train(cfg, resume=True)  # no crash hook this time
     assert result.run_id == run_id
     run = client.get_run(run_id)
     assert run.info.status == "FINISHED"
     assert run.data.tags["foveate.resumed"] == "1"
-    # early stopping is on by default (patience 5): two epochs end at the cap, with the best epoch's model
-    assert run.data.tags["foveate.stop_reason"] == "cap" and run.data.metrics["stopped_epoch"] == 2
-    assert run.data.metrics["best_epoch"] in (1, 2)
+    # the rule's state came back with epoch 1's checkpoint: epochs 2 and 3 did not improve, so it stops after 3
+    assert (
+        "early stop at epoch 3: val_loss has not improved by more than 10 for 2 epochs; best epoch 1: val_loss = "
+        in caplog.text
+    )
+    val_loss = sorted(client.get_metric_history(run_id, "val_loss"), key=lambda m: m.step)
+    assert run.data.tags["foveate.stop_reason"] == "patience"
+    assert run.data.metrics["stopped_epoch"] == 3 < cfg.optim.epochs and run.data.metrics["best_epoch"] == 1
+    assert run.data.metrics["best_val_loss"] == val_loss[0].value
+    assert result.metrics["stopped_epoch"] == 3 and result.metrics["best_epoch"] == 1
+    assert "epochs: 3 of at most 5 (early stop); the model is epoch 1's, best_val_loss=" in result.summary()
     # params: the full resolved config, flattened, and the logged model's serve roots (MLflow logs a pyfunc
     # model's model_config as parameters of its run): the training stores' folder
     expected = flatten_params(to_dict(result.config))
@@ -158,9 +183,9 @@ def test_train_crash_resume_and_logged_model(tmp_path, slides, ray_local):
     )
     # metrics: per step continuing across the crash, per epoch for both epochs
     loss_steps = [m.step for m in client.get_metric_history(run_id, "loss")]
-    assert loss_steps == list(range(1, 2 * steps_per_epoch + 1))
+    assert loss_steps == list(range(1, 3 * steps_per_epoch + 1))
     sigmas = [m.value for m in sorted(client.get_metric_history(run_id, "sigma"), key=lambda m: m.step)]
-    assert sigmas == pytest.approx([0.1, 0.1 * 2 / 3, 0.1 / 3, 0.0])
+    assert sigmas == pytest.approx([0.1 * (1 - s / 9) for s in range(6)])  # linear to 0 over the cap's 10 steps
     for name in (
         "val_accuracy",
         "val_auc",
@@ -170,16 +195,22 @@ def test_train_crash_resume_and_logged_model(tmp_path, slides, ray_local):
         "epoch_peak_memory_mb",
         "train_seconds",
     ):
-        assert [m.step for m in client.get_metric_history(run_id, name)] == [1, 2], name
+        assert [m.step for m in client.get_metric_history(run_id, name)] == [1, 2, 3], name
     for name in ("seconds_per_step", "patches_per_second", "accuracy", "lr", "peak_memory_mb"):
         assert name in run.data.metrics
-    # the last checkpoint continues the first: epoch 2, step 4, Adam's step count 4
+    # the last checkpoint continues the first: epoch 3, step 6, Adam's step count 6, the rule's state
     ckpts = sorted(p for p in (run_dir / "ray").glob("checkpoint_*") if p.is_dir())
     last = torch.load(ckpts[-1] / "train_state.pt", weights_only=True)
-    assert last["epoch"] == 2 and last["global_step"] == 2 * steps_per_epoch
+    assert last["epoch"] == 3 and last["global_step"] == 3 * steps_per_epoch
     adam_steps = {float(s["step"]) for s in last["optimizer"]["state"].values()}
-    assert adam_steps == {float(2 * steps_per_epoch)}
-    assert last["scheduler"]["last_epoch"] == 2 * steps_per_epoch
+    assert adam_steps == {float(3 * steps_per_epoch)}
+    assert last["scheduler"]["last_epoch"] == 3 * steps_per_epoch
+    assert last["stop_reason"] == "patience"
+    assert {k: last["early_stopping"][k] for k in ("best_epoch", "bad_epochs", "stopped_epoch")} == {
+        "best_epoch": 1,
+        "bad_epochs": 2,
+        "stopped_epoch": 3,
+    }
     # artifacts: config, heatmap + gallery of a validation slide, plain checkpoint
     arts = {a.path for a in client.list_artifacts(run_id)}
     assert {"config.yaml", "split.json", "heatmaps", "patches", "checkpoint"} <= arts
@@ -211,11 +242,15 @@ def test_train_crash_resume_and_logged_model(tmp_path, slides, ray_local):
     row = mlflow.pyfunc.load_model("models:/crashy-model/1").predict(pd.DataFrame({"store": [str(store.path)]}))
     probs = torch.softmax(expected_logits[0].double(), -1).numpy()
     np.testing.assert_allclose([row[f"prob_{c}"][0] for c in ("neg", "other", "pos")], probs, rtol=1e-5, atol=1e-7)
-    # the final weights are the last checkpoint's
+    # the exported, logged model and the last checkpoint's model are epoch 1's, not the last epoch's weights
     final = torch.load(ckpts[-1] / "model.pt", weights_only=True)
-    for k, v in result.model.state_dict().items():
-        assert torch.equal(v, final["state_dict"][k]), k
-    assert "val_accuracy" in result.metrics and result.metrics["epoch"] == 2
+    assert final["metadata"]["epoch"] == 1 and final["metadata"]["stopped_epoch"] == 3
+    logged, _, _ = load_model(result.model_uri, tracking_uri=uri)
+    for k, v in epoch1["state_dict"].items():
+        assert torch.equal(result.model.state_dict()[k], v), k
+        assert torch.equal(final["state_dict"][k], v), k
+        assert torch.equal(logged.state_dict()[k], v), k
+    assert "val_accuracy" in result.metrics and result.metrics["epoch"] == 3
     # the training core without Ray or MLflow: same seeds, same numbers (across the crash and resume too)
     from pipeline.data import build_slide_table, shard, split_train_val
     from workers.trainer import Trainer
@@ -244,7 +279,7 @@ def test_train_crash_resume_and_logged_model(tmp_path, slides, ray_local):
     assert sum(terms.values()) == pytest.approx(local["epoch_train_loss"], rel=1e-6)  # float32 total
     for k, v in terms.items():  # logged to MLflow as the local trainer has them
         assert result.metrics[k] == pytest.approx(v, rel=1e-9), k
-    assert local["best_epoch"] == result.metrics["best_epoch"] and trainer.stop_reason == "cap"
+    assert local["best_epoch"] == result.metrics["best_epoch"] and trainer.stop_reason == "patience"
     for k, v in result.model.state_dict().items():
         assert torch.equal(v, trainer.eval_model.state_dict()[k].cpu()), k
 
@@ -340,9 +375,6 @@ def test_weight_average_follows_its_recursion_and_is_what_is_evaluated_and_saved
 
 
 # ------------------------------------------------------------------------------------------ early stopping
-# val_loss (cross-entropy of 3 classes, about 1.1) never improves by 10: epoch 1 stays the best; the count starts
-# at once (a 3-slide validation split can never beat chance at p < 0.05, so with after_chance it never would)
-NO_IMPROVEMENT = ["early_stopping.min_delta=10", "early_stopping.after_chance=false"]
 
 
 def test_trainer_restores_the_best_epoch_and_resumes_the_count(tmp_path, slides):
@@ -422,67 +454,3 @@ def test_trainer_restores_the_best_epoch_and_resumes_the_count(tmp_path, slides)
     es = dataclasses.replace(c.early_stopping, patience=0)
     off = Trainer(c.model, c.optim, c.schedule, slides_per_epoch=len(train_recs), early_stopping=es)
     assert off.stopper is None and "early_stopping" not in off.state_dict() and not off.finished
-
-
-@pytest.mark.e2e
-@pytest.mark.slow
-def test_early_stop_after_a_resume_exports_the_best_epoch(tmp_path, slides, ray_local, caplog):
-    import mlflow
-
-    from pipeline.mlflow_model import load_model
-
-    def crash_after_first_epoch(epoch: int) -> None:  # runs in every Ray Train worker (shipped by value)
-        if epoch == 1:
-            raise RuntimeError("simulated crash after checkpointing epoch 1")
-
-    cfg = load_config(
-        TrainConfig,
-        _config_file(tmp_path, slides),
-        ["tracking.run_name=early", "optim.epochs=5", "early_stopping.patience=2", *NO_IMPROVEMENT],
-    )
-    with pytest.raises(Exception, match="simulated crash"):
-        train(cfg, after_epoch=crash_after_first_epoch)
-    run_dir = tmp_path / "work" / "train" / "early"
-    (first,) = sorted(p for p in (run_dir / "ray").glob("checkpoint_*") if p.is_dir())
-    epoch1 = torch.load(first / "model.pt", weights_only=True)  # the best epoch's checkpoint
-    assert epoch1["metadata"]["epoch"] == 1
-
-    with caplog.at_level(logging.INFO, logger="pipeline.train"):
-        result = train(cfg, resume=True)
-    # the rule's state came back with epoch 1's checkpoint: epochs 2 and 3 did not improve, so it stops after 3
-    assert (
-        "early stop at epoch 3: val_loss has not improved by more than 10 for 2 epochs; best epoch 1: val_loss = "
-        in caplog.text
-    )
-    client = mlflow.MlflowClient(os.environ["MLFLOW_TRACKING_URI"])
-    run = client.get_run(result.run_id)
-    val_loss = sorted(client.get_metric_history(result.run_id, "val_loss"), key=lambda m: m.step)
-    assert [m.step for m in val_loss] == [1, 2, 3]
-    assert run.data.metrics["stopped_epoch"] == 3 < cfg.optim.epochs and run.data.metrics["best_epoch"] == 1
-    assert run.data.metrics["best_val_loss"] == val_loss[0].value
-    assert run.data.tags["foveate.stop_reason"] == "patience"
-    assert result.metrics["stopped_epoch"] == 3 and result.metrics["best_epoch"] == 1
-    assert "epochs: 3 of at most 5 (early stop); the model is epoch 1's, best_val_loss=" in result.summary()
-    # the exported, logged model is epoch 1's checkpoint, not the last epoch's weights
-    logged, _, _ = load_model(result.model_uri, tracking_uri=os.environ["MLFLOW_TRACKING_URI"])
-    for k, v in epoch1["state_dict"].items():
-        assert torch.equal(result.model.state_dict()[k], v), k
-        assert torch.equal(logged.state_dict()[k], v), k
-    # ... and so is the last checkpoint's model, beside the rule's state
-    last = sorted(p for p in (run_dir / "ray").glob("checkpoint_*") if p.is_dir())[-1]
-    final = torch.load(last / "model.pt", weights_only=True)
-    assert final["metadata"]["epoch"] == 1 and final["metadata"]["stopped_epoch"] == 3
-    assert all(torch.equal(v, epoch1["state_dict"][k]) for k, v in final["state_dict"].items())
-    state = torch.load(last / "train_state.pt", weights_only=True)
-    assert state["epoch"] == 3 and state["stop_reason"] == "patience"
-    assert {k: state["early_stopping"][k] for k in ("best_epoch", "bad_epochs", "stopped_epoch")} == {
-        "best_epoch": 1,
-        "bad_epochs": 2,
-        "stopped_epoch": 3,
-    }
-
-    # a resume of the stopped run trains no further and exports the same model
-    again = train(cfg, resume=True)
-    assert [m.step for m in client.get_metric_history(result.run_id, "val_loss")] == [1, 2, 3]
-    for k, v in epoch1["state_dict"].items():
-        assert torch.equal(again.model.state_dict()[k], v), k
