@@ -6,7 +6,10 @@ then for every config in ``configs/``
 (default: every training config there except ``demo`` and ``runtime_env``) and every training seed one
 ``foveate train`` runs in a subprocess (:func:`run_training`; swap it for an in-process trainer later). The
 "validation" split of ``foveate train`` (stratified, ``data.val_fraction``, ``data.seed``) is the held-out
-test set, never used for model selection: the model after the last epoch is evaluated with hard top-k.
+test set, never used for model selection: the model after the last epoch is evaluated with hard top-k. With
+``--in-process --val-fraction F`` a share F of the training slides is a validation split of its own and the config's
+early stopping (``early_stopping``, as ``foveate train`` runs it) picks the epoch on it; the best epoch's model is
+then tested on the held-out slides (``stop_reason``, ``stopped_epoch``, ``best_epoch`` in the row).
 
 Per run: test accuracy and AUC (from the run's MLflow metrics ``val_accuracy`` / ``val_auc``), train seconds
 (``train_seconds``: the training loop, without Ray/MLflow start-up), and the *hit rate*: the fraction of the
@@ -263,11 +266,15 @@ def run_training_in_process(
     run_name: str,
     log: Path,
     trace=None,
+    val_fraction: float = 0.0,
 ) -> dict[str, Any]:
     """Train one model in this process with ``workers.trainer.Trainer`` (the numerics of ``foveate train`` on one
     worker, without Ray Train start-up, MLflow and model logging). Same return value as :func:`run_training`.
     ``trace(model) -> dict``: called on the evaluated model after every epoch, its values added to the epoch's
-    log line (``--trace-slides``: the hit rate on held-out slides as training goes)."""
+    log line (``--trace-slides``: the hit rate on held-out slides as training goes). ``val_fraction`` > 0: that
+    share of the training slides (stratified, seeded by ``data.seed + 1``) is a validation split of its own, and
+    the config's early stopping runs on it (the best epoch's model is the one saved) — the held-out test slides
+    stay out of every choice; 0: validation on the held-out split, to the cap (early stopping must then be off)."""
     import dataclasses
 
     import torch
@@ -286,6 +293,10 @@ def run_training_in_process(
     )
     table = build_slide_table(cfg.data)
     train, val = split_train_val(table.records, cfg.data.val_fraction, cfg.data.seed)
+    if val_fraction > 0:  # a validation split of the training slides: the held-out ones stay for the test
+        train, val = split_train_val(train, val_fraction, cfg.data.seed + 1)
+    elif cfg.early_stopping.patience > 0:
+        raise ValueError("early stopping on the held-out split: set early_stopping.patience=0 or a val_fraction")
     model_cfg = dataclasses.replace(cfg.model, num_classes=table.num_classes)
     t0 = time.perf_counter()
     trainer = Trainer(
@@ -294,13 +305,14 @@ def run_training_in_process(
         cfg.schedule,
         slides_per_epoch=len(train),
         seed=cfg.seed,
+        early_stopping=cfg.early_stopping if val_fraction > 0 else None,
         features_init=_uri_init(model_cfg),
         gate_encoder_init=_gate_init(cfg, model_cfg, train, workdir),
     )
     metrics: dict[str, float] = {}
     with open(log, "w") as fh:
-        for epoch in range(cfg.optim.epochs):
-            metrics = trainer.run_epoch(shard(train, 0, 1, epoch=epoch, seed=cfg.data.seed), val)
+        while not trainer.finished:
+            metrics = trainer.run_epoch(shard(train, 0, 1, epoch=trainer.epoch, seed=cfg.data.seed), val)
             line = dict(metrics)
             if trace is not None:
                 line.update({f"trace_{k}": v for k, v in trace(trainer.eval_model).items()})
@@ -316,6 +328,8 @@ def run_training_in_process(
         "run_dir": str(run_dir),
         "run_id": "",
         "wall_seconds": time.perf_counter() - t0,
+        "stop_reason": trainer.stop_reason,
+        "validation_slides": len(val),
     }
 
 
@@ -853,6 +867,14 @@ def main(argv: list[str] | None = None) -> int:
         "no Ray/MLflow start-up per run; use --jobs 1)",
     )
     p.add_argument(
+        "--val-fraction",
+        type=float,
+        default=0.0,
+        help="with --in-process: hold this share of the training slides out as a validation split and run the "
+        "config's early stopping on it (the best epoch's model is tested on the held-out slides, which no choice "
+        "sees); 0 (default): train to the cap, validating on the held-out slides",
+    )
+    p.add_argument(
         "--trace-slides",
         type=int,
         default=20,
@@ -891,10 +913,14 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--seeds must be comma-separated integers, got {args.seeds!r}")
     if args.jobs < 1:
         p.error("--jobs must be >= 1")
-    # the held-out split is the trainer's validation split: no early stopping on it (train to the cap, test the last)
-    overrides = ["early_stopping.patience=0", *args.overrides] + (
-        [f"optim.epochs={args.epochs}"] if args.epochs else []
-    )
+    if not 0.0 <= args.val_fraction < 1.0:
+        p.error(f"--val-fraction must be in [0, 1), got {args.val_fraction}")
+    if args.val_fraction > 0 and not args.in_process:
+        p.error("--val-fraction needs --in-process")
+    # without --val-fraction the held-out split is the trainer's validation split: no early stopping on it (train
+    # to the cap, test the last epoch); with it, the config's early stopping runs on the carved validation split
+    overrides = (["early_stopping.patience=0"] if args.val_fraction == 0 else []) + [*args.overrides]
+    overrides += [f"optim.epochs={args.epochs}"] if args.epochs else []
     workdir = Path(args.workdir).resolve()
     (workdir / "logs").mkdir(parents=True, exist_ok=True)
     out_json = Path(args.json) if args.json else workdir / "robustness.json"
@@ -1009,7 +1035,9 @@ def main(argv: list[str] | None = None) -> int:
                         if args.trace_slides
                         else None
                     )
-                    res = run_training_in_process(config, stores, seed, overrides, workdir, name, log, trace)
+                    res = run_training_in_process(
+                        config, stores, seed, overrides, workdir, name, log, trace, val_fraction=args.val_fraction
+                    )
                 else:
                     res = run_training(config, stores, seed, overrides, workdir, name, log)
                 m = res["metrics"]
@@ -1025,6 +1053,19 @@ def main(argv: list[str] | None = None) -> int:
                     }
                 )
                 row.update(evaluate_checkpoint(res["checkpoint"], split))
+                if args.val_fraction > 0:  # the last epoch's metrics are the carved validation split's
+                    row.update(
+                        {
+                            "test_accuracy": row["eval_accuracy"],
+                            "test_auc": row["eval_auc"],
+                            "val_fraction": args.val_fraction,
+                            "validation_slides": res["validation_slides"],
+                            "val_accuracy": m.get("val_accuracy"),
+                            "stop_reason": res["stop_reason"],
+                            "stopped_epoch": m.get("stopped_epoch"),
+                            "best_epoch": m.get("best_epoch"),
+                        }
+                    )
             except Exception as exc:  # keep going: one crashed run is a data point, not the end of the sweep
                 row["error"] = f"{type(exc).__name__}: {exc}"
             return row

@@ -188,3 +188,49 @@ def test_gate_encoder_pretrain_is_pretrained_in_process_once_per_split(rb, tmp_p
     assert len(list((tmp_path / "w" / "gate_encoders").glob("*.pt"))) == 2
     plain = from_dict(TrainConfig, {"model": {**model, "experimental": {}}})
     assert rb._gate_init(plain, plain.model, stores, tmp_path / "w") is None
+
+
+def test_val_fraction_early_stops_on_training_slides_and_never_sees_the_held_out_ones(rb, tmp_path):
+    from tiny_stores import checker_stores
+
+    from pipeline.config import load_config
+    from pipeline.data import build_slide_table, split_train_val
+    from pipeline.train_config import TrainConfig
+
+    stores, labels = checker_stores(tmp_path / "stores", ["neg", "pos"], [0, 80], count=12)
+    overrides = [
+        f"data.labels={labels}",
+        "data.val_fraction=0.34",
+        "optim.epochs=6",
+        "optim.accumulate=1",
+        "model.geometry.patch_size=32",
+        "model.geometry.stride=32",
+        "model.geometry.scorer_downsample=4",
+        "model.selection.k=2",
+        "model.selection.num_samples=4",
+        "model.scorer.channels=4",
+        "model.scorer.num_layers=2",
+        "model.features.widths=[4, 8]",
+        "model.features.blocks=[1, 1]",
+        "model.features.feature_dim=8",
+        # no epoch improves val_loss by 10: epoch 1 stays the best, and the count starts at once
+        "early_stopping.patience=1",
+        "early_stopping.min_delta=10",
+        "early_stopping.after_chance=false",
+    ]
+    log = tmp_path / "run.log"
+    res = rb.run_training_in_process("demo", stores, 0, overrides, tmp_path / "w", "run", log, val_fraction=0.25)
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    # the demo schedule keeps exploring for half of the 6 epochs: the earliest stop is after epoch 3
+    assert res["stop_reason"] == "patience" and [ln["epoch"] for ln in lines] == [1, 2, 3]
+    assert res["metrics"]["stopped_epoch"] == 3 and res["metrics"]["best_epoch"] == 1
+    # the validation split is carved from the training slides; the held-out ones are in neither
+    cfg = load_config(TrainConfig, ROOT / "configs" / "demo.yaml", [f"data.stores={stores}", *overrides])
+    train, held_out = split_train_val(build_slide_table(cfg.data).records, 0.34, cfg.data.seed)
+    fit, val = split_train_val(train, 0.25, cfg.data.seed + 1)
+    assert res["validation_slides"] == len(val) == 2 and len(fit) == 6 and len(held_out) == 4
+    assert not {r.slide_id for r in held_out} & {r.slide_id for r in train}
+    assert Path(res["checkpoint"]).is_file()
+    # without a validation split of its own the rule would follow the held-out slides: refused
+    with pytest.raises(ValueError, match="early stopping on the held-out split"):
+        rb.run_training_in_process("demo", stores, 0, overrides, tmp_path / "w", "run2", log)
