@@ -526,12 +526,14 @@ def evaluate_model(model, split: Split, limit: int | None = None, training_bags:
     the slide's label (``decidable``: what a perfect classifier of the bag could get right; the model is left in
     eval mode). ``training_bags``: also the hit rate, recall, ``all_objects`` and ``decidable`` of the bag training
     draws (the config's selection in training mode at ``model.selection.sigma``, one draw per slide, fixed seed),
-    prefixed ``train_bag_``."""
+    prefixed ``train_bag_``. A model with a fitted cluster gate also gets the same of the gate's candidates (the
+    scorer's top ``model.experimental.gate_candidates`` local maxima, what the gate chooses from), prefixed
+    ``candidates_``: a glyph the candidates miss, no gate can keep."""
     import torch
 
     from pipeline.train import classification_metrics
-    from workers.patches import slide_geometry
-    from workers.slide_forward import forward_slide
+    from workers.patches import prepare_slide, slide_geometry
+    from workers.slide_forward import forward_slide, gate_candidates
     from workers.store import SlideStore
 
     cfg = model.cfg
@@ -554,6 +556,10 @@ def evaluate_model(model, split: Split, limit: int | None = None, training_bags:
             probs.append(torch.softmax(out.logits.reshape(1, -1).float(), -1)[0].numpy())
             ys.append(rec.target)
             bag_stats("", out.coords_l0.numpy().reshape(-1, 2), patch, rec)
+            if "gate_candidates" in out.info:  # a fitted gate chose this bag: what it chose from
+                si = prepare_slide(store, cfg)
+                cand, _ = gate_candidates(model, out.scores[None], tuple(si.cell_mask.shape))
+                bag_stats("candidates_", si.grid.cell_xy_l0(cand).numpy().reshape(-1, 2), patch, rec)
             if training_bags:
                 out_t = forward_slide(model, store, training=True, generator=gen)
                 bag_stats("train_bag_", out_t.coords_l0.numpy().reshape(-1, 2), patch, rec)

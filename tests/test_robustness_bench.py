@@ -1,5 +1,6 @@
 """benchmarks/robustness.py: the hit-rate geometry, the oracle's cell choice, the summary and argument checks, the
-gate encoder it pretrains in-process (one tiny epoch; no training of the model here)."""
+gate encoder it pretrains in-process (one tiny epoch), what a gated model's candidates hold, and a tiny in-process
+training that early-stops on a validation split carved from the training slides."""
 
 from __future__ import annotations
 
@@ -7,10 +8,14 @@ import importlib.util
 import json
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
+
+from operators.model import FoveateModel
+from workers.slide_forward import gate_candidates
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -234,3 +239,38 @@ def test_val_fraction_early_stops_on_training_slides_and_never_sees_the_held_out
     # without a validation split of its own the rule would follow the held-out slides: refused
     with pytest.raises(ValueError, match="early stopping on the held-out split"):
         rb.run_training_in_process("demo", stores, 0, overrides, tmp_path / "w", "run2", log)
+
+
+def test_a_gated_model_reports_what_its_candidates_hold(rb, tmp_path):
+    """The gate's candidates (the scorer's top-N local maxima) are scored like the bag: a box on one candidate and one
+    on no candidate give a candidate recall of 1/2, a bag recall no higher, and no candidates_ keys without a gate."""
+    from test_gate import _gated_config
+    from test_two_phase import _config, _store
+
+    from workers.patches import prepare_slide
+
+    store = _store(tmp_path)
+    torch.manual_seed(0)
+    model = FoveateModel(_gated_config()).eval()
+    slide = prepare_slide(store, model.cfg)
+    with torch.no_grad():
+        scores = model.score(slide.lowres_u8[None], slide.cell_mask[None], slide.geometry)
+        cells, values = gate_candidates(model, scores, tuple(slide.cell_mask.shape))
+        model.gate.fit(model.gate_encode(slide.reader.read(cells).float() / 255).double(), values)
+    xy = slide.grid.cell_xy_l0(cells).numpy().reshape(-1, 2)
+    p = slide.grid.patch_size
+    inside = {"x": int(xy[0, 0]) + 1, "y": int(xy[0, 1]) + 1, "width": 2, "height": 2}
+    free = np.ones(slide.grid.num_cells, bool)  # a cell no candidate overlaps
+    all_xy = slide.grid.cell_xy_l0(torch.arange(slide.grid.num_cells)).numpy().reshape(-1, 2)
+    free &= ~rb.overlaps(
+        all_xy, p, [{"x": int(x) - p + 1, "y": int(y) - p + 1, "width": 2 * p - 2, "height": 2 * p - 2} for x, y in xy]
+    ).any(1)
+    (fx, fy) = all_xy[np.flatnonzero(free)[0]]
+    outside = {"x": int(fx) + 1, "y": int(fy) + 1, "width": 2, "height": 2}
+    rec = SimpleNamespace(store=str(store.path) if hasattr(store, "path") else str(store), target=0)
+    split = rb.Split(["a", "b"], [], [rec], {rec.store: [inside, outside]}, {rec.store: []})
+    got = rb.evaluate_model(model, split)
+    assert got["candidates_object_recall"] == 0.5 and got["candidates_all_objects"] == 0.0
+    assert got["object_recall"] <= got["candidates_object_recall"]
+    plain = rb.evaluate_model(FoveateModel(_config()).eval(), split)
+    assert not any(k.startswith("candidates_") for k in plain)
