@@ -136,6 +136,7 @@ def fit_cluster_gate(
     clusters: int,
     generator: torch.Generator | None = None,
     restarts: int = 8,
+    ranks: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """Fit the gate's clusters on candidate cells (see the module docstring).
 
@@ -146,6 +147,11 @@ def fit_cluster_gate(
         generator: RNG of the k-means seeding.
         restarts: k-means seedings, the best kept (:func:`spherical_kmeans`): one seeding alone can merge an
             informative appearance with filler into one cluster of middling score that falls out of the bag.
+        ranks: ``[M]`` each candidate's position in its slide's ranking (0 = the slide's best), or None. Given, a
+            cluster is informative by its cells' mean rank (lower is better) instead of their mean score: the
+            scores of a slide's lower-ranked candidates spread the filler clusters' mean scores down, and with
+            many candidates per slide the two-means cut of mean scores then falls between filler clusters
+            (RESULTS, "the candidates miss the glyphs, not the gate").
 
     Returns:
         ``{"mean": [D], "std": [D], "centroids": [k', D], "informative": [k'] bool, "assignment": [M] long}``
@@ -162,8 +168,16 @@ def fit_cluster_gate(
     cen, assign = spherical_kmeans(x, clusters, generator, restarts=restarts)
     k = cen.shape[0]
     size = torch.bincount(assign, minlength=k).double()
-    mean_score = torch.zeros(k, dtype=torch.float64).index_add_(0, assign, scores.double()) / size.clamp_min(1)
-    informative = two_means_upper(mean_score, (size > 0).double())  # one point per (non-empty) cluster
+    if ranks is not None:
+        if not isinstance(ranks, torch.Tensor) or ranks.shape != scores.shape:
+            raise ValueError(
+                f"ranks must be [M] = {tuple(scores.shape)}, got {getattr(ranks, 'shape', type(ranks).__name__)}"
+            )
+        stat = -ranks.double()  # higher is better, as a score
+    else:
+        stat = scores.double()
+    mean_stat = torch.zeros(k, dtype=torch.float64).index_add_(0, assign, stat) / size.clamp_min(1)
+    informative = two_means_upper(mean_stat, (size > 0).double())  # one point per (non-empty) cluster
     return {"mean": mean, "std": std, "centroids": cen, "informative": informative, "assignment": assign}
 
 
@@ -198,10 +212,23 @@ class CellGate(nn.Module):
     def is_fitted(self) -> bool:
         return bool(self.fitted)
 
-    def fit(self, features: torch.Tensor, scores: torch.Tensor, generator: torch.Generator | None = None) -> dict:
-        """:func:`fit_cluster_gate` on ``features [M, D]`` (from :meth:`encode`) and ``scores [M]``; stores the
-        result (fewer candidates than clusters: the spare centroids are never nearest, marked not informative)."""
-        fit = fit_cluster_gate(features.detach().cpu(), scores.detach().cpu(), self.centroids.shape[0], generator)
+    def fit(
+        self,
+        features: torch.Tensor,
+        scores: torch.Tensor,
+        generator: torch.Generator | None = None,
+        ranks: torch.Tensor | None = None,
+    ) -> dict:
+        """:func:`fit_cluster_gate` on ``features [M, D]`` (from :meth:`encode`), ``scores [M]`` and optionally
+        ``ranks [M]``; stores the result (fewer candidates than clusters: the spare centroids are never nearest,
+        marked not informative)."""
+        fit = fit_cluster_gate(
+            features.detach().cpu(),
+            scores.detach().cpu(),
+            self.centroids.shape[0],
+            generator,
+            ranks=None if ranks is None else ranks.detach().cpu(),
+        )
         k = fit["centroids"].shape[0]
         dt = self.centroids.dtype
         self.mean.copy_(fit["mean"].to(dt))

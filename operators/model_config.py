@@ -746,6 +746,9 @@ class ExperimentalConfig:
     0: off (the top ``selection.k``). Under study (RESULTS, "a gate on the frozen scorer's candidates")."""
     gate_clusters: int = 16
     """Appearance clusters of the cluster gate."""
+    gate_cut: str = "score"
+    """Which clusters the gate keeps: ``score``, the upper two-means group of the clusters' mean scores; ``rank``,
+    of their mean within-slide candidate rank (robust to many candidates; under study)."""
     gate_encoder: str | None = None
     """A frozen encoder for the cluster gate alone, of the model's ResNet architecture: a state_dict file (what
     ``foveate pretrain`` writes as ``encoder.pt``) or the encoder of a ``foveate pretrain`` run,
@@ -759,6 +762,8 @@ class ExperimentalConfig:
     def __post_init__(self) -> None:
         _int("model.experimental.gate_candidates", self.gate_candidates, 0)
         _int("model.experimental.gate_clusters", self.gate_clusters, 2)
+        if self.gate_cut not in ("score", "rank"):
+            raise ConfigError(f"model.experimental.gate_cut must be 'score' or 'rank', got {self.gate_cut!r}")
         _file_path("model.experimental.gate_encoder", self.gate_encoder)
         _bool("model.experimental.control_variate", self.control_variate)
         _num("model.experimental.evidence_gamma", self.evidence_gamma, 0, 1, lo_open=True)

@@ -449,3 +449,41 @@ def test_the_cut_counts_clusters_not_cells():
     fit = fit_cluster_gate(x, scores, 16, torch.Generator().manual_seed(1))  # a seeding that finds the 16 blobs
     assert len(set(zip(fit["assignment"].tolist(), label.tolist()))) == 16
     assert torch.equal(fit["informative"][fit["assignment"]], label < 4)
+
+
+def test_the_rank_cut_keeps_the_clusters_ranked_first_in_their_slides():
+    # four separated appearances: A best-scored and first in its slide; B scored nearly as high but ranked low (the
+    # filler a long candidate list adds); C, D low-scored and low-ranked. The mean score puts B with A; the mean
+    # within-slide rank puts A alone in the upper group.
+    centres = torch.eye(4, 8, dtype=torch.float64)
+    x, label = _blobs(centres, 30, 0.05)
+    score = torch.tensor([0.90, 0.89, 0.10, 0.11], dtype=torch.float64)[label]
+    rank = torch.tensor([0.0, 20.0, 19.0, 21.0], dtype=torch.float64)[label]
+    by_score = fit_cluster_gate(x, score, 4, torch.Generator().manual_seed(0))
+    by_rank = fit_cluster_gate(x, score, 4, torch.Generator().manual_seed(0), ranks=rank)
+    kept_score = by_score["informative"][by_score["assignment"]]
+    kept_rank = by_rank["informative"][by_rank["assignment"]]
+    assert torch.equal(kept_score, label <= 1) and torch.equal(kept_rank, label == 0)
+    with pytest.raises(ValueError, match="ranks must be"):
+        fit_cluster_gate(x, score, 4, ranks=rank[:-1])
+
+
+def test_the_trainer_hands_the_candidates_ranks_to_the_gate_with_the_rank_cut(tmp_path):
+    store = _store(tmp_path)
+    cfg = _gated_config()
+    cfg = dataclasses.replace(cfg, experimental=dataclasses.replace(cfg.experimental, gate_cut="rank"))
+    tr = Trainer(cfg, OptimConfig(epochs=2, accumulate=1), ScheduleConfig(select_until=0.5), slides_per_epoch=2)
+    seen = {}
+    fit = tr.model.gate.fit
+
+    def spy(features, scores, generator=None, ranks=None):
+        seen["ranks"] = ranks
+        return fit(features, scores, generator, ranks=ranks)
+
+    tr.model.gate.fit = spy
+    tr._train_records = [SimpleNamespace(store=store, target=0), SimpleNamespace(store=store, target=1)]
+    tr._fit_gate()
+    n = cfg.experimental.gate_candidates
+    assert torch.equal(seen["ranks"], torch.arange(n, dtype=torch.float64).repeat(2))  # each slide's, best first
+    with pytest.raises(Exception, match="gate_cut must be 'score' or 'rank'"):
+        dataclasses.replace(cfg.experimental, gate_cut="mean")

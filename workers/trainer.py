@@ -714,19 +714,23 @@ class Trainer:
             gate.encoder.load_state_dict(model.features.state_dict())
         was_training = model.training
         model.eval()
-        feats, scores = [], []
+        feats, scores, ranks = [], [], []
         for rec in self._train_records:
             slide = prepare_slide(self._store(rec.store), model.cfg)
             _, values, pixels = read_gate_candidates(model, slide, score_slide(model, slide))
             feats.append(model.gate_encode(pixels).cpu())
             scores.append(values.cpu())
+            ranks.append(torch.arange(values.numel(), dtype=torch.float64))  # best first
         model.train(was_training)
-        parts = self.collective.all_gather((torch.cat(feats), torch.cat(scores), len(feats)) if feats else None)
+        parts = self.collective.all_gather(
+            (torch.cat(feats), torch.cat(scores), len(feats), torch.cat(ranks)) if feats else None
+        )
         parts = [p for p in parts if p is not None]
         if not parts:
             raise ValueError("the cell gate has no training slides to fit on (model.experimental.gate_candidates)")
         f_all, s_all = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
-        fit = gate.fit(f_all, s_all, torch.Generator().manual_seed(int(self.seed)))
+        r_all = torch.cat([p[3] for p in parts]) if model.cfg.experimental.gate_cut == "rank" else None
+        fit = gate.fit(f_all, s_all, torch.Generator().manual_seed(int(self.seed)), ranks=r_all)
         if self.ema_model is not None:
             self.ema_model.gate.load_state_dict(gate.state_dict())
         kept = fit["informative"][fit["assignment"]].double().mean()
