@@ -762,8 +762,7 @@ class ExperimentalConfig:
     def __post_init__(self) -> None:
         _int("model.experimental.gate_candidates", self.gate_candidates, 0)
         _int("model.experimental.gate_clusters", self.gate_clusters, 2)
-        if self.gate_cut not in ("score", "rank"):
-            raise ConfigError(f"model.experimental.gate_cut must be 'score' or 'rank', got {self.gate_cut!r}")
+        _choice("model.experimental.gate_cut", self.gate_cut, ("score", "rank"))
         _file_path("model.experimental.gate_encoder", self.gate_encoder)
         _bool("model.experimental.control_variate", self.control_variate)
         _num("model.experimental.evidence_gamma", self.evidence_gamma, 0, 1, lo_open=True)

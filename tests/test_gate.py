@@ -485,5 +485,5 @@ def test_the_trainer_hands_the_candidates_ranks_to_the_gate_with_the_rank_cut(tm
     tr._fit_gate()
     n = cfg.experimental.gate_candidates
     assert torch.equal(seen["ranks"], torch.arange(n, dtype=torch.float64).repeat(2))  # each slide's, best first
-    with pytest.raises(Exception, match="gate_cut must be 'score' or 'rank'"):
+    with pytest.raises(Exception, match=r"gate_cut must be one of \['score', 'rank'\], got 'mean'"):
         dataclasses.replace(cfg.experimental, gate_cut="mean")

@@ -75,8 +75,8 @@ class EarlyStoppingConfig:
     beaten chance (the majority class's share of the validation split, one-sided binomial test at p < 0.05), and
     that epoch is the first candidate for export: a classifier still at chance (the first epochs of a restarted
     one, a model before its discovery) is neither stopped nor kept for its (chance-level) validation loss.
-    On a validation split too small for the test to pass (4 slides or fewer in two classes: 4 of 4 right has p = 0.0625) training runs to
-    the cap and exports the best epoch.
+    On a validation split too small for the test to pass (4 slides or fewer in two classes: 4 of 4 right has
+    p = 0.0625) training runs to the cap and exports the best epoch.
     """
 
     metric: Literal["val_loss", "val_auc", "val_accuracy"] = "val_loss"

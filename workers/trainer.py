@@ -714,22 +714,22 @@ class Trainer:
             gate.encoder.load_state_dict(model.features.state_dict())
         was_training = model.training
         model.eval()
+        rank_cut = model.cfg.experimental.gate_cut == "rank"
         feats, scores, ranks = [], [], []
         for rec in self._train_records:
             slide = prepare_slide(self._store(rec.store), model.cfg)
             _, values, pixels = read_gate_candidates(model, slide, score_slide(model, slide))
             feats.append(model.gate_encode(pixels).cpu())
             scores.append(values.cpu())
-            ranks.append(torch.arange(values.numel(), dtype=torch.float64))  # best first
+            if rank_cut:  # each candidate's place in its slide's ranking (the candidates come best first)
+                ranks.append(torch.arange(values.numel(), dtype=torch.float64))
         model.train(was_training)
-        parts = self.collective.all_gather(
-            (torch.cat(feats), torch.cat(scores), len(feats), torch.cat(ranks)) if feats else None
-        )
-        parts = [p for p in parts if p is not None]
+        mine = (torch.cat(feats), torch.cat(scores), len(feats), torch.cat(ranks) if rank_cut else None)
+        parts = [p for p in self.collective.all_gather(mine if feats else None) if p is not None]
         if not parts:
             raise ValueError("the cell gate has no training slides to fit on (model.experimental.gate_candidates)")
         f_all, s_all = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
-        r_all = torch.cat([p[3] for p in parts]) if model.cfg.experimental.gate_cut == "rank" else None
+        r_all = torch.cat([p[3] for p in parts]) if rank_cut else None
         fit = gate.fit(f_all, s_all, torch.Generator().manual_seed(int(self.seed)), ranks=r_all)
         if self.ema_model is not None:
             self.ema_model.gate.load_state_dict(gate.state_dict())
