@@ -16,7 +16,9 @@ appearance is not. So the gate decides per *appearance cluster*:
    for the gate").
 
 A slide's bag is then those of its top-N candidates whose nearest cluster is informative (at least its best-scored
-candidate). Label-free: the slide labels are not used, the scorer's own ranking is, averaged over each cluster.
+candidate); with a ``margin`` > 0, those whose cosine similarity to the nearest informative centroid is within
+``margin`` of that to their nearest centroid (a held-out cell of an informative appearance can fall just on the
+filler side of a cluster boundary: RESULTS, "the gate's held-out coverage"). Label-free: the slide labels are not used, the scorer's own ranking is, averaged over each cluster.
 
 Shapes: ``M`` candidate cells, ``D`` feature size, ``k`` clusters.
 """
@@ -189,10 +191,15 @@ class CellGate(nn.Module):
         encoder: the frozen copy of the feature network (kept in eval mode, no gradients), or None.
         feature_dim: D.
         clusters: k.
+        margin: keep a candidate whose cosine similarity to the nearest informative centroid is at least that to
+            its nearest centroid minus ``margin`` (>= 0; 0: its nearest cluster is informative).
     """
 
-    def __init__(self, encoder: nn.Module | None, feature_dim: int, clusters: int):
+    def __init__(self, encoder: nn.Module | None, feature_dim: int, clusters: int, margin: float = 0.0):
         super().__init__()
+        if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin <= 2:
+            raise ValueError(f"margin must be a number in [0, 2] (a cosine-similarity gap), got {margin!r}")
+        self.margin = float(margin)
         self.encoder = encoder
         if encoder is not None:
             encoder.requires_grad_(False).eval()
@@ -240,19 +247,28 @@ class CellGate(nn.Module):
         self.fitted.fill_(True)
         return fit
 
-    def assign(self, features: torch.Tensor) -> torch.Tensor:
-        """``features [M, D]`` -> nearest cluster ``[M]`` (cosine, after the fitted standardisation)."""
+    def similarities(self, features: torch.Tensor) -> torch.Tensor:
+        """``features [M, D]`` -> ``[M, k]`` cosine similarity to each centroid (after the fitted
+        standardisation); -inf for the spare centroids of a fit on fewer candidates than clusters."""
         x = nn.functional.normalize((_check_2d("features", features) - self.mean) / self.std, dim=1)
         live = self.centroids.norm(dim=1) > 0
-        sim = (x @ self.centroids.T).masked_fill(~live, float("-inf"))
-        return sim.argmax(1)
+        return (x @ self.centroids.T).masked_fill(~live, float("-inf"))
+
+    def assign(self, features: torch.Tensor) -> torch.Tensor:
+        """``features [M, D]`` -> nearest cluster ``[M]`` (cosine, after the fitted standardisation)."""
+        return self.similarities(features).argmax(1)
 
     def keep(self, features: torch.Tensor) -> torch.Tensor:
         """``features [M, D]`` of a slide's candidates, best-scored first -> ``[M]`` bool: in an informative
-        cluster; the first candidate kept when none is. All True while unfitted."""
+        cluster (or within ``margin`` of one); the first candidate kept when none is. All True while unfitted."""
         if not self.is_fitted:
             return torch.ones(features.shape[0], dtype=torch.bool, device=features.device)
-        k = self.informative[self.assign(features)]
+        sim = self.similarities(features)
+        if self.margin == 0 or not bool(self.informative.any()):
+            k = self.informative[sim.argmax(1)]
+        else:
+            best_in = sim.masked_fill(~self.informative, float("-inf")).max(1).values
+            k = best_in >= sim.max(1).values - self.margin
         if not bool(k.any()):
             k[0] = True
         return k

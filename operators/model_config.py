@@ -749,6 +749,9 @@ class ExperimentalConfig:
     gate_cut: str = "score"
     """Which clusters the gate keeps: ``score``, the upper two-means group of the clusters' mean scores; ``rank``,
     of their mean within-slide candidate rank (robust to many candidates; under study)."""
+    gate_margin: float = 0.0
+    """The gate also keeps a candidate whose cosine similarity to the nearest informative centroid is within this of
+    that to its nearest centroid (0: its nearest cluster decides; under study)."""
     gate_encoder: str | None = None
     """A frozen encoder for the cluster gate alone, of the model's ResNet architecture: a state_dict file (what
     ``foveate pretrain`` writes as ``encoder.pt``) or the encoder of a ``foveate pretrain`` run,
@@ -763,6 +766,7 @@ class ExperimentalConfig:
         _int("model.experimental.gate_candidates", self.gate_candidates, 0)
         _int("model.experimental.gate_clusters", self.gate_clusters, 2)
         _choice("model.experimental.gate_cut", self.gate_cut, ("score", "rank"))
+        _num("model.experimental.gate_margin", self.gate_margin, 0, 2)
         _file_path("model.experimental.gate_encoder", self.gate_encoder)
         _bool("model.experimental.control_variate", self.control_variate)
         _num("model.experimental.evidence_gamma", self.evidence_gamma, 0, 1, lo_open=True)

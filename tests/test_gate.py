@@ -121,6 +121,25 @@ def test_fit_marks_the_clusters_the_scorer_ranks_high_on_average():
     assert int(small.assign(x.float()[:10]).max()) < 10
 
 
+def test_the_margin_keeps_candidates_near_an_informative_centroid():
+    # two centroids by hand: cluster 0 informative (direction e0), cluster 1 not (e1); a candidate between them,
+    # a little nearer e1, is kept with a margin larger than its similarity gap and dropped without one
+    gate = CellGate(None, 2, 2)
+    gate.centroids.copy_(torch.eye(2))
+    gate.informative.copy_(torch.tensor([True, False]))
+    gate.fitted.fill_(True)
+    angles = torch.tensor([0.05, 0.7, 0.9, 1.5])  # radians from e0 (pi/4 is the boundary)
+    feats = torch.stack([angles.cos(), angles.sin()], 1)  # mean 0 / std 1: features are the directions
+    gap = (angles.sin() - angles.cos()).clamp_min(0)  # similarity to e1 minus that to e0 where e1 is nearest
+    assert gate.keep(feats).tolist() == [True, True, False, False]
+    for margin in (0.1, 0.5, 1.0):
+        wide = CellGate(None, 2, 2, margin=margin)
+        wide.load_state_dict(gate.state_dict())
+        assert torch.equal(wide.keep(feats), gap <= margin)
+    with pytest.raises(ValueError, match="margin"):
+        CellGate(None, 2, 2, margin=-0.1)
+
+
 def _gated_config(candidates: int = 6, clusters: int = 3):
     cfg = _config()
     return dataclasses.replace(
@@ -237,6 +256,8 @@ def test_gate_settings_are_checked(candidates, clusters):
 
     with pytest.raises(ConfigError, match="gate_"):
         ExperimentalConfig(gate_candidates=candidates, gate_clusters=clusters)
+    with pytest.raises(ConfigError, match="gate_margin"):
+        ExperimentalConfig(gate_margin=-0.5)
 
 
 def test_select_restart_starts_the_classifier_and_the_learning_rate_again(tmp_path):
