@@ -119,7 +119,9 @@ def add_arguments(p) -> None:
     p.add_argument(
         "--codec",
         choices=CODECS,
-        help="zstd: lossless (default); jpeg: one RGB JPEG per chunk, copying aligned source JPEG tiles as-is",
+        help="auto (default): copy the source's JPEG tiles byte for byte where they align with --tile-size (level 0 "
+        "exactly as OpenSlide decodes it), else zstd; zstd: decode and store losslessly; jpeg: one RGB JPEG per "
+        "chunk, copying aligned source JPEG tiles as-is",
     )
     p.add_argument("--jpeg-quality", type=int, help="quality of JPEGs foveate encodes (default 90)")
     p.add_argument(
@@ -148,7 +150,7 @@ def add_arguments(p) -> None:
         dest="passthrough",
         action="store_false",
         default=None,
-        help="with --codec jpeg: always decode and re-encode",
+        help="with --codec auto: always decode and store with zstd; with --codec jpeg: always decode and re-encode",
     )
     p.add_argument(
         "--no-direct",
@@ -581,6 +583,7 @@ def _schedule(
                         enqueue_stage(t.slide)
                 else:
                     st.done = True
+                    log.info("%s: %s", t.slide, result.pop("layout", ""))
                     rows[t.slide] = {
                         **_base_row(st.inp),
                         "status": "ok",

@@ -77,7 +77,7 @@ def _ingest_one(tmp_path, path, **kw):
 # ---------------------------------------------------------------------------------------------- pixels
 @pytest.mark.parametrize("name,direct", [("boxes.tiff", True), ("small.svs", True), ("boxes_0.dcm", False)])
 def test_fixture_level0_equals_openslide_and_levels_equal_reference(tmp_path, openslide_fixtures, name, direct):
-    store, row = _ingest_one(tmp_path, openslide_fixtures / name, tile_size=64, min_size=32)
+    store, row = _ingest_one(tmp_path, openslide_fixtures / name, tile_size=64, min_size=32, codec="zstd")
     assert store.meta.extra["direct_decode"] is direct
     ref0 = openslide_reference(openslide_fixtures / name)
     np.testing.assert_array_equal(store.read_level(0), ref0)
@@ -95,7 +95,7 @@ def test_fixture_level0_equals_openslide_and_levels_equal_reference(tmp_path, op
 @pytest.mark.parametrize("fmt", ["svs", "tiff"])
 def test_synthetic_slide_level0_equals_openslide(tmp_path, synth_slides, fmt):
     path = synth_slides[fmt]
-    store, _ = _ingest_one(tmp_path, path, tile_size=256, min_size=512, region_tiles=2)
+    store, _ = _ingest_one(tmp_path, path, tile_size=256, min_size=512, region_tiles=2, codec="zstd")
     assert store.meta.extra["direct_decode"] is True
     ref0 = openslide_reference(path)
     np.testing.assert_array_equal(store.read_level(0), ref0)
@@ -237,6 +237,47 @@ def test_jpeg_passthrough_of_rgb_jpeg_svs_fixture(tmp_path, openslide_fixtures):
     np.testing.assert_array_equal(store.read_level(0), openslide_reference(openslide_fixtures / "small.svs"))
 
 
+@pytest.mark.parametrize(
+    "name,tile,codec,level_codecs",
+    [
+        ("syn-svs", 256, "jpeg-passthrough", ["passthrough:ycbcr", "passthrough:ycbcr", "jpeg"]),
+        ("syn-tiff", 256, "jpeg-passthrough", ["passthrough:ycbcr"] * 3 + ["jpeg"]),
+        ("small.svs", 64, "jpeg-passthrough", ["passthrough:rgb"]),
+        ("syn-svs", 128, "zstd", ["zstd"] * 3),  # source tiles of 256 do not align with 128-px chunks
+        ("boxes.tiff", 64, "zstd", ["zstd"] * 5),  # deflate tiles
+        ("boxes_0.dcm", 64, "zstd", ["zstd"]),  # DICOM: frames not copied (yet)
+    ],
+)
+def test_default_codec_copies_aligned_jpeg_tiles_and_stores_the_rest_losslessly(
+    tmp_path, synth_slides, openslide_fixtures, name, tile, codec, level_codecs
+):
+    path = synth_slides[name[4:]] if name.startswith("syn-") else openslide_fixtures / name
+    store, row = _ingest_one(tmp_path, path, tile_size=tile, min_size=512 if name.startswith("syn-") else 32)
+    assert IngestOptions().codec == "auto"
+    assert row["codec"] == codec == store.meta.codec and store.meta.extra["level_codecs"] == level_codecs
+    assert ("copied from the source's JPEG tiles" in row["layout"]) == (codec == "jpeg-passthrough")
+    if (name, tile) == ("syn-svs", 256):
+        assert (
+            row["layout"]
+            == "levels 0-1 copied from the source's JPEG tiles (OpenSlide levels 0-1); level 2 made (jpeg)"
+        )
+    elif codec == "zstd":
+        n = len(level_codecs)
+        assert row["layout"] == (f"levels 0-{n - 1}" if n > 1 else "level 0") + " decoded (zstd)"
+    ref0 = openslide_reference(path)
+    np.testing.assert_array_equal(store.read_level(0), ref0)  # level 0 is what OpenSlide decodes, either way
+    refs = reference_pyramid(ref0, store.level_count)
+    for lvl, (c, src_level) in enumerate(zip(level_codecs, store.meta.extra["source_levels"])):
+        got = store.read_level(lvl)
+        if c.startswith("passthrough"):  # a copied source level: what OpenSlide decodes at that level
+            np.testing.assert_array_equal(got, openslide_reference(path, level=src_level), err_msg=f"level {lvl}")
+        elif c == "zstd":  # made from level 0, losslessly
+            np.testing.assert_array_equal(got, refs[lvl], err_msg=f"level {lvl}")
+        else:  # made from the level above and JPEG-encoded: within JPEG's error of the 2x mean of that level
+            above = np.moveaxis(downsample2x_reference(np.moveaxis(store.read_level(lvl - 1), -1, 0)), 0, -1)
+            assert np.abs(got.astype(int) - above.astype(int)).mean() < 2, f"level {lvl}"
+
+
 def test_jpeg_codec_without_passthrough_for_deflate_source(tmp_path, openslide_fixtures):
     store, row = _ingest_one(tmp_path, openslide_fixtures / "boxes.tiff", tile_size=64, min_size=64, codec="jpeg")
     assert row["codec"] == "jpeg" and store.meta.extra["level_codecs"][0] == "jpeg"
@@ -350,7 +391,7 @@ def test_discover_inputs_dicom_grouping_csv_and_slide_ids(tmp_path, openslide_fi
 
 def test_interrupted_slide_resumes_with_identical_arrays(tmp_path, synth_slides):
     inp = discover_inputs([synth_slides["svs"]])[0]
-    opts = IngestOptions(tile_size=256, min_size=256, region_tiles=2)
+    opts = IngestOptions(tile_size=256, min_size=256, region_tiles=2, codec="zstd")
     ref_tiler = Tiler(tmp_path / "ref", opts)
     ref_tiler.ingest_slide(inp)
     t = Tiler(tmp_path / "run", opts)
@@ -393,9 +434,10 @@ def _inner_codecs(meta: dict) -> list[dict]:
 def test_threads_and_fast_zstd_levels_give_the_same_pixels_and_bytes(tmp_path, synth_slides):
     # TIFF 2000 x 2100: edge chunks and edge regions; regions of 2 x 2 tiles -> levels from source and from store
     path = synth_slides["tiff"]
-    ref, _ = _ingest_one(tmp_path / "t1", path, tile_size=256, min_size=256, region_tiles=2)
-    thr, _ = _ingest_one(tmp_path / "t2", path, tile_size=256, min_size=256, region_tiles=2, threads=3)
-    fast, _ = _ingest_one(tmp_path / "fast", path, tile_size=256, min_size=256, region_tiles=2, zstd_level=-5)
+    kw = {"tile_size": 256, "min_size": 256, "region_tiles": 2, "codec": "zstd"}
+    ref, _ = _ingest_one(tmp_path / "t1", path, **kw)
+    thr, _ = _ingest_one(tmp_path / "t2", path, **kw, threads=3)
+    fast, _ = _ingest_one(tmp_path / "fast", path, **kw, zstd_level=-5)
     files = lambda s: {
         p.relative_to(s.path): p.read_bytes() for p in sorted(s.path.glob("[0-9]*/c/**/*")) if p.is_file()
     }
@@ -416,7 +458,7 @@ def test_threads_and_fast_zstd_levels_give_the_same_pixels_and_bytes(tmp_path, s
 
 def test_all_white_region_writes_no_chunks_and_removes_stale_ones(tmp_path, synth_slides):
     inp = discover_inputs([synth_slides["tiff"]])[0]
-    t = Tiler(tmp_path / "s", IngestOptions(tile_size=256, min_size=256, region_tiles=2))
+    t = Tiler(tmp_path / "s", IngestOptions(tile_size=256, min_size=256, region_tiles=2, codec="zstd"))
     plan = t.plan(inp)
     src = SlideSource.open(inp.path)
     white = [r for r in plan.todo[0] if src.read_l0(*r.box).min() == 255]

@@ -128,7 +128,7 @@ def test_a_removed_label_metadata_is_damaged(tmp_path, slides):
 
 def test_an_old_store_without_checksums_or_digests_still_opens(tmp_path, slides, capsys):
     out = tmp_path / "stores"
-    store = _ingest(out, slides["svs"], tile_size=256, min_size=512, checksum=False)
+    store = _ingest(out, slides["svs"], tile_size=256, min_size=512, checksum=False, codec="zstd")
     marker = store.path / COMPLETE_MARKER
     body = json.loads(marker.read_text())
     del body["metadata"]  # a marker written before the digests existed

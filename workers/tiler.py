@@ -35,13 +35,13 @@ from workers.ingest_source import SlideFile, SlideOpenError, SlideScratch, Slide
 from workers.pyramid import Reducer, Region, SlidePlan, level_shard_sides, plan_levels, plan_stages
 from workers.store import COMPLETE_MARKER, installed_version, mark_complete, register_codecs, write_store_metadata
 
-__all__ = ["IngestOptions", "Region", "SlidePlan", "Tiler", "PLAN_FILE", "PROGRESS_DIR"]
+__all__ = ["IngestOptions", "Region", "SlidePlan", "Tiler", "PLAN_FILE", "PROGRESS_DIR", "describe_levels"]
 
 log = logging.getLogger(__name__)
 
 PLAN_FILE = "foveate_plan.json"
 PROGRESS_DIR = "foveate_progress"
-CODECS = ("zstd", "jpeg")
+CODECS = ("auto", "zstd", "jpeg")
 ZSTD_MIN_LEVEL = -131072  # zstd's fastest ("negative") level; any level decodes with plain zstd
 
 
@@ -51,13 +51,13 @@ class IngestOptions:
     here, raising ``ConfigError``)."""
 
     tile_size: int = 256
-    codec: str = "zstd"  # "zstd" (lossless) or "jpeg"
+    codec: str = "auto"  # "auto": copy aligned source JPEG tiles, else zstd; "zstd" (lossless); "jpeg"
     jpeg_quality: int = 90
     zstd_level: int = 1
     mpp: float | None = None  # resample level 0 to this many microns per pixel
     min_size: int = 1024  # the smallest level's longer side is at most this
     region_tiles: int = 8  # regions are blocks of region_tiles x region_tiles chunks (a power of two)
-    passthrough: bool = True  # with codec="jpeg": copy aligned source JPEG tiles without re-encoding
+    passthrough: bool = True  # with codec "auto" or "jpeg": copy aligned source JPEG tiles without re-encoding
     direct: bool = True  # decode TIFF tiles directly (tifffile + imagecodecs) where exact
     threads: int = 1  # threads per tiler for JPEG decoding, zstd encoding and reductions (all release the GIL)
     fsync: bool = True  # chunks and region markers reach the disk before a region counts as done
@@ -86,6 +86,28 @@ class IngestOptions:
         for name in ("passthrough", "direct", "fsync", "shard", "checksum"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
+
+
+def _span(levels: list[int]) -> str:
+    if len(levels) == 1:
+        return f"level {levels[0]}"
+    return f"levels {levels[0]}-{levels[-1]}"
+
+
+def describe_levels(level_codecs: list[str], source_levels: list[int | None]) -> str:
+    """One line on how a store's levels were made: which were copied from the source's JPEG tiles (and from which
+    OpenSlide levels) and which were decoded or made, with their codec."""
+    copied = [i for i, s in enumerate(source_levels) if s is not None]
+    made = [i for i, s in enumerate(source_levels) if s is None]
+    parts = []
+    if copied:
+        src = [source_levels[i] for i in copied]
+        parts.append(f"{_span(copied)} copied from the source's JPEG tiles (OpenSlide {_span(src)})")
+    if made:
+        codecs = sorted({level_codecs[i] for i in made})
+        how = "made" if copied else "decoded"
+        parts.append(f"{_span(made)} {how} ({', '.join(codecs)})")
+    return "; ".join(parts)
 
 
 class Tiler:
@@ -218,7 +240,7 @@ class Tiler:
         t = opts.tile_size
         jl = info.jpeg_levels
         passthrough = (
-            opts.codec == "jpeg"
+            opts.codec in ("auto", "jpeg")
             and opts.passthrough
             and opts.mpp is None
             and bool(jl)
@@ -230,7 +252,7 @@ class Tiler:
             (w_l0, h_l0),
             tile=t,
             min_size=opts.min_size,
-            codec=opts.codec,
+            codec="zstd" if opts.codec == "auto" else opts.codec,
             jpeg_levels=jl if passthrough else None,
             level_dimensions=info.level_dimensions,
             level_downsamples=info.level_downsamples,
@@ -467,7 +489,7 @@ class Tiler:
             downsamples=plan.downsamples,
             mpp=plan.mpp,
             tile_size=plan.tile,
-            codec=("jpeg-passthrough" if passthrough else plan.options["codec"]),
+            codec=("jpeg-passthrough" if passthrough else plan.level_codecs[0]),
             version=self.version,
             source_mpp=tuple(info["mpp"]) if info["mpp"] else None,
             fingerprint=info["fingerprint"],
@@ -504,6 +526,7 @@ class Tiler:
             "codec": meta.codec,
             "levels": len(plan.downsamples),
             "cpu_seconds": time.process_time() - c0,
+            "layout": describe_levels(plan.level_codecs, plan.source_levels),
         }
 
     # ------------------------------------------------------------------ convenience
