@@ -1,4 +1,4 @@
-"""Ingest and score throughput on two Ray nodes vs one, on one machine (``tests/test_multinode.py``'s cluster:
+"""Ingest and score throughput on two Ray nodes vs one, on one machine (``tests/test_cluster.py``'s ``ray_nodes``:
 a head of 2 CPUs, optionally a second node of 2 CPUs, token auth, stores on a moto S3 server), both as
 ``ray job submit`` jobs with the commands' defaults (ingest: one tiler per cluster CPU; score: the classifier
 actors the CPUs allow) and an untrained model of ``configs/demo.yaml`` (weights do not change the work).
@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)
 
-    import test_multinode as mn
+    import test_cluster as mn
     import torch
     import yaml
     from local_services import moto_s3

@@ -73,7 +73,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
 
     cfg: TrainConfig = from_dict(TrainConfig, loop_config["config"])
     rank, world, device, collective = worker_context(cfg)
-    # one line per worker in the job's output (placement checks: tests/test_multinode.py)
+    # one line per worker in the job's output (placement checks: tests/test_cluster.py)
     print(f"foveate-train-worker rank {rank}/{world} node {ray.get_runtime_context().get_node_id()}", flush=True)
     train_records = _records(loop_config["train"])
     val_records = _records(loop_config["val"])

@@ -1,5 +1,5 @@
 """Which actor errors make ``foveate score`` resubmit a call unchanged (its actor's node was lost or could not be
-reached) rather than split it and write error rows (the actor died by itself). End to end: tests/test_multinode.py."""
+reached) rather than split it and write error rows (the actor died by itself). End to end: tests/test_cluster.py."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """``placement_strategy`` (train config): validated, and handed to Ray Train's ``ScalingConfig`` (no Ray needed:
 the trainer class is replaced by one that records its arguments). The real two-node placement is checked in
-tests/test_multinode.py."""
+tests/test_cluster.py."""
 
 from __future__ import annotations
 

@@ -16,6 +16,7 @@
 #   FOVEATE_RAY_CLIENT_PORT Ray client server port                              (default 10001)
 #   FOVEATE_AGENT_PORT      dashboard agent HTTP port                           (default 52365)
 #   FOVEATE_RAY_NUM_CPUS    CPUs the head advertises                            (default: all)
+#   FOVEATE_RAY_RESOURCES   custom resources of the head, JSON, e.g. '{"head": 1}' (default: none)
 #   FOVEATE_RAY_TEMP_DIR    Ray's temp dir (keep it short: unix socket paths)   (default /tmp/foveate-ray-<hash of run dir>)
 #   FOVEATE_UP_TIMEOUT      seconds to wait for each service                    (default 120)
 #   PYTHON                  interpreter whose environment has ray and mlflow    (default ./.venv/bin/python, else python3)
@@ -124,6 +125,7 @@ else
     --node-ip-address 127.0.0.1 --port "$RAY_PORT" \
     --dashboard-host 127.0.0.1 --dashboard-port "$DASHBOARD_PORT" \
     --temp-dir "$RAY_TMP" ${FOVEATE_RAY_NUM_CPUS:+--num-cpus "$FOVEATE_RAY_NUM_CPUS"} \
+    ${FOVEATE_RAY_RESOURCES:+--resources "$FOVEATE_RAY_RESOURCES"} \
     ${FOVEATE_RAY_CLIENT_PORT:+--ray-client-server-port "$FOVEATE_RAY_CLIENT_PORT"} \
     ${FOVEATE_AGENT_PORT:+--dashboard-agent-listen-port "$FOVEATE_AGENT_PORT"} \
     >"$LOGS/ray-head.log" 2>&1 </dev/null &

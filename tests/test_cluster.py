@@ -1,16 +1,18 @@
-"""Two Ray nodes on one machine: a head (`ray start --head`, token authentication on, its own temp dir, 2 CPUs,
-custom resource ``head``) and a second node started as a separate process (`ray start --address ...`, its own
-temp dir and scratch folder, 2 CPUs, custom resource ``node2``), stores on a local S3 (moto) server, MLflow in
-a sqlite file. ``ray job submit``: ingest (slides read from the bucket) -> train with 2 workers and
-``placement_strategy=SPREAD`` (each worker prints its node id: one on each node) -> score, and the second node
-is killed (its whole session, SIGKILL) while scoring runs: every slide still gets exactly one ``ok`` row.
+"""A real local cluster, driven as docs/commands.md shows: `infra/local/up.sh` starts a Ray head (token
+authentication on, its own temp dir, 2 CPUs, custom resource ``head``) and an MLflow tracking server (HTTP basic
+authentication); a second node joins it as a separate process (`ray start --address ...`, its own temp dir and
+scratch folder, 2 CPUs, custom resource ``node2``); stores on a local S3 (moto) server. ``ray job submit``: ingest
+(slides read from the bucket) -> train with 2 workers and ``placement_strategy=SPREAD`` (each worker prints its
+node id: one on each node) -> the run in MLflow through the server (metrics, logged model, checkpoint) -> score,
+and the second node is killed (its whole session, SIGKILL) while scoring runs: every slide still gets exactly one
+``ok`` row, the scoring run is in MLflow, and ``foveate compare`` reads the runs through the server. The second
+node is killed and `infra/local/down.sh` runs in a ``finally``; nothing of either node may be left running.
 
 Resources, so that the head alone can finish after the kill: scoring runs 1 scorer + 1 classifier actor of 1 CPU
 each (cluster total 4 CPUs). While scoring starts, a "blocker" job holds 1 of the head's 2 CPUs
 (``--entrypoint-num-cpus 1 --entrypoint-resources '{"head": 1}'``), so at least one scoring actor must be placed
 on the second node; the blocker is released right after the kill, so the head then has 2 free CPUs for the
-actors Ray restarts. Every wait has a timeout that fails with the job's logs; both nodes' sessions (and any
-process naming their temp dirs) are killed in a ``finally``.
+actors Ray restarts. Every wait has a timeout that fails with the job's logs.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 BUCKET = "foveate-mn"
 N_SLIDES = 8
+EXPERIMENT = "cluster-test"
 SUBMIT = ["ray", "job", "submit", "--working-dir", ".", "--runtime-env", "configs/runtime_env.yaml"]
 
 
@@ -124,8 +127,20 @@ class Node:
 
 
 class Cluster:
-    def __init__(self, dashboard: str, token: str, env: dict[str, str], head: Node, node2: Node):
-        self.dashboard, self.token, self.env, self.head, self.node2 = dashboard, token, env, head, node2
+    """The client side of the cluster: the job API (with the token), the up.sh exports, the second node."""
+
+    def __init__(
+        self, dashboard: str, token: str, env: dict[str, str], exports: dict[str, str], node2: Node, run: Path
+    ):
+        self.dashboard, self.token, self.env, self.exports, self.node2, self.run = (
+            dashboard,
+            token,
+            env,
+            exports,
+            node2,
+            run,
+        )
+        self.node_ids: dict[str, str] = {}
 
     def get(self, path: str, timeout: float = 30) -> object:
         req = urllib.request.Request(self.dashboard + path, headers={"Authorization": f"Bearer {self.token}"})
@@ -151,7 +166,8 @@ class Cluster:
         for _attempt in range(2):
             proc = subprocess.run(cmd, cwd=REPO, env=self.env, capture_output=True, text=True, timeout=timeout)
             out = proc.stdout + proc.stderr
-            # the working-dir package can change between Ray's two hashes of it (see tests/test_ray_job.py)
+            # Ray hashes the working dir twice (upload, then the job's runtime_env); a file edited in between (a
+            # developer checkout with editors or other processes writing) gives a package that was never uploaded.
             if proc.returncode == 0 or "Failed to download runtime_env file package" not in out:
                 break
         print(f"--- {what}: rc {proc.returncode} in {time.monotonic() - t0:.1f}s")
@@ -176,16 +192,105 @@ def s3():
 
 @pytest.fixture(scope="module")
 def cluster(s3, tmp_path_factory):
+    for tool in ("curl", "setsid", "ps"):
+        if shutil.which(tool) is None:
+            pytest.skip(f"infra/local/up.sh needs {tool!r}, not found on PATH")
     if shutil.which("ray", path=str(BIN)) is None:
         pytest.skip("the `ray` CLI is not next to this interpreter")
-    with ray_nodes(tmp_path_factory.mktemp("multinode"), s3[1]) as c:
+    run = tmp_path_factory.mktemp("cluster")
+    ray_port, dash, mlflow_port, client_port, agent1, agent2 = _free_ports(6)
+    tmp_node2 = f"/tmp/fov-cl-{uuid.uuid4().hex[:8]}-n2"  # short: unix socket paths
+    base = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("RAY_", "MLFLOW_", "AWS_")) and k != "FOVEATE_STORAGE_OPTIONS"
+    }
+    base.update(
+        s3[1],  # the head's jobs and the second node reach the bucket with these
+        PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+        RAY_USAGE_STATS_ENABLED="0",
+        PYTHONUNBUFFERED="1",
+    )
+    up_env = dict(
+        base,
+        FOVEATE_RUN_DIR=str(run),
+        FOVEATE_RAY_PORT=str(ray_port),
+        FOVEATE_DASHBOARD_PORT=str(dash),
+        FOVEATE_MLFLOW_PORT=str(mlflow_port),
+        FOVEATE_RAY_CLIENT_PORT=str(client_port),
+        FOVEATE_AGENT_PORT=str(agent1),
+        FOVEATE_RAY_NUM_CPUS="2",
+        FOVEATE_RAY_RESOURCES='{"head": 1}',
+        FOVEATE_UP_TIMEOUT="180",
+        FOVEATE_SCRATCH_DIR=str(run / "scratch-head"),
+        PYTHON=sys.executable,
+    )
+    node2 = None
+    try:
+        out = subprocess.run(
+            ["bash", "infra/local/up.sh"], cwd=REPO, env=up_env, capture_output=True, text=True, timeout=300
+        )
+        assert out.returncode == 0, f"up.sh failed:\n{out.stdout}\n{out.stderr}"
+        exports = dict(
+            line[len("export ") :].split("=", 1) for line in out.stdout.splitlines() if line.startswith("export ")
+        )
+        assert set(exports) >= {
+            "RAY_ADDRESS",
+            "RAY_AUTH_MODE",
+            "RAY_AUTH_TOKEN_PATH",
+            "MLFLOW_TRACKING_URI",
+            "MLFLOW_TRACKING_USERNAME",
+            "MLFLOW_TRACKING_PASSWORD",
+        }, out.stdout
+        # idempotent: a second up.sh leaves both services alone
+        again = subprocess.run(
+            ["bash", "infra/local/up.sh"], cwd=REPO, env=up_env, capture_output=True, text=True, timeout=120
+        )
+        assert again.returncode == 0 and again.stderr.count("already running") == 2, again.stderr
+        node_env = {k: v for k, v in exports.items() if k != "RAY_ADDRESS"}  # a node joins by the GCS address
+        node2 = Node(
+            "node2",
+            [f"--address=127.0.0.1:{ray_port}", f"--dashboard-agent-listen-port={agent2}"]
+            + ["--num-cpus=2", '--resources={"node2": 1}'],
+            dict(base, **node_env, FOVEATE_SCRATCH_DIR=str(run / "scratch-node2")),
+            tmp_node2,
+            run / "node2.log",
+        )
+        node2.wait_started(180)
+        token = Path(exports["RAY_AUTH_TOKEN_PATH"]).read_text().strip()
+        c = Cluster(exports["RAY_ADDRESS"], token, dict(base, **exports), exports, node2, run)
+        t0 = time.monotonic()
+        while True:  # the job API answers and both nodes are alive
+            try:
+                nodes = c.alive_nodes()
+                if len(nodes) == 2:
+                    break
+            except OSError:
+                nodes = {}
+            assert time.monotonic() - t0 < 120, f"not 2 alive nodes after 120s: {nodes}\n{node2.tail()}"
+            time.sleep(1)
+        c.node_ids = {("head" if "head" in n.get("resources_total", {}) else "node2"): nid for nid, n in nodes.items()}
+        assert set(c.node_ids) == {"head", "node2"}, nodes
         yield c
+    finally:
+        if node2 is not None:
+            node2.kill(grace=5)
+        down = subprocess.run(
+            ["bash", "infra/local/down.sh"], cwd=REPO, env=up_env, capture_output=True, text=True, timeout=180
+        )
+        print(down.stderr)
+        tmp_head = (run / "ray_temp_dir").read_text().strip() if (run / "ray_temp_dir").exists() else None
+        for d in filter(None, (tmp_head, tmp_node2)):  # nothing of either node may be left running
+            assert not live_pids_mentioning(d), f"processes naming {d} still running after down.sh"
+        shutil.rmtree(tmp_node2, ignore_errors=True)
 
 
 @contextlib.contextmanager
 def ray_nodes(run: Path, aws: dict[str, str], second_node: bool = True):
-    """A head (and, with ``second_node``, a second node) as described in the module doc; a :class:`Cluster`.
-    Every process of both nodes is gone when this exits (else AssertionError)."""
+    """A bare head of 2 CPUs started with `ray start` here (no MLflow server; MLflow in a sqlite file of ``run``)
+    and, with ``second_node``, a second node as in the module doc; a :class:`Cluster`. For
+    ``benchmarks/multinode.py``, which compares one node with two. Every process of both nodes is gone when this
+    exits (else AssertionError)."""
     token_file = run / "ray_auth_token"
     token = uuid.uuid4().hex + uuid.uuid4().hex
     token_file.write_text(token)
@@ -232,7 +337,7 @@ def ray_nodes(run: Path, aws: dict[str, str], second_node: bool = True):
                 run / "node2.log",
             )
             node2.wait_started(180)
-        c = Cluster(f"http://127.0.0.1:{dash}", token, client_env, head, node2)
+        c = Cluster(f"http://127.0.0.1:{dash}", token, client_env, {}, node2, run)
         t0, n_nodes = time.monotonic(), 2 if second_node else 1
         while True:  # the job API answers and every node is alive
             try:
@@ -245,7 +350,6 @@ def ray_nodes(run: Path, aws: dict[str, str], second_node: bool = True):
             time.sleep(1)
         c.node_ids = {("head" if "head" in n.get("resources_total", {}) else "node2"): nid for nid, n in nodes.items()}
         assert set(c.node_ids) == ({"head", "node2"} if second_node else {"head"}), nodes
-        c.run = run
         yield c
     finally:
         for node in (node2, head):
@@ -256,6 +360,50 @@ def ray_nodes(run: Path, aws: dict[str, str], second_node: bool = True):
             shutil.rmtree(d, ignore_errors=True)
 
 
+def test_token_auth_is_on(cluster):
+    url = cluster.dashboard + "/api/jobs/"
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(url, timeout=30)
+    assert err.value.code == 401
+    token_path = Path(cluster.exports["RAY_AUTH_TOKEN_PATH"])
+    assert oct(token_path.stat().st_mode & 0o777) == "0o600"
+    assert cluster.get("/api/jobs/") is not None  # the token is accepted
+
+
+def test_mlflow_server_requires_the_password(cluster):
+    import base64
+
+    uri = cluster.exports["MLFLOW_TRACKING_URI"]
+    url = uri + "/api/2.0/mlflow/experiments/search"
+    body = json.dumps({"max_results": 10}).encode()
+    user, password = cluster.exports["MLFLOW_TRACKING_USERNAME"], cluster.exports["MLFLOW_TRACKING_PASSWORD"]
+    pw_file = cluster.run / "mlflow_password"
+    assert pw_file.read_text() == password and oct(pw_file.stat().st_mode & 0o777) == "0o600"
+    assert oct((cluster.run / "env.sh").stat().st_mode & 0o777) == "0o600"
+    # MLflow's tracking and user databases, its artifacts: owner-only
+    mlflow_dir = cluster.run / "mlflow"
+    for name in ("mlflow.db", "basic_auth.db"):
+        assert oct((mlflow_dir / name).stat().st_mode & 0o777) == "0o600", name
+    for d in (mlflow_dir, mlflow_dir / "artifacts"):
+        assert oct(d.stat().st_mode & 0o777) == "0o700", d
+
+    def post(auth: str | None) -> int:
+        headers = {"Content-Type": "application/json"}
+        if auth is not None:
+            headers["Authorization"] = "Basic " + base64.b64encode(auth.encode()).decode()
+        req = urllib.request.Request(url, data=body, headers=headers)
+        try:
+            return urllib.request.urlopen(req, timeout=120).status  # basic auth hashes: slow on a loaded machine
+        except urllib.error.HTTPError as err:
+            return err.code
+
+    assert post(None) == 401  # no credentials: refused
+    assert post(f"{user}:wrong-{password}") == 401
+    assert post(f"{user}:{password}") == 200
+    # health stays open for up.sh's readiness check
+    assert urllib.request.urlopen(uri + "/health", timeout=120).status == 200
+
+
 def _read_parquet(client, key: str):
     import pandas as pd
 
@@ -263,15 +411,14 @@ def _read_parquet(client, key: str):
     return pd.read_parquet(io.BytesIO(body))
 
 
-def test_two_nodes_ingest_train_spread_score_survives_losing_a_node(cluster, s3, tmp_path):
+def test_two_nodes_ingest_train_spread_score_survives_losing_a_node(cluster, s3, tmp_path, monkeypatch):
     import mlflow
 
     client, _aws = s3
     c = cluster
-    assert c.get("/api/jobs/") is not None  # token accepted
-    with pytest.raises(urllib.error.HTTPError) as err:  # and required
-        urllib.request.urlopen(c.dashboard + "/api/jobs/", timeout=30)
-    assert err.value.code == 401
+    uri = c.exports["MLFLOW_TRACKING_URI"]
+    for name in ("MLFLOW_TRACKING_URI", "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"):
+        monkeypatch.setenv(name, c.exports[name])
 
     # slides into the bucket, listed by a CSV with relative paths
     synth = tmp_path / "synth"
@@ -305,7 +452,7 @@ def test_two_nodes_ingest_train_spread_score_survives_losing_a_node(cluster, s3,
     out = c.submit(
         ["python", "-m", "pipeline", "train", "--config", "configs/demo.yaml", "--workers", "2"]
         + ["--set", f"data.stores={root}/stores", "--set", f"workdir={root}/work", "--set", "optim.epochs=1"]
-        + ["--set", "placement_strategy=SPREAD", "--set", "tracking.experiment=multinode"],
+        + ["--set", "placement_strategy=SPREAD", "--set", f"tracking.experiment={EXPERIMENT}"],
         420,
         "train job",
     )
@@ -313,9 +460,16 @@ def test_two_nodes_ingest_train_spread_score_survives_losing_a_node(cluster, s3,
     assert sorted(placed) == ["0", "1"], out[-4000:]
     assert set(placed.values()) == set(c.node_ids.values()), (placed, c.node_ids)  # one worker on each node
 
-    ml = mlflow.MlflowClient(c.env["MLFLOW_TRACKING_URI"])
-    (run,) = ml.search_runs([ml.get_experiment_by_name("multinode").experiment_id])
+    ml = mlflow.MlflowClient(tracking_uri=uri)  # through the HTTP server
+    exp = ml.get_experiment_by_name(EXPERIMENT)
+    (run,) = ml.search_runs([exp.experiment_id])
     assert run.info.status == "FINISHED" and run.data.params["placement_strategy"] == "SPREAD"
+    m = run.data.metrics
+    for key in ("val_accuracy", "val_auc", "epoch_train_loss", "train_seconds", "epoch_patches_per_second"):
+        assert key in m, (key, sorted(m))
+    assert run.data.params["model.selection.selector"] == "perturbed"
+    assert [lm.source_run_id for lm in ml.search_logged_models([exp.experiment_id])] == [run.info.run_id]
+    assert "checkpoint/model.pt" in [a.path for a in ml.list_artifacts(run.info.run_id, "checkpoint")]
 
     # a job holding 1 of the head's 2 CPUs: at least one scoring actor has to go to node2
     ready, release = c.run / "blocker.ready", c.run / "blocker.release"
@@ -377,6 +531,19 @@ def test_two_nodes_ingest_train_spread_score_survives_losing_a_node(cluster, s3,
     slide_ids = sorted(manifest["slide_id"])
     assert sorted(table["slide_id"]) == slide_ids and table["slide_id"].is_unique, table[["slide_id", "status"]]
     assert (table["status"] == "ok").all(), table[["slide_id", "error"]]
+    k = int(run.data.params["model.selection.k"])
+    assert all(len(p) == k for p in table["patches"])
+    (score_run,) = ml.search_runs([ml.get_experiment_by_name("foveate-score").experiment_id])
+    assert score_run.data.metrics["slides_scored"] == N_SLIDES
+    assert score_run.data.params["out"] == f"{root}/preds/p.parquet"  # named; a remote file is not copied in
+    assert ml.list_artifacts(score_run.info.run_id, "predictions") == []
+    # foveate compare against the HTTP server
+    from pipeline.compare import compare
+
+    res = compare(EXPERIMENT, out_dir=tmp_path / "cmp", tracking_uri=uri)
+    assert list(res.table["run_id"]) == [run.info.run_id]
+    assert res.table.iloc[0]["operator"] == "perturbed" and int(res.table.iloc[0]["k"]) == k
+    assert res.table.iloc[0]["accuracy"] == pytest.approx(m["val_accuracy"])
     t0 = time.monotonic()
     while set(c.alive_nodes()) != {c.node_ids["head"]}:  # Ray has noticed the loss
         assert time.monotonic() - t0 < 120, c.alive_nodes()
