@@ -1,25 +1,49 @@
 """Pure-PyTorch operators: patch selection, losses and networks (no Ray, batch-first, CPU and CUDA)."""
 
-from operators.aggregators import (
-    AttentionMILAggregator,
-    MaxAggregator,
-    MeanAggregator,
-    TransformerAggregator,
-    build_aggregator,
-)
-from operators.attention_sampling import AttentionSampler, attention_entropy, attention_sample, slot_mode_sample
-from operators.encoders import TorchScriptEncoder
-from operators.gate import CellGate, fit_cluster_gate, spherical_kmeans, two_means_upper
-from operators.lapsum import LapSumTopK, lapsum_topk
-from operators.model import FoveateModel, ModelOutput, Selection
-from operators.model_config import FeaturesConfig, ModelConfig, SlideGeometry
-from operators.nms import MISTLoss, mist_loss, nms_topk, render_gaussian_heatmap
-from operators.resnet import ResNet, ResNetConfig
-from operators.scorer import ScorerCNN, ScorerConfig, cell_pool, minmax_normalise
-from operators.sinkhorn import SinkhornTopK, sinkhorn_topk
-from operators.soft_patches import cap_support, combine_patches
-from operators.topk import PerturbedTopK, hard_topk, mask_sample, perturbed_topk
-from operators.topk_loss import TopKCrossEntropyLoss, topk_cross_entropy
+_LAZY = {  # name -> module: imported on first use, so `import operators.errors` (e.g. by the tiler) does not load torch
+    "AttentionMILAggregator": "operators.aggregators",
+    "MaxAggregator": "operators.aggregators",
+    "MeanAggregator": "operators.aggregators",
+    "TransformerAggregator": "operators.aggregators",
+    "build_aggregator": "operators.aggregators",
+    "AttentionSampler": "operators.attention_sampling",
+    "attention_entropy": "operators.attention_sampling",
+    "attention_sample": "operators.attention_sampling",
+    "slot_mode_sample": "operators.attention_sampling",
+    "TorchScriptEncoder": "operators.encoders",
+    "CellGate": "operators.gate",
+    "fit_cluster_gate": "operators.gate",
+    "spherical_kmeans": "operators.gate",
+    "two_means_upper": "operators.gate",
+    "LapSumTopK": "operators.lapsum",
+    "lapsum_topk": "operators.lapsum",
+    "FoveateModel": "operators.model",
+    "ModelOutput": "operators.model",
+    "Selection": "operators.model",
+    "FeaturesConfig": "operators.model_config",
+    "ModelConfig": "operators.model_config",
+    "SlideGeometry": "operators.model_config",
+    "MISTLoss": "operators.nms",
+    "mist_loss": "operators.nms",
+    "nms_topk": "operators.nms",
+    "render_gaussian_heatmap": "operators.nms",
+    "ResNet": "operators.resnet",
+    "ResNetConfig": "operators.resnet",
+    "ScorerCNN": "operators.scorer",
+    "ScorerConfig": "operators.scorer",
+    "cell_pool": "operators.scorer",
+    "minmax_normalise": "operators.scorer",
+    "SinkhornTopK": "operators.sinkhorn",
+    "sinkhorn_topk": "operators.sinkhorn",
+    "cap_support": "operators.soft_patches",
+    "combine_patches": "operators.soft_patches",
+    "PerturbedTopK": "operators.topk",
+    "hard_topk": "operators.topk",
+    "mask_sample": "operators.topk",
+    "perturbed_topk": "operators.topk",
+    "TopKCrossEntropyLoss": "operators.topk_loss",
+    "topk_cross_entropy": "operators.topk_loss",
+}
 
 __all__ = [
     # model (H5)
@@ -68,3 +92,17 @@ __all__ = [
     "sinkhorn_topk",
     "topk_cross_entropy",
 ]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'operators' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

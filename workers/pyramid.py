@@ -10,8 +10,9 @@ A slide is cut into *regions*: square blocks of ``region_tiles x region_tiles`` 
 - stage ``s > 0`` reads blocks of the last level written from the **store** (never the source again) and
   writes the next ``k`` levels, until the smallest level is at most ``min_size`` px a side.
 
-With JPEG passthrough (``--codec jpeg`` and a source whose level-0 tiles are JPEG of the chunk size), stage
-0 instead *copies* the compressed tiles of the source's own pyramid levels into the store chunks, and later
+With JPEG passthrough (``--codec auto`` or ``jpeg`` and a source whose level-0 tiles are JPEG of the chunk size),
+stage 0 instead *copies* the compressed tiles of the source's own pyramid levels into the store chunks, in blocks
+``COPY_BLOCK_FACTOR`` times a region's side (a copy is a few ms of work per region: fewer, larger tasks), and later
 stages add power-of-two levels below the source's smallest one.
 
 Frames (see :mod:`workers.frames`): a :class:`Region`'s ``box`` is always in pixels of store level
@@ -39,7 +40,10 @@ __all__ = [
     "plan_stages",
     "level_shard_sides",
     "blocks",
+    "COPY_BLOCK_FACTOR",
 ]
+
+COPY_BLOCK_FACTOR = 4  # a copy region is this many region sides a side (16x the chunks of a decoding region)
 
 
 def pyramid_shapes(level0_size: tuple[int, int], *, min_size: int = 1024) -> list[tuple[int, tuple[int, int]]]:
@@ -260,7 +264,7 @@ def plan_stages(levels: LevelPlan, *, tile: int, region_tiles: int) -> list[list
             if sl is None:
                 continue
             w, h = shapes[lvl]
-            for x, y, bw, bh in blocks(w, h, t * region_tiles):
+            for x, y, bw, bh in blocks(w, h, t * region_tiles * COPY_BLOCK_FACTOR):
                 st0.append(Region(0, len(st0), "copy", sl, lvl, Box(x, y, bw, bh), (lvl,)))
         stages.append(st0)
         done_to = max(i for i, sl in enumerate(src_levels) if sl is not None)
