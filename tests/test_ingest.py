@@ -414,6 +414,52 @@ def test_interrupted_slide_resumes_with_identical_arrays(tmp_path, synth_slides)
         np.testing.assert_array_equal(a.read_level(lvl), b.read_level(lvl))
 
 
+def test_a_copy_killed_mid_region_resumes_with_identical_arrays(tmp_path, synth_slides):
+    # the default codec copies: a tiler that dies after copying part of a region's tiles leaves no done marker for
+    # it and no completion marker; a fresh tiler copies that region again and ends byte-identical to a clean run
+    inp = discover_inputs([synth_slides["svs"]])[0]
+    opts = IngestOptions(tile_size=256, min_size=512, region_tiles=1)  # 1-chunk regions: copy blocks of 4 x 4
+
+    class DiesMidCopy(Tiler):
+        def _copy_region(self, plan, region):
+            if region.index == 2:
+                src = self._source(plan.source_path, plan.files or None)
+                raw = src.raw_jpeg_tile(region.src_level, region.box.x // 256, region.box.y // 256)
+                self._writer(plan).write_encoded(
+                    region.level,
+                    region.box.x,
+                    region.box.y,
+                    256,
+                    256,
+                    {(region.box.y // 256, region.box.x // 256): merge_jpeg_tables(raw[1], raw[0])},
+                )
+                raise RuntimeError("killed mid-copy")
+            return super()._copy_region(plan, region)
+
+    ref = Tiler(tmp_path / "ref", opts)
+    ref.ingest_slide(inp)
+    t = DiesMidCopy(tmp_path / "run", opts)
+    plan = t.plan(inp)
+    assert all(r.kind == "copy" for r in plan.todo[0]) and len(plan.todo[0]) > 3
+    with pytest.raises(RuntimeError, match="killed mid-copy"):
+        for r in plan.todo[0]:
+            t.write_region(plan.store_path, r)
+    assert not is_complete(plan.store_path)
+    done = {p.stem for p in (Path(plan.store_path) / PROGRESS_DIR).glob("*.done")}
+    assert done == {"s0_r0", "s0_r1"}
+    t2 = Tiler(tmp_path / "run", opts)
+    plan2 = t2.plan(inp)
+    assert plan2.resumed_regions == 2
+    for st in plan2.todo:
+        for r in st:
+            t2.write_region(plan2.store_path, r)
+    t2.finalize(plan2.store_path)
+    a, b = SlideStore(ref.store_path(inp.slide_id)), SlideStore(plan2.store_path)
+    assert a.meta.codec == b.meta.codec == "jpeg-passthrough"
+    for lvl in range(a.level_count):
+        np.testing.assert_array_equal(a.read_level(lvl), b.read_level(lvl), err_msg=f"level {lvl}")
+
+
 def test_ingest_options_validate_arguments():
     with pytest.raises(ValueError, match="codec must be one of"):
         IngestOptions(codec="png")

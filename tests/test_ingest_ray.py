@@ -103,7 +103,9 @@ def test_cli_bad_inputs_fail_their_own_rows_and_the_rest_complete(ray_own, tmp_p
 def test_killed_actor_mid_slide_then_rerun_resumes_with_identical_arrays(ray_own, tmp_path, synth_svs):
     from pipeline.ingest import ingest
 
-    opts = IngestOptions(tile_size=256, min_size=256, region_tiles=2)
+    opts = IngestOptions(
+        tile_size=256, min_size=256, region_tiles=2, codec="zstd"
+    )  # the decoding path: regions write levels 0-1
     out = tmp_path / "stores"
 
     # run 1: every actor that writes stage-0 region 6 dies (os._exit) after writing part of it; the task is

@@ -119,7 +119,7 @@ def test_slides_on_s3_are_listed_and_copied_to_bounded_scratch(s3, svs, svs_url,
 
 @pytest.mark.slow
 def test_killed_tiler_on_s3_leaves_no_complete_store_and_resumes_by_region(s3, svs, svs_url, tmp_path):
-    opts = IngestOptions(tile_size=256, min_size=256, region_tiles=2)
+    opts = IngestOptions(tile_size=256, min_size=256, region_tiles=2, codec="zstd")  # the decoding path
     (inp,) = discover_inputs([svs_url])  # the slide itself is read from the bucket too
     prefix = "kill/stores"
 
