@@ -18,7 +18,8 @@ appearance is not. So the gate decides per *appearance cluster*:
 A slide's bag is then those of its top-N candidates whose nearest cluster is informative (at least its best-scored
 candidate); with a ``margin`` > 0, those whose cosine similarity to the nearest informative centroid is within
 ``margin`` of that to their nearest centroid (a held-out cell of an informative appearance can fall just on the
-filler side of a cluster boundary: RESULTS, "the gate's held-out coverage"). Label-free: the slide labels are not used, the scorer's own ranking is, averaged over each cluster.
+filler side of a cluster boundary: RESULTS, "a similarity margin"). Label-free: the slide labels are not used, the
+scorer's own ranking is, averaged over each cluster.
 
 Shapes: ``M`` candidate cells, ``D`` feature size, ``k`` clusters.
 """

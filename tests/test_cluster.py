@@ -154,6 +154,24 @@ class Cluster:
     def alive_nodes(self) -> dict[str, dict]:
         return {n["node_id"]: n for n in self.state("nodes") if n["state"] == "ALIVE"}
 
+    def wait_nodes(self, n_nodes: int, tail) -> None:
+        """Until the job API answers and ``n_nodes`` nodes are alive (else AssertionError after 120 s, with
+        ``tail()``); then ``node_ids``: ``{"head" | "node2": node id}`` by their custom resources."""
+        t0 = time.monotonic()
+        while True:
+            try:
+                nodes = self.alive_nodes()
+                if len(nodes) == n_nodes:
+                    break
+            except OSError:
+                nodes = {}
+            assert time.monotonic() - t0 < 120, f"not {n_nodes} alive node(s) after 120s: {nodes}\n{tail()}"
+            time.sleep(1)
+        self.node_ids = {
+            ("head" if "head" in n.get("resources_total", {}) else "node2"): nid for nid, n in nodes.items()
+        }
+        assert set(self.node_ids) == ({"head", "node2"} if n_nodes == 2 else {"head"}), nodes
+
     def job(self, job_id: str) -> dict:
         return self.get(f"/api/jobs/{job_id}")
 
@@ -259,18 +277,7 @@ def cluster(s3, tmp_path_factory):
         node2.wait_started(180)
         token = Path(exports["RAY_AUTH_TOKEN_PATH"]).read_text().strip()
         c = Cluster(exports["RAY_ADDRESS"], token, dict(base, **exports), exports, node2, run)
-        t0 = time.monotonic()
-        while True:  # the job API answers and both nodes are alive
-            try:
-                nodes = c.alive_nodes()
-                if len(nodes) == 2:
-                    break
-            except OSError:
-                nodes = {}
-            assert time.monotonic() - t0 < 120, f"not 2 alive nodes after 120s: {nodes}\n{node2.tail()}"
-            time.sleep(1)
-        c.node_ids = {("head" if "head" in n.get("resources_total", {}) else "node2"): nid for nid, n in nodes.items()}
-        assert set(c.node_ids) == {"head", "node2"}, nodes
+        c.wait_nodes(2, node2.tail)
         yield c
     finally:
         if node2 is not None:
@@ -338,18 +345,7 @@ def ray_nodes(run: Path, aws: dict[str, str], second_node: bool = True):
             )
             node2.wait_started(180)
         c = Cluster(f"http://127.0.0.1:{dash}", token, client_env, {}, node2, run)
-        t0, n_nodes = time.monotonic(), 2 if second_node else 1
-        while True:  # the job API answers and every node is alive
-            try:
-                nodes = c.alive_nodes()
-                if len(nodes) == n_nodes:
-                    break
-            except OSError:
-                nodes = {}
-            assert time.monotonic() - t0 < 120, f"not {n_nodes} alive node(s) after 120s: {nodes}\n{head.tail()}"
-            time.sleep(1)
-        c.node_ids = {("head" if "head" in n.get("resources_total", {}) else "node2"): nid for nid, n in nodes.items()}
-        assert set(c.node_ids) == ({"head", "node2"} if second_node else {"head"}), nodes
+        c.wait_nodes(2 if second_node else 1, head.tail)
         yield c
     finally:
         for node in (node2, head):
