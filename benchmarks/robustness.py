@@ -267,6 +267,7 @@ def run_training_in_process(
     log: Path,
     trace=None,
     val_fraction: float = 0.0,
+    device: str = "cpu",
 ) -> dict[str, Any]:
     """Train one model in this process with ``workers.trainer.Trainer`` (the numerics of ``foveate train`` on one
     worker, without Ray Train start-up, MLflow and model logging). Same return value as :func:`run_training`.
@@ -274,7 +275,8 @@ def run_training_in_process(
     log line (``--trace-slides``: the hit rate on held-out slides as training goes). ``val_fraction`` > 0: that
     share of the training slides (stratified, seeded by ``data.seed + 1``) is a validation split of its own, and
     the config's early stopping runs on it (the best epoch's model is the one saved) — the held-out test slides
-    stay out of every choice; 0: validation on the held-out split, to the cap (early stopping must then be off)."""
+    stay out of every choice; 0: validation on the held-out split, to the cap (early stopping must then be off).
+    ``device``: where the model trains."""
     import dataclasses
 
     import torch
@@ -308,6 +310,7 @@ def run_training_in_process(
         early_stopping=cfg.early_stopping if val_fraction > 0 else None,
         features_init=_uri_init(model_cfg),
         gate_encoder_init=_gate_init(cfg, model_cfg, train, workdir),
+        device=device,
     )
     metrics: dict[str, float] = {}
     with open(log, "w") as fh:
@@ -872,6 +875,7 @@ def main(argv: list[str] | None = None) -> int:
         help="train with workers.trainer.Trainer in this process (same numerics as foveate train on one worker, "
         "no Ray/MLflow start-up per run; use --jobs 1)",
     )
+    p.add_argument("--device", default="cpu", help="with --in-process: where the model trains (cpu, cuda)")
     p.add_argument(
         "--val-fraction",
         type=float,
@@ -921,6 +925,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--jobs must be >= 1")
     if not 0.0 <= args.val_fraction < 1.0:
         p.error(f"--val-fraction must be in [0, 1), got {args.val_fraction}")
+    if args.device != "cpu" and not args.in_process:
+        p.error("--device needs --in-process (foveate train takes --set use_gpu=true)")
     if args.val_fraction > 0 and not args.in_process:
         p.error("--val-fraction needs --in-process")
     # without --val-fraction the held-out split is the trainer's validation split: no early stopping on it (train
@@ -1042,7 +1048,16 @@ def main(argv: list[str] | None = None) -> int:
                         else None
                     )
                     res = run_training_in_process(
-                        config, stores, seed, overrides, workdir, name, log, trace, val_fraction=args.val_fraction
+                        config,
+                        stores,
+                        seed,
+                        overrides,
+                        workdir,
+                        name,
+                        log,
+                        trace,
+                        val_fraction=args.val_fraction,
+                        device=args.device,
                     )
                 else:
                     res = run_training(config, stores, seed, overrides, workdir, name, log)

@@ -9,7 +9,7 @@ untrained model: the stores' traffic does not depend on the weights) over them a
 - full opens: ``SlideStore(path)`` (existence, completion marker, metadata, verification);
 - verifications: ``workers.store.verify_store`` calls (each lists every image level once);
 - store listings: ``list`` / ``list_prefix`` / ``list_dir`` calls of zarr's store API (``LocalStore``,
-  ``FsspecStore``);
+  ``FsspecStore``) and the folder walks of ``workers.storage.list_keys`` on a ``LocalStore``;
 - metadata requests: ``exists`` calls and reads of ``zarr.json`` / the completion marker through the store API;
 - S3 requests (object storage only): every S3 API call botocore makes (``aiobotocore``'s ``_make_api_call``),
   by operation (``ListObjectsV2``, ``GetObject``, ``HeadObject``, ...).
@@ -94,6 +94,16 @@ def _measure(code: Path, stores: list[tuple[str, str]]) -> dict:
         return real_verify(*args, **kwargs)
 
     ws.verify_store = verify
+    import workers.storage as wst
+
+    real_walk = getattr(wst, "_walk_keys", None)  # list_keys walks a LocalStore's folder itself (newer code)
+
+    def walk(*args, **kwargs):
+        count("store_listings")
+        return real_walk(*args, **kwargs)
+
+    if real_walk is not None:
+        wst._walk_keys = walk
     for cls in (zarr.storage.LocalStore, zarr.storage.FsspecStore):
         for name in ("list", "list_prefix", "list_dir"):
             real = getattr(cls, name)

@@ -8,7 +8,14 @@ commits can be compared on the same stores side by side (one run per core):
   python benchmarks/train_speed.py --config perturbed_mean --stores WORKDIR/data/objects-binary-128x4096/stores
   ROOT=/tmp/old python benchmarks/train_speed.py ... --json old.json   # beside the same command on HEAD
 
-Prints one line per epoch and writes JSON (config, stores, epochs, per-epoch and total train seconds, the commit).
+``--device cuda`` trains on the GPU (the trainer's next-step slide prefetch as always); each epoch's line and the
+JSON give slide-steps per second (training slides / train seconds). Stores without an ingest manifest (e.g.
+``benchmarks/array_stores.py``'s) take their labels from a CSV: ``--set data.labels=STORES/labels.csv``.
+
+  python benchmarks/train_speed.py --config demo --stores S --epochs 3 --device cuda --set data.labels=S/labels.csv
+
+Prints one line per epoch and writes JSON (config, stores, device, per-epoch and total train seconds, slide-steps
+per second, the commit).
 """
 
 import argparse
@@ -38,6 +45,7 @@ def main() -> None:
     p.add_argument("--stores", required=True)
     p.add_argument("--epochs", type=int, default=20)
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--device", default="cpu", help="where the model trains (cpu, cuda; default cpu)")
     p.add_argument("--json", help="output JSON")
     a = p.parse_args()
     path = a.config if a.config.endswith(".yaml") else f"{ROOT}/configs/{a.config}.yaml"
@@ -49,13 +57,17 @@ def main() -> None:
     table = build_slide_table(cfg.data)
     train, _ = split_train_val(table.records, cfg.data.val_fraction, cfg.data.seed)
     model_cfg = dataclasses.replace(cfg.model, num_classes=table.num_classes)
-    trainer = Trainer(model_cfg, cfg.optim, cfg.schedule, slides_per_epoch=len(train), seed=cfg.seed)
+    trainer = Trainer(model_cfg, cfg.optim, cfg.schedule, slides_per_epoch=len(train), seed=cfg.seed, device=a.device)
     per_epoch = []
     for e in range(a.epochs):
         before = trainer.train_seconds
         trainer.train_epoch(shard(train, 0, 1, epoch=trainer.epoch, seed=cfg.data.seed))
         per_epoch.append(trainer.train_seconds - before)
-        print(f"epoch {e + 1} {per_epoch[-1]:.1f} s (total {trainer.train_seconds:.1f} s)", flush=True)
+        print(
+            f"epoch {e + 1} {per_epoch[-1]:.1f} s, {len(train) / per_epoch[-1]:.2f} slide-steps/s "
+            f"(total {trainer.train_seconds:.1f} s)",
+            flush=True,
+        )
     commit = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
     out = {
         "commit": commit.stdout.strip() or None,
@@ -66,6 +78,9 @@ def main() -> None:
         "epochs": a.epochs,
         "epoch_seconds": per_epoch,
         "train_seconds": trainer.train_seconds,
+        "device": a.device,
+        "gpu": torch.cuda.get_device_name(0) if a.device.startswith("cuda") else None,
+        "slide_steps_per_second": [len(train) / t for t in per_epoch],
     }
     print(json.dumps(out))
     if a.json:

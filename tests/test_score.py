@@ -133,6 +133,61 @@ def test_workers_without_ray_match_forward_chain(data, tmp_path, selector, aggre
     assert rows[2]["status"] == "error" and rows[2]["patches"] == []
 
 
+def test_batched_prefetched_stages_equal_slide_by_slide(data):
+    """The scorer's batched calls over prefetched views, and the classifier's prefetched reads, give what one slide
+    at a time in the calling thread gives; a broken store inside a batch fails its own item only."""
+    from workers.scoring import ClassifierWorker, ScorerWorker
+
+    slides = [(s, str(data["stores"] / f"{s}.zarr")) for s in ["s0", "s1", "corrupt_meta", "s2", "s3", "incomplete"]]
+    one = ScorerWorker(str(data["ckpt"]), device="cpu", batch=1, prefetch=0).score_batch(slides)
+    many = ScorerWorker(str(data["ckpt"]), device="cpu", batch=8, prefetch=3).score_batch(slides)
+    assert [i["status"] for i in many] == ["ok", "ok", "error", "ok", "ok", "error"]
+    for a, b in zip(one, many):
+        assert (a["slide_id"], a["status"], a.get("error")) == (b["slide_id"], b["status"], b.get("error"))
+        if a["status"] == "ok":
+            np.testing.assert_array_equal(a["cells"], b["cells"])
+            np.testing.assert_allclose(a["scores"], b["scores"], rtol=1e-4, atol=2e-5)  # batched convolutions
+            assert b["timing"]["read"] > 0 and b["timing"]["score"] > 0
+    serial = ClassifierWorker(str(data["ckpt"]), prefetch=0).classify_batch(one)
+    threaded = ClassifierWorker(str(data["ckpt"]), prefetch=4).classify_batch(many)
+    for a, b in zip(serial, threaded):
+        assert (a["slide_id"], a["status"], a["prediction"]) == (b["slide_id"], b["status"], b["prediction"])
+        assert [{**p, "score": 0} for p in a["patches"]] == [{**p, "score": 0} for p in b["patches"]]
+        np.testing.assert_allclose([p["score"] for p in a["patches"]], [p["score"] for p in b["patches"]], atol=2e-5)
+        for c in a["probabilities"]:
+            assert a["probabilities"][c] == pytest.approx(b["probabilities"][c], rel=1e-5, abs=1e-6)
+
+
+def test_bf16_autocast_stays_close_to_float32(data):
+    """precision="bf16" (checked here on the CPU; the GPU figures are in benchmarks/score.py): the same slides
+    scored, class probabilities within bfloat16's error, most chosen cells the same."""
+    from workers.scoring import ClassifierWorker, ScorerWorker
+
+    slides = [(s, str(data["stores"] / f"{s}.zarr")) for s in GOOD]
+    ref = ScorerWorker(str(data["ckpt"]), device="cpu", precision="fp32").score_batch(slides)
+    low = ScorerWorker(str(data["ckpt"]), device="cpu", precision="bf16").score_batch(slides)
+    assert {i["precision"] for i in ref} == {"fp32"} and {i["precision"] for i in low} == {"bf16"}
+    same = np.mean([len(set(a["cells"]) & set(b["cells"])) / len(a["cells"]) for a, b in zip(ref, low)])
+    assert same >= 0.5
+    rows_ref = ClassifierWorker(str(data["ckpt"]), precision="fp32").classify_batch(ref)
+    rows_low = ClassifierWorker(str(data["ckpt"]), precision="bf16").classify_batch(ref)  # the same patches
+    for a, b in zip(rows_ref, rows_low):
+        assert max(abs(a["probabilities"][c] - b["probabilities"][c]) for c in CLASSES) < 0.05
+
+
+def test_stage_arguments(data):
+    from workers.scoring import ClassifierWorker, ScorerWorker
+
+    with pytest.raises(ValueError, match=r"precision must be one of \('auto', 'fp32', 'bf16'\), got 'fp16'"):
+        ScorerWorker(str(data["ckpt"]), device="cpu", precision="fp16")
+    with pytest.raises(ValueError, match="prefetch must be an int >= 0.*got -1"):
+        ClassifierWorker(str(data["ckpt"]), prefetch=-1)
+    with pytest.raises(ValueError, match="batch must be an int >= 1.*got 0"):
+        ScorerWorker(str(data["ckpt"]), device="cpu", batch=0)
+    with pytest.raises(ValueError, match="device must be 'cuda', 'cuda:N', 'cpu' or None, got 'tpu'"):
+        ClassifierWorker(str(data["ckpt"]), device="tpu")
+
+
 def test_arguments(data, tmp_path):
     with pytest.raises(ValueError, match="--workers.*0"):
         score(str(data["ckpt"]), data["stores"], tmp_path / "p.parquet", workers=0)
@@ -172,10 +227,10 @@ def test_score_with_killed_actors_errors_mlflow_and_resume(data, ray_own, tmp_pa
             os._exit(17)
 
     class CrashingScorer(ScorerWorker):
-        def score_one(self, slide_id, store_path):
+        def _read_view(self, slide_id, store_path):  # the per-slide work, in a reader thread
             if slide_id == "s2":
                 crash_once(slide_id, m1)
-            return super().score_one(slide_id, store_path)
+            return super()._read_view(slide_id, store_path)
 
     class CrashingClassifier(ClassifierWorker):
         def classify_batch(self, items):

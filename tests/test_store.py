@@ -67,3 +67,23 @@ def test_store_validates_and_carries_the_rgb_omero_block(tmp_path):
     assert node.metadata["visible"] == [True] * 3
     assert node.metadata["colormap"] == [[[0, 0, 0], [1, 0, 0]], [[0, 0, 0], [0, 1, 0]], [[0, 0, 0], [0, 0, 1]]]
     assert "omero" not in dict(g["labels/tissue"].attrs)["ome"]  # labels are not RGB
+
+
+def test_local_listing_walks_the_folder_and_equals_zarrs(tmp_path):
+    """workers.storage.list_keys on a local store walks the folder in the calling thread; the keys are those zarr's
+    own LocalStore.list_prefix yields, for the whole store, a level, a nested group and a missing prefix."""
+    from zarr.core.sync import sync
+    from zarr.storage import LocalStore
+
+    from workers import storage
+
+    rng = np.random.default_rng(0)
+    write_store_from_array(tmp_path / "s.zarr", rng.integers(0, 255, (300, 500, 3), dtype=np.uint8), tile_size=64)
+    store = LocalStore(tmp_path / "s.zarr")
+
+    async def zarrs(prefix):
+        return sorted([k async for k in store.list_prefix(prefix)])
+
+    for prefix in ("", "0/", "0", "labels/", "labels/tissue/0", "missing/"):
+        assert storage.list_keys(store, prefix) == sync(zarrs(prefix)), prefix
+    assert len(storage.list_keys(store, "0/")) == 1 + 5 * 8  # zarr.json + the 5 x 8 chunks of level 0

@@ -16,6 +16,7 @@ import torch
 from test_score import CLASSES, _model_config, _slide
 from zarr.storage import LocalStore
 
+import workers.storage
 import workers.store
 from workers.store import SlideStore, write_store_from_array
 
@@ -42,7 +43,8 @@ def ckpt():
 @pytest.fixture()
 def counts(monkeypatch):
     """``{"listings": Counter(store path), "verified": Counter(store path), "metadata_reads": Counter(store path)}``:
-    every listing of a local zarr store (``list``, ``list_prefix``, ``list_dir``), every ``verify_store`` call and
+    every listing of a local zarr store (``list``, ``list_prefix``, ``list_dir``, and the folder walks of
+    ``workers.storage.list_keys``), every ``verify_store`` call and
     every ``zarr.json`` read, counted while the real calls run (keys: the stores' absolute paths)."""
     out = {"listings": Counter(), "verified": Counter(), "metadata_reads": Counter()}
     for name in ("list", "list_prefix", "list_dir"):
@@ -53,6 +55,13 @@ def counts(monkeypatch):
             return _real(self, *args)
 
         monkeypatch.setattr(LocalStore, name, spy)
+    real_walk = workers.storage._walk_keys  # workers.storage.list_keys walks a LocalStore's folder itself
+
+    def walk(root, prefix):
+        out["listings"][str(root)] += 1
+        return real_walk(root, prefix)
+
+    monkeypatch.setattr(workers.storage, "_walk_keys", walk)
     real_get = LocalStore.get
 
     async def get(self, key, *args, **kwargs):

@@ -19,10 +19,12 @@ the driver ships to actors so they never touch MLflow) or as a local checkpoint 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import traceback
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -35,17 +37,21 @@ from workers.reports import heatmap_image, score_grid, slide_heatmap, write_heat
 
 __all__ = [
     "MPP_TOLERANCE",
+    "PRECISIONS",
     "ROW_FIELDS",
     "ScorerWorker",
     "ClassifierWorker",
     "error_row",
     "heatmap_image",
+    "resolve_precision",
     "write_heatmap",
 ]
 
 log = logging.getLogger(__name__)
 
 MPP_TOLERANCE = 0.1  # relative difference of store and training mpp beyond which scoring warns / refuses
+
+PRECISIONS = ("auto", "fp32", "bf16")  # the scoring stages' arithmetic (``precision=``)
 
 # the fixed columns of a prediction row (plus prob_<class> per class)
 ROW_FIELDS = (
@@ -136,32 +142,124 @@ def _set_threads(threads: int | None) -> None:
         torch.set_num_threads(int(threads))
 
 
+def _device(device: str | None) -> torch.device:
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device not in ("cuda", "cpu") and not str(device).startswith("cuda:"):
+        raise ValueError(f"device must be 'cuda', 'cuda:N', 'cpu' or None, got {device!r}")
+    return torch.device(device)
+
+
+def _prefetch(prefetch: Any) -> int:
+    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+        raise ValueError(
+            f"prefetch must be an int >= 0 (reader threads; 0: read in the calling thread), got {prefetch!r}"
+        )
+    return prefetch
+
+
+def resolve_precision(precision: str, device: torch.device) -> str:
+    """``"fp32"`` or ``"bf16"`` for a scoring stage's ``precision`` on ``device``.
+
+    ``"auto"`` is ``"fp32"``; ``"bf16"`` runs the scorer and the feature network under ``torch.autocast`` in
+    bfloat16 (on the CPU too, where it is mostly slower: for checks), the selection and the softmax in float32.
+    """
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    return "fp32" if precision == "auto" else precision
+
+
+def _autocast(device: torch.device, precision: str):
+    if precision == "bf16":
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def _in_order(fn, items: list, pool: ThreadPoolExecutor | None) -> Iterator:
+    """``fn(*item)`` for each item, in order; with a pool, all submitted at once (reads overlap the caller's
+    work on the results as they come)."""
+    if pool is None:
+        for item in items:
+            yield fn(*item)
+        return
+    futures = [pool.submit(fn, *item) for item in items]
+    for f in futures:
+        yield f.result()
+
+
+def _key(view: Mapping[str, Any]) -> tuple:
+    """Views that one scorer call can take together: the same low-res and grid shapes and geometry."""
+    return (tuple(view["lowres"].shape), tuple(view["cell_mask"].shape), view["geo"])
+
+
 class ScorerWorker:
     """Scorer stage: low-res view -> cell scores -> hard top-k cells.
 
+    A batch's low-res views are read by ``prefetch`` threads while the model scores the views already read; views
+    of the same shape and geometry (an archive scanned alike) are scored in one call of up to ``batch`` slides.
+
     Args:
         model: checkpoint dict or local checkpoint path.
-        device: ``"cuda"``/``"cpu"``/None (None: CUDA when available).
+        device: ``"cuda"``/``"cuda:N"``/``"cpu"``/None (None: CUDA when available).
         threads: torch CPU threads (None: leave as is).
+        strict_mpp: refuse (an error row) a store at another mpp than the model's, instead of a warning.
+        precision: ``"auto"``, ``"fp32"`` or ``"bf16"`` (:func:`resolve_precision`).
+        prefetch: reader threads for the low-res views (0: read in the calling thread).
+        batch: the most slides in one scorer call.
     """
 
-    def __init__(self, model: Any, *, device: str | None = None, threads: int | None = None, strict_mpp: bool = False):
+    def __init__(
+        self,
+        model: Any,
+        *,
+        device: str | None = None,
+        threads: int | None = None,
+        strict_mpp: bool = False,
+        precision: str = "auto",
+        prefetch: int = 2,
+        batch: int = 8,
+    ):
         _set_threads(threads)
+        self.device = _device(device)
+        self.precision = resolve_precision(precision, self.device)
+        self.prefetch = _prefetch(prefetch)
+        if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+            raise ValueError(f"batch must be an int >= 1 (slides per scorer call), got {batch!r}")
+        self.batch = batch
         self.model, self.cfg, self.class_names = _load(model)
         self.strict_mpp = bool(strict_mpp)
-        if device is None:
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        if device not in ("cuda", "cpu") and not str(device).startswith("cuda:"):
-            raise ValueError(f"device must be 'cuda', 'cuda:N', 'cpu' or None, got {device!r}")
-        self.device = torch.device(device)
         self.model.to(self.device).eval()
+        if self.device.type == "cuda":
+            self.model.to(memory_format=torch.channels_last)
+        self._pool = ThreadPoolExecutor(self.prefetch, thread_name_prefix="lowres") if self.prefetch else None
 
     def score_one(self, slide_id: str, store_path: str) -> dict[str, Any]:
         """Score one slide; returns ``{"slide_id", "store", "status": "ok", "scores" float32 [N] (-inf = not a
         candidate), "grid_shape" (Gh, Gw), "cells" int64 [K] (chosen cells, increasing), "offsets" int64 [K, 2]
         (level-0 shifts of their reads, ``model.geometry.recentre``) or None, "slot_weights" float32 [K] or None,
-        "seconds"}`` or ``{..., "status": "error", "error": "..."}``."""
-        from workers.patches import PatchGrid, lowres_view, recentring, slide_geometry
+        "seconds", "timing" {"read", "score"} (seconds of the low-res read and of this slide's share of the
+        scorer call)}`` or ``{..., "status": "error", "error": "..."}``."""
+        return self.score_batch([(slide_id, store_path)])[0]
+
+    def score_batch(self, items: list[tuple[str, str]]) -> list[dict[str, Any]]:
+        """:meth:`score_one` for each ``(slide_id, store_path)``, in order."""
+        out: list[dict[str, Any]] = []
+        group: list[dict[str, Any]] = []
+        for view in _in_order(self._read_view, list(items), self._pool):
+            if group and (view.get("status") == "error" or len(group) >= self.batch or _key(view) != _key(group[0])):
+                out.extend(self._score_group(group))
+                group = []
+            if view.get("status") == "error":
+                out.append(view)
+            else:
+                group.append(view)
+        if group:
+            out.extend(self._score_group(group))
+        return out
+
+    def _read_view(self, slide_id: str, store_path: str) -> dict[str, Any]:
+        """The CPU half: open the store, its geometry, low-res view and tissue cells (or an error item)."""
+        from workers.patches import lowres_view, slide_geometry
         from workers.store import SlideStore
 
         t0 = time.perf_counter()
@@ -170,46 +268,101 @@ class ScorerWorker:
             self._check_mpp(slide_id, store)
             geo = slide_geometry(store, self.cfg)  # µm settings: this slide's pixels (no mpp: an error row)
             lowres, cell_mask = lowres_view(store, self.cfg, geo)  # uint8, converted per scorer tile
-            gated = _gated(self.model)
-            with torch.inference_mode():
-                scores = self.model.score(lowres[None].to(self.device), cell_mask[None].to(self.device), geo)
-                if gated:  # the gate's candidates, best first; the classifier stage keeps the gate's choice
-                    from workers.slide_forward import gate_candidates
-
-                    cells_t, _ = gate_candidates(self.model, scores, tuple(cell_mask.shape))
-                    cells, slot_w = cells_t.numpy().astype(np.int64), None
-                else:
-                    sel = self.model.select(self.model.local_maxima(scores, tuple(cell_mask.shape)), training=False)
-                    cells = sel.primary[0].cpu().numpy().astype(np.int64)
-                    slot_w = None if sel.slot_weights is None else sel.slot_weights[0].float().cpu().numpy()
-            shifts = recentring(self.cfg, geo, lowres, cell_mask)  # model.geometry.recentre: the reads' shifts
-            if shifts is not None:
-                grid = PatchGrid.from_store(store, geo.patch_size, geo.stride)
-                shifts = shifts(grid.cell_xy_l0(torch.from_numpy(cells))).numpy()
             return {
                 "slide_id": slide_id,
-                "store": str(store_path),
-                "status": "ok",
-                "scores": scores[0].float().cpu().numpy(),
-                "grid_shape": tuple(int(g) for g in cell_mask.shape),
-                "cells": cells,
-                "offsets": shifts,
-                "slot_weights": slot_w,
-                "gated": gated,
-                "seconds": time.perf_counter() - t0,
-                "device": str(self.device),
-                "store_handoff": store.handoff(),  # the classifier reads the store without opening it again
+                "store_path": store_path,
+                "store": store,
+                "geo": geo,
+                "lowres": lowres,
+                "cell_mask": cell_mask,
+                "t_read": time.perf_counter() - t0,
             }
         except Exception as exc:
-            log.warning("scoring %s failed: %s", slide_id, _describe(exc))
-            log.debug("%s", traceback.format_exc())
-            return {
-                "slide_id": slide_id,
-                "store": str(store_path),
-                "status": "error",
-                "error": f"scorer: {_describe(exc)}",
-                "seconds": time.perf_counter() - t0,
-            }
+            return self._error(slide_id, store_path, exc, time.perf_counter() - t0)
+
+    def _error(self, slide_id: str, store_path: str, exc: BaseException, seconds: float) -> dict[str, Any]:
+        log.warning("scoring %s failed: %s", slide_id, _describe(exc))
+        log.debug("%s", traceback.format_exc())
+        return {
+            "slide_id": slide_id,
+            "store": str(store_path),
+            "status": "error",
+            "error": f"scorer: {_describe(exc)}",
+            "seconds": seconds,
+        }
+
+    def _score_group(self, views: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The model half on views of one shape and geometry: one scorer call; where it fails, slide by slide (so
+        only the slide that fails gets an error item)."""
+        t0 = time.perf_counter()
+        try:
+            picks = self._pick(views)
+        except Exception as exc:
+            if len(views) > 1:
+                return [item for v in views for item in self._score_group([v])]
+            v = views[0]
+            return [self._error(v["slide_id"], v["store_path"], exc, v["t_read"] + time.perf_counter() - t0)]
+        share = (time.perf_counter() - t0) / len(views)
+        out = []
+        for v, (scores, cells, slot_w) in zip(views, picks):
+            t1 = time.perf_counter()
+            try:
+                out.append(self._item(v, scores, cells, slot_w, share + time.perf_counter() - t1))
+            except Exception as exc:
+                out.append(self._error(v["slide_id"], v["store_path"], exc, v["t_read"] + share))
+        return out
+
+    def _pick(self, views: list[dict[str, Any]]) -> list[tuple[np.ndarray, np.ndarray, np.ndarray | None]]:
+        """Scores ``[N]``, chosen cells ``[K]`` and slot weights (or None) of each view, from one scorer call."""
+        shape = tuple(views[0]["cell_mask"].shape)
+        lowres = torch.stack([v["lowres"] for v in views]).to(self.device, non_blocking=True)
+        mask = torch.stack([v["cell_mask"] for v in views]).to(self.device, non_blocking=True)
+        gated = _gated(self.model)
+        out = []
+        with torch.inference_mode():
+            with _autocast(self.device, self.precision):
+                scores = self.model.score(lowres, mask, views[0]["geo"])
+            scores = scores.float()
+            if gated:  # the gate's candidates, best first; the classifier stage keeps the gate's choice
+                from workers.slide_forward import gate_candidates
+
+                for i in range(len(views)):
+                    cells_t, _ = gate_candidates(self.model, scores[i : i + 1], shape)
+                    out.append((cells_t.numpy().astype(np.int64), None))
+            else:
+                sel = self.model.select(self.model.local_maxima(scores, shape), training=False)
+                primary = sel.primary.cpu().numpy().astype(np.int64)
+                weights = None if sel.slot_weights is None else sel.slot_weights.float().cpu().numpy()
+                out = [(primary[i], None if weights is None else weights[i]) for i in range(len(views))]
+            scores_np = scores.cpu().numpy()
+        return [(scores_np[i], cells, w) for i, (cells, w) in enumerate(out)]
+
+    def _item(
+        self, view: dict[str, Any], scores: np.ndarray, cells: np.ndarray, slot_w: np.ndarray | None, t_score: float
+    ) -> dict[str, Any]:
+        from workers.patches import PatchGrid, recentring
+
+        store, geo = view["store"], view["geo"]
+        shifts = recentring(self.cfg, geo, view["lowres"], view["cell_mask"])  # model.geometry.recentre
+        if shifts is not None:
+            grid = PatchGrid.from_store(store, geo.patch_size, geo.stride)
+            shifts = shifts(grid.cell_xy_l0(torch.from_numpy(cells))).numpy()
+        return {
+            "slide_id": view["slide_id"],
+            "store": str(view["store_path"]),
+            "status": "ok",
+            "scores": scores,
+            "grid_shape": tuple(int(g) for g in view["cell_mask"].shape),
+            "cells": cells,
+            "offsets": shifts,
+            "slot_weights": slot_w,
+            "gated": _gated(self.model),
+            "seconds": view["t_read"] + t_score,
+            "timing": {"read": view["t_read"], "score": t_score},
+            "device": str(self.device),
+            "precision": self.precision,
+            "store_handoff": store.handoff(),  # the classifier reads the store without opening it again
+        }
 
     def _check_mpp(self, slide_id: str, store) -> None:
         """A store at another resolution than the model was trained at (> :data:`MPP_TOLERANCE` apart): a
@@ -229,16 +382,15 @@ class ScorerWorker:
             raise ValueError(msg)
         log.warning("%s: %s", slide_id, msg)
 
-    def score_batch(self, items: list[tuple[str, str]]) -> list[dict[str, Any]]:
-        """:meth:`score_one` for each ``(slide_id, store_path)``."""
-        return [self.score_one(sid, path) for sid, path in items]
-
     def ping(self) -> str:
         return str(self.device)
 
 
 class ClassifierWorker:
-    """Patch reading + features + aggregation stage (CPU), and the heatmap.
+    """Patch reading + features + aggregation stage (the CPU unless told), and the heatmap.
+
+    A batch's patches are read by ``prefetch`` threads (each slide's K reads touch only their chunks), then the
+    feature network runs once over all the batch's patches.
 
     Args:
         model: checkpoint dict or local checkpoint path.
@@ -247,6 +399,10 @@ class ClassifierWorker:
             frame, :mod:`workers.ngff_overlay`; None: none).
         model_name: recorded in each row's ``model`` field (the URI the driver was given).
         threads: torch CPU threads (None: leave as is).
+        device: where the feature network and aggregator run (``"cpu"``, ``"cuda"``, ``"cuda:N"``; None: CUDA
+            when available).
+        precision: ``"auto"``, ``"fp32"`` or ``"bf16"`` (:func:`resolve_precision`).
+        prefetch: reader threads for the patches (0: read in the calling thread).
     """
 
     def __init__(
@@ -257,13 +413,23 @@ class ClassifierWorker:
         model_name: str = "",
         threads: int | None = None,
         ngff_dir: str | Path | None = None,
+        device: str | None = "cpu",
+        precision: str = "auto",
+        prefetch: int = 2,
     ):
         _set_threads(threads)
+        self.device = _device(device)
+        self.precision = resolve_precision(precision, self.device)
+        self.prefetch = _prefetch(prefetch)
         self.model, self.cfg, self.class_names = _load(model)
-        self.model.to("cpu").eval()
+        self.model.to(self.device).eval()
+        if self.device.type == "cuda":
+            self.model.to(memory_format=torch.channels_last)
         self.heatmap_dir = storage.normalize(heatmap_dir) if heatmap_dir is not None else None
         self.ngff_dir = storage.normalize(ngff_dir) if ngff_dir is not None else None
         self.model_name = str(model_name)
+        self._pool = ThreadPoolExecutor(self.prefetch, thread_name_prefix="patches") if self.prefetch else None
+        self.last_timing: dict[str, float] = {}  # seconds of the last classify_batch: read, classify, output
 
     def _prepare(self, item: Mapping[str, Any]):
         from workers.patches import PatchGrid, PatchReader, slide_geometry
@@ -281,9 +447,9 @@ class ClassifierWorker:
         if item.get("gated"):  # the cell gate's candidates: keep the gate's choice, in increasing cell order
             if not _gated(self.model):
                 raise ValueError("the scorer stage handed on cell-gate candidates; this model has no fitted gate")
-            with torch.inference_mode():
-                keep = self.model.gate.keep(self.model.gate_encode(pix.to(torch.float32).div_(255.0)))
-            idx = torch.nonzero(keep).flatten()
+            with torch.inference_mode(), _autocast(self.device, self.precision):
+                keep = self.model.gate.keep(self.model.gate_encode(pix.to(self.device, torch.float32).div_(255.0)))
+            idx = torch.nonzero(keep.cpu()).flatten()
             idx = idx[cells[idx].argsort()]
             cells, pix = cells[idx], pix[idx]
             shifts = None if shifts is None else shifts[idx]
@@ -297,6 +463,7 @@ class ClassifierWorker:
         """Prediction rows for scorer outputs ``items`` (error items pass through as error rows)."""
         rows: list[dict[str, Any] | None] = [None] * len(items)
         ready = []  # (index, store, grid, pix, positions, coords, cells, t_read)
+        todo = []
         for i, item in enumerate(items):
             if item.get("status") != "ok":
                 rows[i] = error_row(
@@ -306,25 +473,29 @@ class ClassifierWorker:
                     model=self.model_name,
                     seconds=item.get("seconds", 0.0),
                 )
-                continue
-            t0 = time.perf_counter()
-            try:
-                ready.append((i, *self._prepare(item), time.perf_counter() - t0))
-            except Exception as exc:
-                log.warning("reading patches of %s failed: %s", item["slide_id"], _describe(exc))
+            else:
+                todo.append((i, item))
+        t_start = time.perf_counter()
+        for i, item, prepared, t_read in _in_order(self._prepare_timed, todo, self._pool):
+            if isinstance(prepared, Exception):
+                log.warning("reading patches of %s failed: %s", item["slide_id"], _describe(prepared))
                 rows[i] = error_row(
                     item["slide_id"],
                     item["store"],
-                    f"patches: {_describe(exc)}",
+                    f"patches: {_describe(prepared)}",
                     model=self.model_name,
-                    seconds=item.get("seconds", 0.0) + time.perf_counter() - t0,
+                    seconds=item.get("seconds", 0.0) + t_read,
                 )
+            else:
+                ready.append((i, *prepared, t_read))
+        timing = {"read": time.perf_counter() - t_start, "classify": 0.0, "output": 0.0}
         if ready:
             t0 = time.perf_counter()
             probs = self._classify(
                 [r[3] for r in ready], [r[4] for r in ready], [items[r[0]].get("slot_weights") for r in ready]
             )
-            per_slide = (time.perf_counter() - t0) / len(ready)
+            timing["classify"] = time.perf_counter() - t0
+            per_slide = timing["classify"] / len(ready)
             for (i, store, grid, _pix, _pos, coords, cells, t_read), p in zip(ready, probs):
                 item = items[i]
                 t1 = time.perf_counter()
@@ -339,7 +510,17 @@ class ClassifierWorker:
                         model=self.model_name,
                         seconds=item.get("seconds", 0.0),
                     )
+                timing["output"] += time.perf_counter() - t1
+        self.last_timing = timing
         return rows  # type: ignore[return-value]
+
+    def _prepare_timed(self, i: int, item: Mapping[str, Any]) -> tuple[int, Mapping[str, Any], Any, float]:
+        """``(i, item, _prepare(item) or the exception it raised, seconds)``: runs in a reader thread."""
+        t0 = time.perf_counter()
+        try:
+            return i, item, self._prepare(item), time.perf_counter() - t0
+        except Exception as exc:
+            return i, item, exc, time.perf_counter() - t0
 
     def _classify(
         self, pixes: list[torch.Tensor], positions: list[torch.Tensor], slot_weights: list[np.ndarray | None]
@@ -349,15 +530,17 @@ class ClassifierWorker:
         if len({int(p.shape[0]) for p in pixes}) > 1:
             return np.concatenate([self._classify([p], [q], [w]) for p, q, w in zip(pixes, positions, slot_weights)])
         b, k = len(pixes), pixes[0].shape[0]
-        patches = torch.stack(pixes).to(torch.float32).div_(255.0)  # [B, K, 3, p, p]
-        pos = torch.stack(positions).to(torch.float32)
+        patches = torch.stack(pixes).to(self.device, non_blocking=True).to(torch.float32).div_(255.0)  # [B, K, 3, p, p]
+        pos = torch.stack(positions).to(self.device, torch.float32)
         weights = None
         if slot_weights[0] is not None:
             weights = torch.stack([torch.as_tensor(np.asarray(w, dtype=np.float32)) for w in slot_weights])
+            weights = weights.to(self.device)
         with torch.inference_mode():
-            feats = self.model.embed(patches.flatten(0, 1)).view(b, k, -1)
-            logits = self.model.aggregate(feats, pos, weights)
-            return torch.softmax(logits.float(), dim=-1).numpy()
+            with _autocast(self.device, self.precision):
+                feats = self.model.embed(patches.flatten(0, 1)).view(b, k, -1)
+                logits = self.model.aggregate(feats, pos, weights)
+            return torch.softmax(logits.float(), dim=-1).cpu().numpy()
 
     def _row(
         self, item: Mapping[str, Any], store, grid, coords: np.ndarray, probs: np.ndarray, cells: np.ndarray
@@ -404,4 +587,4 @@ class ClassifierWorker:
         }
 
     def ping(self) -> str:
-        return "cpu"
+        return str(self.device)

@@ -209,7 +209,13 @@ def delete_prefix(store: Any, prefix: str) -> None:
 
 
 def list_keys(store: Any, prefix: str = "") -> list[str]:
-    """Every key under ``prefix`` (sorted; full keys)."""
+    """Every key under ``prefix`` (sorted; full keys). A local folder (zarr's ``LocalStore``) is walked with
+    ``os.scandir`` in the calling thread, not on zarr's one event-loop thread (whose ``rglob`` + ``stat`` per file
+    serialised every reader thread behind one listing: a 1-GP store holds ~16,000 chunk files)."""
+    from zarr.storage import LocalStore
+
+    if isinstance(store, LocalStore):
+        return sorted(_walk_keys(Path(store.root), prefix))
 
     async def _all() -> list[str]:
         return [k async for k in store.list_prefix(prefix)]
@@ -218,6 +224,17 @@ def list_keys(store: Any, prefix: str = "") -> list[str]:
     if fs is not None:  # object storage: no stale listing from fsspec's cache
         fs.invalidate_cache()
     return sorted(_sync(_all()))
+
+
+def _walk_keys(root: Path, prefix: str) -> list[str]:
+    """The keys of the files under ``root / prefix`` (the keys ``LocalStore.list_prefix`` yields)."""
+    top = root / prefix.rstrip("/") if prefix.rstrip("/") else root
+    base = len(str(root)) + 1
+    out = []
+    for folder, _dirs, files in os.walk(top):
+        rel = folder[base:].replace(os.sep, "/")
+        out.extend(f"{rel}/{f}" if rel else f for f in files)
+    return out
 
 
 def exists(store: Any, key: str) -> bool:

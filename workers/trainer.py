@@ -32,8 +32,10 @@ import copy
 import logging
 import math
 import resource
+import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -526,6 +528,8 @@ class Trainer:
         self._selection_fixed = False  # in the second phase of schedule.select_until
         self._train_records: Sequence[Any] = ()
         self._stores: dict[str, Any] = {}
+        self._stores_lock = threading.Lock()
+        self._reader_pool: ThreadPoolExecutor | None = None
         self.ema_model: torch.nn.Module | None = None
         if optim.ema_epochs > 0:
             self.ema_decay = 1.0 - 1.0 / max(optim.ema_epochs * self.steps_per_epoch, 1.0)
@@ -571,9 +575,27 @@ class Trainer:
     def _store(self, path: str):
         from workers.store import SlideStore
 
-        if path not in self._stores:
-            self._stores[path] = SlideStore(path)
-        return self._stores[path]
+        with self._stores_lock:
+            if path not in self._stores:
+                self._stores[path] = SlideStore(path)
+            return self._stores[path]
+
+    def _reader(self) -> ThreadPoolExecutor:
+        """The one reader thread that prepares the next step's slides (their store, grid, low-res view and tissue
+        cells: ``workers.patches.prepare_slide``, cached per process) while the current step computes."""
+        if self._reader_pool is None:
+            self._reader_pool = ThreadPoolExecutor(1, thread_name_prefix="slide-prefetch")
+        return self._reader_pool
+
+    def _prepare_ahead(self, records: Sequence[Any]) -> None:
+        """Prepare ``records``' slides for a later step; a failure is left for that step to raise."""
+        from workers.patches import prepare_slide
+
+        for rec in records:
+            try:
+                prepare_slide(self._store(rec.store), self.model.cfg)
+            except Exception as exc:  # the step that reads this slide raises it with its context
+                log.debug("prefetching %s failed: %s", rec.store, exc)
 
     def _forward(
         self,
@@ -778,7 +800,12 @@ class Trainer:
         self.model.train()
         result = EpochResult(started=time.perf_counter())
         acc = self.optim_cfg.accumulate
+        ahead = None  # the next step's slides, prepared by a reader thread while this step runs
         for i in range(self.steps_per_epoch):
+            if ahead is not None:
+                ahead.result()
+            upcoming = records[(i + 1) * acc : (i + 2) * acc]
+            ahead = self._reader().submit(self._prepare_ahead, upcoming) if upcoming else None
             metrics = self.step(records[i * acc : (i + 1) * acc], result)
             last = i == self.steps_per_epoch - 1
             if self.on_step is not None and (self.global_step % self.log_every == 0 or last):
