@@ -126,6 +126,11 @@ def resolve_tasks(names: str, count: int | None = None, size: str | None = None)
     return tasks
 
 
+def config_path(config: str) -> Path:
+    """A config name of ``configs/`` (``perturbed_mean``) or a YAML path (``.../best.yaml``) -> its file."""
+    return Path(config) if str(config).endswith((".yaml", ".yml")) else ROOT / "configs" / f"{config}.yaml"
+
+
 def available_configs() -> list[str]:
     return sorted(p.stem for p in (ROOT / "configs").glob("*.yaml") if p.stem not in NOT_CONFIGS)
 
@@ -213,7 +218,7 @@ def run_training(
         "pipeline",
         "train",
         "--config",
-        str(ROOT / "configs" / f"{config}.yaml"),
+        str(config_path(config)),
         "--set",
         f"data.stores={stores}",
         "--set",
@@ -290,7 +295,7 @@ def run_training_in_process(
     torch.set_num_threads(1)
     cfg = load_config(
         TrainConfig,
-        ROOT / "configs" / f"{config}.yaml",
+        config_path(config),
         [f"data.stores={stores}", "data.labels=manifest", f"seed={seed}", *overrides],
     )
     table = build_slide_table(cfg.data)
@@ -419,9 +424,7 @@ def load_split(config: str, stores: Path, overrides: list[str]) -> Split:
     from pipeline.synthetic.tiff import sidecar_path
     from pipeline.train import TrainConfig
 
-    cfg = load_config(
-        TrainConfig, ROOT / "configs" / f"{config}.yaml", [f"data.stores={stores}", "data.labels=manifest", *overrides]
-    )
+    cfg = load_config(TrainConfig, config_path(config), [f"data.stores={stores}", "data.labels=manifest", *overrides])
     table = build_slide_table(cfg.data)
     train, test = split_train_val(table.records, cfg.data.val_fraction, cfg.data.seed)
     man = (
@@ -641,7 +644,7 @@ def run_oracle(
     from pipeline.train import TrainConfig, classification_metrics
     from workers.patches import prepare_slide
 
-    cfg = load_config(TrainConfig, ROOT / "configs" / f"{config}.yaml", overrides)
+    cfg = load_config(TrainConfig, config_path(config), overrides)
     mcfg = with_num_classes(cfg.model, len(split.class_names))
     torch.manual_seed(seed)
     model, mcfg = build_model(mcfg)

@@ -403,6 +403,7 @@ def tune(
     address: str | None = None,
     max_failures: int = 1,
     after_epoch: Callable[[dict[str, Any], int], None] | None = None,
+    search_seed: int | None = None,
 ) -> TuneResult:
     """Search ``space`` around ``config`` on Ray Tune (see the module doc).
 
@@ -422,6 +423,8 @@ def tune(
         max_failures: restarts of a crashed trial from its last checkpoint.
         after_epoch: called as ``after_epoch(values, epoch)`` in each trial after each epoch's checkpoint (tests
             pass one that raises).
+        search_seed: the random search's seed: two searches of the same space with the same seed sample the
+            same trials (:func:`sampled_values`; e.g. one with ``asha`` and one with ``fifo``); None: unseeded.
     """
     from pipeline.data import build_slide_table, split_train_val
     from pipeline.runtime import init_ray
@@ -444,6 +447,8 @@ def tune(
         raise ValueError(f"--max-concurrent: got {max_concurrent!r}, must be an integer >= 1")
     if not (isinstance(grace_period, int) and grace_period >= 1):
         raise ValueError(f"--grace-period: got {grace_period!r}, must be an integer >= 1")
+    if search_seed is not None and (isinstance(search_seed, bool) or not isinstance(search_seed, int)):
+        raise ValueError(f"--search-seed: got {search_seed!r}, must be an integer or None")
     config = _resolve(config, workers=None, workdir=None)
     if not isinstance(space, SearchSpace):
         space = load_space(space, config) if isinstance(space, (str, Path)) else parse_space(space, config)
@@ -496,6 +501,7 @@ def tune(
         "tune.reduction_factor": reduction_factor,
         "tune.max_epochs": _max_epochs(config, space),
         "tune.max_failures": max_failures,
+        "tune.search_seed": search_seed if search_seed is not None else "none",
     }
     parent_run_id = start_run(
         client,
@@ -550,6 +556,7 @@ def tune(
             grace_period=grace_period,
             reduction_factor=reduction_factor,
             max_failures=max_failures,
+            search_seed=search_seed,
         )
         results = _fit(space, setup, config, callback, plan, out_dir)
         rows = sorted(callback.rows.values(), key=lambda r: r.number)
@@ -584,6 +591,29 @@ class _SearchPlan:
     grace_period: int
     reduction_factor: float
     max_failures: int
+    search_seed: int | None = None
+
+
+def _search_alg(max_concurrent: int | None, search_seed: int | None):
+    """Ray Tune's random search (``BasicVariantGenerator``), seeded with ``search_seed``."""
+    from ray.tune.search.basic_variant import BasicVariantGenerator
+
+    return BasicVariantGenerator(max_concurrent=max_concurrent or 0, random_state=search_seed)
+
+
+def sampled_values(space: SearchSpace, trials: int, search_seed: int) -> list[dict[str, Any]]:
+    """The trials' values, in trial order, that a search of ``space`` with ``trials`` samples and ``search_seed``
+    runs (drawn by the same generator, without running anything)."""
+    from ray.tune.experiment import Experiment
+
+    gen = _search_alg(None, search_seed)
+    gen.add_configurations(
+        [Experiment(name="sample", run=lambda c: None, config=space.param_space(), num_samples=trials)]
+    )
+    out = []
+    while (trial := gen.next_trial()) is not None:
+        out.append({k: trial.config[k] for k in space.keys})
+    return out
 
 
 def _fit(space: SearchSpace, setup: dict[str, Any], config, callback, plan: _SearchPlan, out_dir: str):
@@ -596,6 +626,7 @@ def _fit(space: SearchSpace, setup: dict[str, Any], config, callback, plan: _Sea
         trainable,
         param_space=space.param_space(),
         tune_config=rtune.TuneConfig(
+            search_alg=_search_alg(plan.max_concurrent, plan.search_seed),
             metric=plan.metric,
             mode=plan.mode,
             num_samples=plan.trials,
@@ -736,6 +767,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-concurrent", type=int, default=None, help="trials at once (default: as CPUs allow)")
     parser.add_argument("--grace-period", type=int, default=1, help="epochs before the scheduler may stop a trial")
     parser.add_argument("--max-failures", type=int, default=1, help="restarts of a crashed trial from its checkpoint")
+    parser.add_argument(
+        "--search-seed", type=int, default=None, help="seed of the random search (the same seed: the same trials)"
+    )
     parser.add_argument("--out", default=None, help="the search's folder (default <workdir>/tune/<run name>)")
     parser.add_argument("--promote", default=None, metavar="ALIAS", help="alias the best trial's registered model")
     parser.add_argument(
@@ -763,6 +797,7 @@ def run(args: argparse.Namespace) -> int:
         promote=args.promote,
         address=args.address,
         max_failures=args.max_failures,
+        search_seed=args.search_seed,
     )
     print(result.summary(), file=sys.stdout, flush=True)
     return 0 if result.best is not None else 1

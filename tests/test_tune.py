@@ -215,3 +215,24 @@ def test_a_real_search(tmp_path, slides):
     cfg = load_config(TrainConfig, result.best_config)  # what foveate train --config does with it
     assert cfg.optim.lr == 0.01 and cfg.model.selection.k == 4 and cfg.tracking.run_name is None
     assert cfg.data.stores == str(slides[0])
+
+
+def test_a_seeded_search_samples_the_same_trials(tmp_path, slides):
+    """--search-seed: the random search draws the same trials for the same seed (what benchmarks/tune.py relies on
+    to run the same trials under ASHA and FIFO), other trials for another seed, each within its range."""
+    from pipeline.config import load_config
+    from pipeline.tune import sampled_values
+    from pipeline.tune_space import parse_space
+
+    config = load_config(TrainConfig, _config(tmp_path, slides))
+    space = parse_space(
+        {"optim.lr": {"loguniform": [1.0e-4, 1.0e-2]}, "model.selection.k": {"choice": [2, 4, 8]}}, config
+    )
+    a, b, c = (sampled_values(space, 6, seed) for seed in (7, 7, 8))
+    assert a == b and a != c and len(a) == 6
+    assert all(1.0e-4 <= v["optim.lr"] <= 1.0e-2 and v["model.selection.k"] in (2, 4, 8) for v in a + c)
+    assert len({v["optim.lr"] for v in a}) == 6
+    with pytest.raises(ValueError, match="--search-seed: got 'x', must be an integer or None"):
+        from pipeline.tune import tune
+
+        tune(config, space, search_seed="x")
