@@ -10,7 +10,8 @@ On one task of ``benchmarks/robustness.py`` (its data, its train / held-out spli
    (wall x the CPUs its concurrent trials asked for: an upper bound).
 3. The best trial's ``best.yaml`` and the shipped config each trained on all the training slides for
    ``--final-epochs`` over ``--seeds`` (``run_training_in_process``: the trainer of ``foveate train`` on one
-   worker) and tested on the held-out slides: accuracy / AUC per seed, and the median.
+   worker; early stopping on ``--final-val-fraction`` of the training slides) and tested on the held-out slides:
+   accuracy / AUC per seed, and the median.
 
     python benchmarks/tune.py --task objects-binary-quick --trials 4 --epochs 2 --final-epochs 2 --seeds 0,1 --fifo
     python benchmarks/tune.py --task shapes-binary --config perturbed_mean --trials 16 --epochs 20 --seeds 0,1,2,3,4 \\
@@ -89,6 +90,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fifo", action="store_true", help="also run the same trials to completion (no early stopping)")
     p.add_argument("--final-epochs", type=int, default=None, help="epochs of the final trainings (default --epochs)")
     p.add_argument("--seeds", default="0,1,2,3,4", help="seeds of the final trainings (default 0-4)")
+    p.add_argument(
+        "--final-val-fraction",
+        type=float,
+        default=0.2,
+        help="share of the training slides the final trainings validate (and stop early) on (default 0.2)",
+    )
     p.add_argument("--count", type=int, default=None)
     p.add_argument("--size", default=None)
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
@@ -161,10 +168,21 @@ def main(argv: list[str] | None = None) -> int:
                 workdir,
                 name,
                 workdir / "logs" / f"{name}.log",
+                val_fraction=args.final_val_fraction,
             )
-            m = res["metrics"]
-            finals[which].append({"seed": seed, "test_accuracy": m.get("val_accuracy"), "test_auc": m.get("val_auc")})
-            print(f"{which} seed {seed}: held-out accuracy {m.get('val_accuracy')} AUC {m.get('val_auc')}", flush=True)
+            ev = rb.evaluate_checkpoint(res["checkpoint"], split)  # the held-out slides (the metrics: validation's)
+            finals[which].append(
+                {
+                    "seed": seed,
+                    "test_accuracy": ev["eval_accuracy"],
+                    "test_auc": ev["eval_auc"],
+                    "stop_reason": res["stop_reason"],
+                    "best_epoch": res["metrics"].get("best_epoch"),
+                }
+            )
+            print(
+                f"{which} seed {seed}: held-out accuracy {ev['eval_accuracy']:.3f} AUC {ev['eval_auc']:.3f}", flush=True
+            )
     summary = {
         which: {
             "median_accuracy": median([r["test_accuracy"] for r in rows]),
@@ -196,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
             "metric": args.metric,
             "search_seed": args.search_seed,
             "final_epochs": final_epochs,
+            "final_val_fraction": args.final_val_fraction,
             "overrides": args.overrides,
             "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
             "searches": searches,

@@ -630,7 +630,7 @@ def _fit(space: SearchSpace, setup: dict[str, Any], config, callback, plan: _Sea
             metric=plan.metric,
             mode=plan.mode,
             num_samples=plan.trials,
-            max_concurrent_trials=plan.max_concurrent,
+            max_concurrent_trials=None,  # the random search itself holds plan.max_concurrent (_search_alg)
             scheduler=_scheduler(
                 plan.scheduler,
                 max_t=setup["max_epochs"],
