@@ -40,7 +40,7 @@ def tiled_store(path: Path, tile: np.ndarray, reps: int, *, slide_id: str, chunk
     import zarr
 
     from workers.pyramid import downsample2x, pyramid_shapes
-    from workers.store import installed_version, mark_complete, write_store_metadata
+    from workers.store import create_image_level, installed_version, mark_complete, write_store_metadata
 
     th, tw = tile.shape[:2]
     if th != tw or th % chunk:
@@ -49,20 +49,11 @@ def tiled_store(path: Path, tile: np.ndarray, reps: int, *, slide_id: str, chunk
     shapes = pyramid_shapes((side, side), min_size=1024)
     shutil.rmtree(path, ignore_errors=True)
     group = zarr.open_group(str(path), mode="w", zarr_format=3)
-    compressors = [zarr.codecs.ZstdCodec(level=3), zarr.codecs.Crc32cCodec()]
     small = np.ascontiguousarray(tile)
     for i, (_, (lw, lh)) in enumerate(shapes):
         if i:
             small = downsample2x(small)
-        a = group.create_array(
-            str(i),
-            shape=(3, lh, lw),
-            chunks=(3, chunk, chunk),
-            dtype="uint8",
-            compressors=compressors,
-            fill_value=255,
-            dimension_names=("c", "y", "x"),
-        )
+        a = create_image_level(group, i, (lw, lh), chunk)
         t = small.shape[0]
         if t % chunk or t >= lh:  # small levels: the whole level at once
             level = np.tile(small, (lh // t + 1, lw // t + 1, 1))[:lh, :lw]

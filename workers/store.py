@@ -60,6 +60,7 @@ __all__ = [
     "ngff_omero",
     "register_codecs",
     "write_store_from_array",
+    "create_image_level",
     "write_store_metadata",
     "mark_complete",
     "write_tissue_labels",
@@ -646,6 +647,21 @@ def verify_store(path: str | Path | Any, *, group: Any = None, deep: bool = Fals
     return problems
 
 
+def create_image_level(group: Any, level: int, size: tuple[int, int], tile_size: int) -> Any:
+    """Create image level ``level`` of ``size = (width, height)`` in a store's zarr ``group`` as
+    :func:`write_store_from_array` writes it: uint8 ``(c, y, x)``, ``tile_size`` chunks, zstd + crc32c, white fill."""
+    w, h = (int(v) for v in size)
+    return group.create_array(
+        str(level),
+        shape=(3, h, w),
+        chunks=(3, tile_size, tile_size),
+        dtype="uint8",
+        compressors=[zarr.codecs.ZstdCodec(level=3), zarr.codecs.Crc32cCodec()],
+        fill_value=255,
+        dimension_names=("c", "y", "x"),
+    )
+
+
 def write_store_from_array(
     path: str | Path,
     rgb: np.ndarray,
@@ -673,20 +689,10 @@ def write_store_from_array(
     store = storage.open_store(loc)
     group = zarr.open_group(store=store, mode="w", zarr_format=3)
     level = np.ascontiguousarray(rgb)
-    compressors = [zarr.codecs.ZstdCodec(level=3), zarr.codecs.Crc32cCodec()]
     for i, (_, (lw, lh)) in enumerate(shapes):
         if i:
             level = downsample2x(level)[:lh, :lw]
-        a = group.create_array(
-            str(i),
-            shape=(3, lh, lw),
-            chunks=(3, tile_size, tile_size),
-            dtype="uint8",
-            compressors=compressors,
-            fill_value=255,
-            dimension_names=("c", "y", "x"),
-        )
-        a[...] = np.moveaxis(level, -1, 0)
+        create_image_level(group, i, (lw, lh), tile_size)[...] = np.moveaxis(level, -1, 0)
     write_store_metadata(
         group,
         slide_id=slide_id,
