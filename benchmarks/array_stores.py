@@ -92,19 +92,23 @@ def tiled_store(path: Path, tile: np.ndarray, reps: int, *, slide_id: str, chunk
 
 
 def _one(args: tuple) -> str:
-    out, i, size, tile_side, seed = args
+    out, i, size, tile_side, seed, mpp = args
     label = i % 2
     tile = checker_tile(seed * 1000 + i, tile_side, label)
-    tiled_store(Path(out) / f"s{i:04d}.zarr", tile, size // tile_side, slide_id=f"s{i:04d}")
+    tiled_store(Path(out) / f"s{i:04d}.zarr", tile, size // tile_side, slide_id=f"s{i:04d}", mpp=mpp)
     return f"s{i:04d},{label}"
 
 
-def make_archive(out: Path, count: int, size: int, *, tile: int = 2048, seed: int = 0, jobs: int = 1) -> Path:
-    """``count`` tiled checker stores of side ``size`` in ``out`` and ``out/labels.csv``; returns ``out``."""
+def make_archive(
+    out: Path, count: int, size: int, *, tile: int = 2048, seed: int = 0, jobs: int = 1, mpp: float = 0.5
+) -> Path:
+    """``count`` tiled checker stores of side ``size`` (level-0 ``mpp``) in ``out`` and ``out/labels.csv``; returns
+    ``out``. The tissue mask drops pieces under 0.1 % of its level's area, so at 32768 px a 2048-px tile's tissue
+    can vanish from the mask (the scorer then takes every cell): use ``tile=4096`` there."""
     if size % tile:
         raise ValueError(f"size must be a multiple of the tile side {tile}, got {size}")
     out.mkdir(parents=True, exist_ok=True)
-    work = [(str(out), i, size, tile, seed) for i in range(count)]
+    work = [(str(out), i, size, tile, seed, mpp) for i in range(count)]
     if jobs > 1:
         from concurrent.futures import ProcessPoolExecutor
 
@@ -124,8 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tile", type=int, default=2048)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--jobs", type=int, default=1)
+    p.add_argument("--mpp", type=float, default=0.5)
     a = p.parse_args(argv)
-    make_archive(Path(a.out), a.count, a.size, tile=a.tile, seed=a.seed, jobs=a.jobs)
+    make_archive(Path(a.out), a.count, a.size, tile=a.tile, seed=a.seed, jobs=a.jobs, mpp=a.mpp)
     print(f"{a.count} stores of {a.size} px in {a.out}")
     return 0
 

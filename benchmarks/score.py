@@ -286,12 +286,6 @@ def in_process(args) -> int:
     from workers.scoring import ClassifierWorker, ScorerWorker
 
     work = Path(args.work_dir)
-    stores = work / f"array_stores_{args.size}_{args.count}"
-    if not (stores / "labels.csv").is_file():
-        t0 = time.perf_counter()
-        make_archive(stores, args.count, args.size, jobs=args.jobs)
-        print(f"{args.count} array stores of {args.size} px made in {time.perf_counter() - t0:.1f} s", flush=True)
-    labels = dict(line.split(",") for line in (stores / "labels.csv").read_text().splitlines()[1:])
     if args.model:
         model, cfg, classes = load_local(args.model)
         ckpt = args.model
@@ -301,6 +295,14 @@ def in_process(args) -> int:
         torch.manual_seed(0)
         ckpt = str(save_checkpoint(work / "model.pt", FoveateModel(cfg).eval(), cfg, ["0", "1"]))
         classes = ["0", "1"]
+    mpp = float(getattr(cfg, "mpp", None) or 0.5)  # the model's training mpp: no mismatch warning per slide
+    tile = 4096 if args.size % 4096 == 0 else 2048  # tissue in pieces the tissue mask keeps (array_stores)
+    stores = work / f"array_stores_{args.size}_{args.count}_t{tile}_mpp{mpp:g}"
+    if not (stores / "labels.csv").is_file():
+        t0 = time.perf_counter()
+        make_archive(stores, args.count, args.size, tile=tile, jobs=args.jobs, mpp=mpp)
+        print(f"{args.count} array stores of {args.size} px made in {time.perf_counter() - t0:.1f} s", flush=True)
+    labels = dict(line.split(",") for line in (stores / "labels.csv").read_text().splitlines()[1:])
     todo = [(sid, str(stores / f"{sid}.zarr")) for sid in labels]
     cdev = args.classifier_device or args.device
     results, by_precision = [], {}
