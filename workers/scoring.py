@@ -158,8 +158,8 @@ def _prefetch(prefetch: Any) -> int:
     return prefetch
 
 
-def resolve_precision(precision: str, device: torch.device) -> str:
-    """``"fp32"`` or ``"bf16"`` for a scoring stage's ``precision`` on ``device``.
+def resolve_precision(precision: str) -> str:
+    """``"fp32"`` or ``"bf16"`` for a scoring stage's ``precision``.
 
     ``"auto"`` is ``"fp32"``; ``"bf16"`` runs the scorer and the feature network under ``torch.autocast`` in
     bfloat16 (on the CPU too, where it is mostly slower: for checks), the selection and the softmax in float32.
@@ -187,12 +187,29 @@ def _in_order(fn, items: list, pool: ThreadPoolExecutor | None) -> Iterator:
         yield f.result()
 
 
+class _Stage:
+    """What both stages set up: torch threads, device, precision, reader threads, the model on the device."""
+
+    def __init__(
+        self, model: Any, *, device: str | None, threads: int | None, precision: str, prefetch: int, readers: str
+    ):
+        _set_threads(threads)
+        self.device = _device(device)
+        self.precision = resolve_precision(precision)
+        self.prefetch = _prefetch(prefetch)
+        self.model, self.cfg, self.class_names = _load(model)
+        self.model.to(self.device).eval()
+        if self.device.type == "cuda":
+            self.model.to(memory_format=torch.channels_last)
+        self._pool = ThreadPoolExecutor(self.prefetch, thread_name_prefix=readers) if self.prefetch else None
+
+
 def _key(view: Mapping[str, Any]) -> tuple:
     """Views that one scorer call can take together: the same low-res and grid shapes and geometry."""
     return (tuple(view["lowres"].shape), tuple(view["cell_mask"].shape), view["geo"])
 
 
-class ScorerWorker:
+class ScorerWorker(_Stage):
     """Scorer stage: low-res view -> cell scores -> hard top-k cells.
 
     A batch's low-res views are read by ``prefetch`` threads while the model scores the views already read; views
@@ -219,19 +236,13 @@ class ScorerWorker:
         prefetch: int = 2,
         batch: int = 8,
     ):
-        _set_threads(threads)
-        self.device = _device(device)
-        self.precision = resolve_precision(precision, self.device)
-        self.prefetch = _prefetch(prefetch)
         if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
             raise ValueError(f"batch must be an int >= 1 (slides per scorer call), got {batch!r}")
         self.batch = batch
-        self.model, self.cfg, self.class_names = _load(model)
         self.strict_mpp = bool(strict_mpp)
-        self.model.to(self.device).eval()
-        if self.device.type == "cuda":
-            self.model.to(memory_format=torch.channels_last)
-        self._pool = ThreadPoolExecutor(self.prefetch, thread_name_prefix="lowres") if self.prefetch else None
+        super().__init__(
+            model, device=device, threads=threads, precision=precision, prefetch=prefetch, readers="lowres"
+        )
 
     def score_one(self, slide_id: str, store_path: str) -> dict[str, Any]:
         """Score one slide; returns ``{"slide_id", "store", "status": "ok", "scores" float32 [N] (-inf = not a
@@ -386,7 +397,7 @@ class ScorerWorker:
         return str(self.device)
 
 
-class ClassifierWorker:
+class ClassifierWorker(_Stage):
     """Patch reading + features + aggregation stage (the CPU unless told), and the heatmap.
 
     A batch's patches are read by ``prefetch`` threads (each slide's K reads touch only their chunks), then the
@@ -417,18 +428,12 @@ class ClassifierWorker:
         precision: str = "auto",
         prefetch: int = 2,
     ):
-        _set_threads(threads)
-        self.device = _device(device)
-        self.precision = resolve_precision(precision, self.device)
-        self.prefetch = _prefetch(prefetch)
-        self.model, self.cfg, self.class_names = _load(model)
-        self.model.to(self.device).eval()
-        if self.device.type == "cuda":
-            self.model.to(memory_format=torch.channels_last)
+        super().__init__(
+            model, device=device, threads=threads, precision=precision, prefetch=prefetch, readers="patches"
+        )
         self.heatmap_dir = storage.normalize(heatmap_dir) if heatmap_dir is not None else None
         self.ngff_dir = storage.normalize(ngff_dir) if ngff_dir is not None else None
         self.model_name = str(model_name)
-        self._pool = ThreadPoolExecutor(self.prefetch, thread_name_prefix="patches") if self.prefetch else None
         self.last_timing: dict[str, float] = {}  # seconds of the last classify_batch: read, classify, output
 
     def _prepare(self, item: Mapping[str, Any]):

@@ -228,10 +228,9 @@ def list_keys(store: Any, prefix: str = "") -> list[str]:
 
 def _walk_keys(root: Path, prefix: str) -> list[str]:
     """The keys of the files under ``root / prefix`` (the keys ``LocalStore.list_prefix`` yields)."""
-    top = root / prefix.rstrip("/") if prefix.rstrip("/") else root
     base = len(str(root)) + 1
     out = []
-    for folder, _dirs, files in os.walk(top):
+    for folder, _dirs, files in os.walk(root / prefix.rstrip("/")):
         rel = folder[base:].replace(os.sep, "/")
         out.extend(f"{rel}/{f}" if rel else f for f in files)
     return out
