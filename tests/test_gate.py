@@ -508,3 +508,31 @@ def test_the_trainer_hands_the_candidates_ranks_to_the_gate_with_the_rank_cut(tm
     assert torch.equal(seen["ranks"], torch.arange(n, dtype=torch.float64).repeat(2))  # each slide's, best first
     with pytest.raises(Exception, match=r"gate_cut must be one of \['score', 'rank'\], got 'mean'"):
         dataclasses.replace(cfg.experimental, gate_cut="mean")
+
+
+def test_the_gate_fit_depends_on_the_training_slides_not_their_order(tmp_path):
+    """k-means++ seeds by row: the trainer fits on the slides in store order, so an epoch's shuffle (or another
+    split of the slides over workers) gives the same gate."""
+    from tiny_stores import rare_structures_image
+
+    from workers.store import write_store_from_array
+
+    img = rare_structures_image()
+    stores = []
+    for i, view in enumerate((img, img[::-1], img[:, ::-1], np.roll(img, 200, axis=1))):
+        write_store_from_array(tmp_path / f"s{i}.zarr", np.ascontiguousarray(view), tile_size=128, min_size=64)
+        stores.append(str(tmp_path / f"s{i}.zarr"))
+    records = [SimpleNamespace(store=s, target=i % 2) for i, s in enumerate(stores)]
+    states = []
+    for order in (records, records[::-1], records[2:] + records[:2]):
+        torch.manual_seed(0)
+        tr = Trainer(_gated_config(), OptimConfig(epochs=2), ScheduleConfig(select_until=0.5), slides_per_epoch=4)
+        tr._train_records = order
+        tr._fit_gate()
+        states.append(tr.model.gate.state_dict())
+    assert bool(states[0]["informative"].any()) and not bool(states[0]["informative"].all())
+    for other in states[1:]:
+        for k, v in states[0].items():
+            if k.startswith("encoder."):
+                continue
+            assert torch.equal(v, other[k]), k

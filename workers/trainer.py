@@ -737,21 +737,20 @@ class Trainer:
         was_training = model.training
         model.eval()
         rank_cut = model.cfg.experimental.gate_cut == "rank"
-        feats, scores, ranks = [], [], []
+        mine = []  # per slide: (store, features, scores)
         for rec in self._train_records:
             slide = prepare_slide(self._store(rec.store), model.cfg)
             _, values, pixels = read_gate_candidates(model, slide, score_slide(model, slide))
-            feats.append(model.gate_encode(pixels).cpu())
-            scores.append(values.cpu())
-            if rank_cut:  # each candidate's place in its slide's ranking (the candidates come best first)
-                ranks.append(torch.arange(values.numel(), dtype=torch.float64))
+            mine.append((str(rec.store), model.gate_encode(pixels).cpu(), values.cpu()))
         model.train(was_training)
-        mine = (torch.cat(feats), torch.cat(scores), len(feats), torch.cat(ranks) if rank_cut else None)
-        parts = [p for p in self.collective.all_gather(mine if feats else None) if p is not None]
-        if not parts:
+        # in store order, whatever the epoch's shuffle and the number of workers: k-means++ seeds by position, so
+        # the same training slides give the same fit
+        slides = sorted((s for p in self.collective.all_gather(mine) for s in p), key=lambda s: s[0])
+        if not slides:
             raise ValueError("the cell gate has no training slides to fit on (model.experimental.gate_candidates)")
-        f_all, s_all = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
-        r_all = torch.cat([p[3] for p in parts]) if rank_cut else None
+        f_all, s_all = torch.cat([s[1] for s in slides]), torch.cat([s[2] for s in slides])
+        # each candidate's place in its slide's ranking (the candidates come best first)
+        r_all = torch.cat([torch.arange(s[2].numel(), dtype=torch.float64) for s in slides]) if rank_cut else None
         fit = gate.fit(f_all, s_all, torch.Generator().manual_seed(int(self.seed)), ranks=r_all)
         if self.ema_model is not None:
             self.ema_model.gate.load_state_dict(gate.state_dict())
@@ -760,7 +759,7 @@ class Trainer:
             "cell gate fitted on %d candidates of %d training slides: %d of %d clusters informative, %.0f%% of the "
             "candidates in them",
             f_all.shape[0],
-            sum(p[2] for p in parts),
+            len(slides),
             int(fit["informative"].sum()),
             fit["centroids"].shape[0],
             100 * float(kept),
