@@ -1,0 +1,170 @@
+"""The cluster gate refitted on a trained gated model's own candidates: what its bags hold for other cluster counts.
+
+A gated checkpoint (``model.experimental.gate_candidates`` > 0, written by ``benchmarks/robustness.py`` or
+``foveate train``) fixes the scorer and the gate's encoder, so the candidates of every slide and their features are
+fixed too. This script computes them once for the training and the held-out slides of the run's split, fits the gate
+(:func:`operators.gate.fit_cluster_gate`, as the trainer does at the switch) for each cluster count and several
+k-means seedings, and scores the held-out bags against the synth sidecars' boxes: hit rate (share of the bag's
+patches on an informative object), object recall, decidable (the touched objects' majority is the label) and the
+bag size; ``candidates`` is the same of all the candidates (the ceiling of any gate). No training: a refit takes
+seconds, so the gate's settings are compared over seedings on the same scorer, where a training run is one draw.
+
+Usage: python benchmarks/gate_refit.py --stores DATA/stores --checkpoint RUN/model.pt [...] --clusters 16,32
+       --seedings 8 [--config perturbed_mean] [--json OUT.json]
+(``DATA``: a folder ``benchmarks/robustness.py`` synthesised, e.g. ``<workdir>/data/shapes-8class-384x3072-v2``.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import numpy as np
+import torch
+
+__all__ = ["candidate_table", "fit_gate", "refit_rows", "main"]
+
+
+def candidate_table(model, split) -> dict[str, list]:
+    """Every train and test slide's gate candidates: ``{"split", "target", "store", "xy" [n, 2] level-0 top-left,
+    "features" [n, D], "scores" [n], "patch"}`` lists, one entry per slide."""
+    from robustness import _cell_boxes
+
+    from workers.patches import prepare_slide
+    from workers.slide_forward import read_gate_candidates, score_slide
+
+    out = {k: [] for k in ("split", "target", "store", "xy", "features", "scores", "patch")}
+    model.eval()
+    with torch.no_grad():
+        for part, records in (("train", split.train), ("test", split.test)):
+            for rec in records:
+                slide = prepare_slide(rec.store, model.cfg)
+                cells, values, pixels = read_gate_candidates(model, slide, score_slide(model, slide))
+                out["split"].append(part)
+                out["target"].append(int(rec.target))
+                out["store"].append(str(rec.store))
+                out["xy"].append(_cell_boxes(slide.grid, cells))
+                out["features"].append(model.gate_encode(pixels).cpu().double())
+                out["scores"].append(values.cpu().double())
+                out["patch"].append(int(slide.grid.patch_size))
+    return out
+
+
+def fit_gate(table: dict[str, list], clusters: int, seeding: int):
+    """The gate fitted on the training slides' candidates in store order with ``clusters`` and the k-means seeding
+    ``seeding`` (the trainer's fit at the switch, whose seeding is the run's seed): ``(CellGate, fit dict)``."""
+    from operators.gate import CellGate
+
+    train = sorted((i for i, p in enumerate(table["split"]) if p == "train"), key=lambda i: table["store"][i])
+    feats = torch.cat([table["features"][i] for i in train])
+    scores = torch.cat([table["scores"][i] for i in train])
+    gate = CellGate(None, feats.shape[1], clusters).double()
+    fit = gate.fit(feats, scores, torch.Generator().manual_seed(seeding))
+    return gate, fit
+
+
+def refit_rows(table: dict[str, list], split, clusters: int, seeding: int) -> dict[str, float]:
+    """:func:`fit_gate`, then the held-out bags' mean hit rate / object recall / decidable / size."""
+    from robustness import bag_row
+
+    gate, fit = fit_gate(table, clusters, seeding)
+    rows = []
+    for i, part in enumerate(table["split"]):
+        if part != "test":
+            continue
+        keep = gate.keep(table["features"][i]).numpy()
+        label = split.class_names[table["target"][i]]
+        row = bag_row(table["xy"][i][keep], table["patch"][i], split.boxes[table["store"][i]], label)
+        row["size"] = float(keep.sum())
+        rows.append(row)
+    res = {
+        k: float(np.mean([r[k] for r in rows if k in r])) for k in ("hit_rate", "object_recall", "decidable", "size")
+    }
+    res["informative_clusters"] = int(fit["informative"].sum())
+    return res
+
+
+def candidates_row(table: dict[str, list], split) -> dict[str, float]:
+    """The held-out slides' candidates, all of them: what a gate that keeps every glyph could hold."""
+    from robustness import bag_row
+
+    rows = [
+        bag_row(
+            table["xy"][i], table["patch"][i], split.boxes[table["store"][i]], split.class_names[table["target"][i]]
+        )
+        for i, p in enumerate(table["split"])
+        if p == "test"
+    ]
+    return {k: float(np.mean([r[k] for r in rows if k in r])) for k in ("hit_rate", "object_recall", "decidable")}
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or any(v < 2 for v in values):
+        raise argparse.ArgumentTypeError(f"expected integers >= 2, got {text!r}")
+    return values
+
+
+def main(argv: list[str] | None = None) -> dict:
+    from robustness import load_split
+
+    from operators.checkpoint import load_checkpoint
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--stores", type=Path, required=True, help="the synthesised stores folder (with the manifest)")
+    p.add_argument("--checkpoint", type=Path, nargs="+", required=True, help="gated model.pt files")
+    p.add_argument("--clusters", type=_ints, default=[16, 32], help="cluster counts to fit (default 16,32)")
+    p.add_argument("--seedings", type=int, default=8, help="k-means seedings per count (default 8)")
+    p.add_argument("--config", default="perturbed_mean", help="the config whose data split the runs used")
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args(argv)
+    if args.seedings < 1:
+        p.error(f"--seedings must be >= 1, got {args.seedings}")
+    torch.set_num_threads(1)
+    split = load_split(args.config, args.stores, [])
+    result = {
+        "command": "python benchmarks/gate_refit.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "machine": f"{platform.machine()} {platform.processor() or ''} torch {torch.__version__}".strip(),
+        "checkpoints": [],
+    }
+    print(f"{'checkpoint':40s} {'k':>3s}  hit rate        object recall   decidable       size")
+    for ck in args.checkpoint:
+        model, _, _ = load_checkpoint(ck)
+        if model.gate is None:
+            raise SystemExit(f"{ck} has no cluster gate (model.experimental.gate_candidates is 0)")
+        table = candidate_table(model, split)
+        entry = {"checkpoint": ck.parent.name, "candidates": candidates_row(table, split), "fits": {}}
+        c = entry["candidates"]
+        print(
+            f"{ck.parent.name[-40:]:40s} all  {c['hit_rate']:.3f}           {c['object_recall']:.3f}           "
+            f"{c['decidable']:.3f}"
+        )
+        for k in args.clusters:
+            fits = [refit_rows(table, split, k, s) for s in range(args.seedings)]
+            entry["fits"][str(k)] = fits
+            cols = []
+            for key in ("hit_rate", "object_recall", "decidable", "size"):
+                v = [f[key] for f in fits]
+                cols.append(f"{np.mean(v):.3f} [{min(v):.2f},{max(v):.2f}]")
+            print(f"{'':40s} {k:3d}  " + "  ".join(cols))
+        result["checkpoints"].append(entry)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=1))
+    return result
+
+
+if __name__ == "__main__":
+    main()

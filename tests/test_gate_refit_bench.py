@@ -1,0 +1,68 @@
+"""benchmarks/gate_refit.py: the refit is the trainer's fit (same slides in store order, same seeding), its bags are
+the gate's own, and no bag holds more objects than the candidates."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_refit_is_the_trainers_fit_and_scores_the_held_out_bags(tmp_path):
+    from test_gate import _gated_config
+    from tiny_stores import rare_structures_image
+
+    from workers.store import write_store_from_array
+    from workers.trainer import OptimConfig, ScheduleConfig, Trainer
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    _load("robustness")
+    gr = _load("gate_refit")
+    img = rare_structures_image()
+    recs = []
+    for i, view in enumerate((img, img[::-1], img[:, ::-1], np.roll(img, 200, axis=1), np.roll(img, 300, axis=0))):
+        write_store_from_array(tmp_path / f"s{i}.zarr", np.ascontiguousarray(view), tile_size=128, min_size=64)
+        recs.append(SimpleNamespace(store=str(tmp_path / f"s{i}.zarr"), target=i % 2))
+    train, test = recs[:4], recs[4:]
+    tr = Trainer(_gated_config(), OptimConfig(epochs=2), ScheduleConfig(select_until=0.5), slides_per_epoch=4, seed=3)
+    tr._train_records = train[::-1]  # an epoch's order: the fit does not depend on it
+    tr._fit_gate()
+    model = tr.model.eval()
+    # a box on the held-out slide's first candidate: the candidates hold it, a bag holds it when it keeps that one
+    table0 = gr.candidate_table(model, SimpleNamespace(train=[], test=test))
+    xy = table0["xy"][0]
+    boxes = {r.store: [] for r in recs}
+    boxes[test[0].store] = [{"x": int(xy[0, 0]) + 1, "y": int(xy[0, 1]) + 1, "width": 2, "height": 2, "kind": "b"}]
+    split = SimpleNamespace(train=train, test=test, class_names=["a", "b"], boxes=boxes)
+    table = gr.candidate_table(model, split)
+    assert table["split"] == ["train"] * 4 + ["test"] and len(table["features"][0]) == len(table["scores"][0])
+    k = model.gate.centroids.shape[0]
+    gate, _ = gr.fit_gate(table, k, 3)
+    for name in ("mean", "std", "centroids"):
+        torch.testing.assert_close(getattr(gate, name).float(), getattr(model.gate, name), rtol=1e-5, atol=1e-6)
+    assert torch.equal(gate.informative, model.gate.informative)
+    row = gr.refit_rows(table, split, k, 3)
+    # the trainer's fit: the same informative clusters, the same held-out bag
+    keep = model.gate.keep(table["features"][4].float()).numpy()
+    assert row["informative_clusters"] == int(model.gate.informative.sum())
+    assert row["size"] == float(keep.sum())
+    cand = gr.candidates_row(table, split)
+    assert cand["object_recall"] == 1.0 and row["object_recall"] == float(keep[0])
+    assert row["object_recall"] <= cand["object_recall"]
+    with pytest.raises(SystemExit):
+        gr.main(["--stores", str(tmp_path), "--checkpoint", "x.pt", "--clusters", "1"])
