@@ -85,9 +85,7 @@ def refit_rows(table: dict[str, list], split, clusters: int, seeding: int) -> di
         row = bag_row(table["xy"][i][keep], table["patch"][i], split.boxes[table["store"][i]], label)
         row["size"] = float(keep.sum())
         rows.append(row)
-    res = {
-        k: float(np.mean([r[k] for r in rows if k in r])) for k in ("hit_rate", "object_recall", "decidable", "size")
-    }
+    res = _means(rows, ("hit_rate", "object_recall", "decidable", "size"))
     res["informative_clusters"] = int(fit["informative"].sum())
     return res
 
@@ -103,7 +101,12 @@ def candidates_row(table: dict[str, list], split) -> dict[str, float]:
         for i, p in enumerate(table["split"])
         if p == "test"
     ]
-    return {k: float(np.mean([r[k] for r in rows if k in r])) for k in ("hit_rate", "object_recall", "decidable")}
+    return _means(rows, ("hit_rate", "object_recall", "decidable"))
+
+
+def _means(rows: list[dict], keys: tuple[str, ...]) -> dict[str, float]:
+    """The mean of each key over the rows that have it (``decidable`` needs boxes that name their class)."""
+    return {k: float(np.mean([r[k] for r in rows if k in r])) for k in keys if any(k in r for r in rows)}
 
 
 def _ints(text: str) -> list[int]:
@@ -147,17 +150,15 @@ def main(argv: list[str] | None = None) -> dict:
         table = candidate_table(model, split)
         entry = {"checkpoint": ck.parent.name, "candidates": candidates_row(table, split), "fits": {}}
         c = entry["candidates"]
-        print(
-            f"{ck.parent.name[-40:]:40s} all  {c['hit_rate']:.3f}           {c['object_recall']:.3f}           "
-            f"{c['decidable']:.3f}"
-        )
+        dec = f"{c['decidable']:.3f}" if "decidable" in c else "-"
+        print(f"{ck.parent.name[-40:]:40s} all  {c['hit_rate']:.3f}           {c['object_recall']:.3f}           {dec}")
         for k in args.clusters:
             fits = [refit_rows(table, split, k, s) for s in range(args.seedings)]
             entry["fits"][str(k)] = fits
             cols = []
             for key in ("hit_rate", "object_recall", "decidable", "size"):
-                v = [f[key] for f in fits]
-                cols.append(f"{np.mean(v):.3f} [{min(v):.2f},{max(v):.2f}]")
+                v = [f[key] for f in fits if key in f]
+                cols.append(f"{np.mean(v):.3f} [{min(v):.2f},{max(v):.2f}]" if v else f"{'-':17s}")
             print(f"{'':40s} {k:3d}  " + "  ".join(cols))
         result["checkpoints"].append(entry)
     if args.json:

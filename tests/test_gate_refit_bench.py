@@ -64,5 +64,8 @@ def test_refit_is_the_trainers_fit_and_scores_the_held_out_bags(tmp_path):
     cand = gr.candidates_row(table, split)
     assert cand["object_recall"] == 1.0 and row["object_recall"] == float(keep[0])
     assert row["object_recall"] <= cand["object_recall"]
+    # boxes that name no class (the checker family): no decidable column, not a NaN
+    plain = SimpleNamespace(**{**vars(split), "boxes": {r.store: [] for r in recs}})
+    assert "decidable" not in gr.candidates_row(table, plain) and "decidable" not in gr.refit_rows(table, plain, k, 3)
     with pytest.raises(SystemExit):
         gr.main(["--stores", str(tmp_path), "--checkpoint", "x.pt", "--clusters", "1"])
