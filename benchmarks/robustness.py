@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
+import fcntl
 import json
 import math
 import os
@@ -151,10 +152,20 @@ def prepare_data(task: Task, workdir: Path, seed: int = 0, synth_jobs: int = 1) 
     ``synth_jobs``: ``foveate synth --jobs`` (slides written at once; the bytes do not depend on it).
     """
     d = workdir / "data" / task.key
-    slides, stores = d / "slides", d / "stores"
+    stores = d / "stores"
     if (d / "READY").is_file():
         return stores
     d.mkdir(parents=True, exist_ok=True)
+    with open(d / ".prepare.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # a second benchmark on the same data waits here, then finds it READY
+        if (d / "READY").is_file():
+            return stores
+        return _prepare_locked(task, d, seed, synth_jobs)
+
+
+def _prepare_locked(task: Task, d: Path, seed: int, synth_jobs: int) -> Path:
+    """:func:`prepare_data`'s synth and ingest, under its lock."""
+    slides, stores = d / "slides", d / "stores"
     log = d / "prepare.log"
     t0 = time.perf_counter()
     if not (slides / "labels.csv").is_file():

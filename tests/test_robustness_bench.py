@@ -274,3 +274,26 @@ def test_a_gated_model_reports_what_its_candidates_hold(rb, tmp_path):
     assert got["object_recall"] <= got["candidates_object_recall"]
     plain = rb.evaluate_model(FoveateModel(_config()).eval(), split)
     assert not any(k.startswith("candidates_") for k in plain)
+
+
+def test_prepare_data_waits_for_another_benchmark_preparing_the_same_data(rb, tmp_path, monkeypatch):
+    """Two benchmarks on one data folder: the second waits on the first's lock and then uses its data; it never
+    starts a second synth into the same folder."""
+    import fcntl
+    import threading
+
+    calls = []
+    monkeypatch.setattr(rb, "_run", lambda cmd, log: calls.append(cmd))  # nothing may run in the waiting one
+    task = rb.Task("checker", "checker", 2, 4, "512", "zstd")
+    d = tmp_path / "data" / task.key
+    d.mkdir(parents=True)
+    got = {}
+    with open(d / ".prepare.lock", "a") as held:  # the first benchmark, preparing
+        fcntl.flock(held, fcntl.LOCK_EX)
+        t = threading.Thread(target=lambda: got.update(stores=rb.prepare_data(task, tmp_path)))
+        t.start()
+        t.join(0.5)
+        assert t.is_alive() and not calls  # waiting, nothing started
+        (d / "READY").write_text("{}\n")  # the first one finishes
+    t.join(10)
+    assert not t.is_alive() and got["stores"] == d / "stores" and not calls
