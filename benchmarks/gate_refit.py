@@ -59,16 +59,19 @@ def candidate_table(model, split) -> dict[str, list]:
 
 
 def fit_gate(table: dict[str, list], clusters: int, seeding: int):
-    """The gate fitted on the training slides' candidates in store order with ``clusters`` and the k-means seeding
-    ``seeding`` (the trainer's fit at the switch, whose seeding is the run's seed): ``(CellGate, fit dict)``."""
+    """The gate fitted on the training slides' candidates with ``clusters`` and the k-means seeding ``seeding`` by
+    the trainer's own fit (:func:`workers.trainer.fit_gate_on_slides`, whose seeding is the run's seed): ``(CellGate,
+    fit dict)``."""
     from operators.gate import CellGate
+    from workers.trainer import fit_gate_on_slides
 
-    train = sorted((i for i, p in enumerate(table["split"]) if p == "train"), key=lambda i: table["store"][i])
-    feats = torch.cat([table["features"][i] for i in train])
-    scores = torch.cat([table["scores"][i] for i in train])
-    gate = CellGate(None, feats.shape[1], clusters).double()
-    fit = gate.fit(feats, scores, torch.Generator().manual_seed(seeding))
-    return gate, fit
+    slides = [
+        (table["store"][i], table["features"][i], table["scores"][i])
+        for i, part in enumerate(table["split"])
+        if part == "train"
+    ]
+    gate = CellGate(None, slides[0][1].shape[1], clusters).double()
+    return gate, fit_gate_on_slides(gate, slides, seeding)
 
 
 def refit_rows(table: dict[str, list], split, clusters: int, seeding: int) -> dict[str, float]:

@@ -57,6 +57,7 @@ __all__ = [
     "EpochResult",
     "EvalResult",
     "Trainer",
+    "fit_gate_on_slides",
     "lr_factor",
     "sigma_at",
     "slide_loss",
@@ -432,6 +433,22 @@ def _load_resolved(
         raise ValueError(f"{key}={value!r} {how} and passes the state dict as {kwarg}")
 
 
+def fit_gate_on_slides(
+    gate: Any, slides: Sequence[tuple[str, torch.Tensor, torch.Tensor]], seed: int, rank_cut: bool = False
+) -> dict:
+    """Fit a cell gate (:class:`operators.gate.CellGate`) on the candidates of ``slides``, each ``(store, features
+    [n, D], scores [n])`` with its candidates best first, as the trainer does when the selection is fixed: the
+    slides in store order, whatever the epoch's shuffle and the number of workers (k-means++ seeds by position, so
+    the same slides give the same fit), the k-means seeded by ``seed``; ``rank_cut``: each candidate's place in its
+    slide's ranking goes to the fit. Returns the fit (:func:`operators.gate.fit_cluster_gate`)."""
+    slides = sorted(slides, key=lambda s: s[0])
+    if not slides:
+        raise ValueError("the cell gate has no training slides to fit on (model.experimental.gate_candidates)")
+    f_all, s_all = torch.cat([s[1] for s in slides]), torch.cat([s[2] for s in slides])
+    r_all = torch.cat([torch.arange(s[2].numel(), dtype=torch.float64) for s in slides]) if rank_cut else None
+    return gate.fit(f_all, s_all, torch.Generator().manual_seed(int(seed)), ranks=r_all)
+
+
 class Trainer:
     """Model, optimiser, LR and sigma schedules and the selection-noise generator of one training worker.
 
@@ -743,22 +760,15 @@ class Trainer:
             _, values, pixels = read_gate_candidates(model, slide, score_slide(model, slide))
             mine.append((str(rec.store), model.gate_encode(pixels).cpu(), values.cpu()))
         model.train(was_training)
-        # in store order, whatever the epoch's shuffle and the number of workers: k-means++ seeds by position, so
-        # the same training slides give the same fit
-        slides = sorted((s for p in self.collective.all_gather(mine) for s in p), key=lambda s: s[0])
-        if not slides:
-            raise ValueError("the cell gate has no training slides to fit on (model.experimental.gate_candidates)")
-        f_all, s_all = torch.cat([s[1] for s in slides]), torch.cat([s[2] for s in slides])
-        # each candidate's place in its slide's ranking (the candidates come best first)
-        r_all = torch.cat([torch.arange(s[2].numel(), dtype=torch.float64) for s in slides]) if rank_cut else None
-        fit = gate.fit(f_all, s_all, torch.Generator().manual_seed(int(self.seed)), ranks=r_all)
+        slides = [s for p in self.collective.all_gather(mine) for s in p]
+        fit = fit_gate_on_slides(gate, slides, self.seed, rank_cut)
         if self.ema_model is not None:
             self.ema_model.gate.load_state_dict(gate.state_dict())
         kept = fit["informative"][fit["assignment"]].double().mean()
         log.info(
             "cell gate fitted on %d candidates of %d training slides: %d of %d clusters informative, %.0f%% of the "
             "candidates in them",
-            f_all.shape[0],
+            fit["assignment"].numel(),
             len(slides),
             int(fit["informative"].sum()),
             fit["centroids"].shape[0],
