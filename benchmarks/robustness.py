@@ -673,6 +673,7 @@ def run_oracle(
     train_items = [item(r) for r in split.train]
     test_items = [item(r) for r in split.test]
     fit_bags(model, cfg.optim, lambda _epoch: train_items, epochs, rng)
+    refresh_bag_statistics(model, train_items)  # as the trainer ends: the training bags' feature statistics
     seconds = time.perf_counter() - t0
     ys, probs = predict_bags(model, test_items)
     m = classification_metrics(ys, probs)
@@ -732,6 +733,19 @@ def fit_bags(model, optim, epoch_bags, epochs: int, rng: np.random.Generator, on
             sched.step()
         if on_epoch is not None:
             on_epoch(epoch, float(np.mean(losses)))
+
+
+def refresh_bag_statistics(model, bags) -> int:
+    """Set the feature standardisation of ``model`` (``model.features.standardise``; none: nothing) to the exact
+    statistics of the features of ``bags`` in eval mode, as ``foveate train`` ends (``Trainer.refresh_feature_stats``).
+    Returns the rows counted."""
+    from operators.resnet import feature_moments, set_exact_statistics
+
+    if getattr(model, "feature_norm", None) is None:
+        return 0
+    with feature_moments(model.feature_norm) as moments:
+        predict_bags(model, bags)
+    return set_exact_statistics(model.feature_norm, moments)
 
 
 def predict_bags(model, bags) -> tuple[list[int], np.ndarray]:

@@ -10,7 +10,8 @@ available for experiments.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,8 @@ __all__ = [
     "ResNet",
     "RunningStandardise",
     "running_standardise",
+    "feature_moments",
+    "set_exact_statistics",
     "encoder_state",
     "architecture_of",
     "check_architecture",
@@ -124,6 +127,49 @@ class RunningStandardise(nn.Module):
                     self.var.lerp_(v, self.momentum)
                 self.count += 1
         return running_standardise(features, self.mean, self.var, self.eps)
+
+
+@contextlib.contextmanager
+def feature_moments(norm: RunningStandardise) -> Iterator[torch.Tensor]:
+    """Within the block, every call of ``norm`` adds its input rows to the yielded moments ``[2 * D + 1]``
+    (float64, CPU: the sum of the rows ``[D]``, the sum of their squares ``[D]``, the row count); ``norm``'s
+    statistics are left as they are (set them with :func:`set_exact_statistics`, after summing the moments of
+    several workers where there are)."""
+    if not isinstance(norm, RunningStandardise):
+        raise TypeError(f"norm must be a RunningStandardise, got {type(norm).__name__}")
+    dim = norm.mean.numel()
+    moments = torch.zeros(2 * dim + 1, dtype=torch.float64)
+
+    def add(_module: nn.Module, args: tuple) -> None:
+        f = args[0].detach().reshape(-1, dim).to("cpu", torch.float64)
+        moments[:dim] += f.sum(0)
+        moments[dim:-1] += (f * f).sum(0)
+        moments[-1] += f.shape[0]
+
+    hook = norm.register_forward_pre_hook(add)
+    try:
+        yield moments
+    finally:
+        hook.remove()
+
+
+@torch.no_grad()
+def set_exact_statistics(norm: RunningStandardise, moments: torch.Tensor) -> int:
+    """Set ``norm``'s mean and (unbiased) variance from :func:`feature_moments`' ``moments`` ``[2 * D + 1]``;
+    fewer than two rows leave them as they are. Returns the row count. SWA's ``update_bn`` does the same for
+    BatchNorm: statistics of the final weights on the training data instead of a running average of the last
+    batches."""
+    dim = norm.mean.numel()
+    if moments.shape != (2 * dim + 1,):
+        raise ValueError(f"moments must have shape ({2 * dim + 1},) for {dim} features, got {tuple(moments.shape)}")
+    moments = moments.to(torch.float64)
+    n = float(moments[-1])
+    if n >= 2:
+        mean = moments[:dim] / n
+        var = ((moments[dim:-1] - n * mean * mean) / (n - 1)).clamp_min(0.0)
+        norm.mean.copy_(mean.to(norm.mean))
+        norm.var.copy_(var.to(norm.var))
+    return int(n)
 
 
 def _norm(kind: str, channels: int) -> nn.Module:

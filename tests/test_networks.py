@@ -6,7 +6,14 @@ import pytest
 import torch
 
 from operators.aggregators import AGGREGATORS, build_aggregator, fourier_position_encoding
-from operators.resnet import ResNet, ResNetConfig, RunningStandardise, running_standardise
+from operators.resnet import (
+    ResNet,
+    ResNetConfig,
+    RunningStandardise,
+    feature_moments,
+    running_standardise,
+    set_exact_statistics,
+)
 from operators.scorer import ScorerCNN, ScorerConfig, cell_pool, minmax_normalise
 from operators.soft_patches import cap_support, combine_patches, unique_cells
 
@@ -64,6 +71,32 @@ def test_running_standardise_takes_its_statistics_from_the_rows_named():
     for bad in (-1, True, 2.0, torch.ones(3, dtype=torch.bool), torch.arange(10)):
         with pytest.raises(ValueError, match="stats_rows"):
             st(x, bad)
+
+
+def test_exact_statistics_are_those_of_every_row_seen_and_only_within_the_block():
+    g = torch.Generator().manual_seed(2)
+    a = torch.randn(2, 5, 3, generator=g, dtype=torch.float64) * 4 + 1  # [M..., D]: rows are every leading index
+    b = torch.randn(7, 3, generator=g, dtype=torch.float64) - 3
+    st = RunningStandardise(3).double().eval()
+    with feature_moments(st) as moments:
+        out = st(a)
+        st(b)
+    st(torch.full((4, 3), 100.0, dtype=torch.float64))  # outside the block: not counted
+    rows = torch.cat([a.reshape(-1, 3), b])
+    assert moments[-1] == 17 and torch.equal(st.mean, torch.zeros(3, dtype=torch.float64))  # not set yet
+    torch.testing.assert_close(out, a / (1 + 1e-5) ** 0.5)  # the block does not change what the module returns
+    assert set_exact_statistics(st, moments) == 17
+    torch.testing.assert_close(st.mean, rows.mean(0), rtol=0, atol=1e-12)
+    torch.testing.assert_close(st.var, rows.var(0), rtol=1e-12, atol=0)
+    before = st.mean.clone()
+    with feature_moments(st) as one:
+        st(b[:1])
+    assert set_exact_statistics(st, one) == 1 and torch.equal(st.mean, before)  # one row: nothing to estimate
+    with pytest.raises(TypeError, match="RunningStandardise"):
+        with feature_moments(torch.nn.Identity()):
+            pass
+    with pytest.raises(ValueError, match=r"shape \(7,\)"):
+        set_exact_statistics(st, torch.zeros(6))
 
 
 def test_standardise_comes_after_any_encoder_and_follows_training_when_the_encoder_is_frozen(tmp_path):

@@ -297,3 +297,26 @@ def test_prepare_data_waits_for_another_benchmark_preparing_the_same_data(rb, tm
         (d / "READY").write_text("{}\n")  # the first one finishes
     t.join(10)
     assert not t.is_alive() and got["stores"] == d / "stores" and not calls
+
+
+def test_the_oracle_ends_with_its_training_bags_feature_statistics(rb):
+    from operators.config import from_dict
+    from operators.model_config import ModelConfig
+
+    feats = {"widths": [4], "blocks": [1], "feature_dim": 4}
+    torch.manual_seed(0)
+    model = FoveateModel(from_dict(ModelConfig, {"features": {**feats, "standardise": True}, "num_classes": 2}))
+    g = torch.Generator().manual_seed(0)
+    bags = [
+        (torch.randint(0, 256, (3, 3, 16, 16), generator=g, dtype=torch.uint8), torch.rand(3, 2, generator=g), i % 2)
+        for i in range(4)
+    ]
+    assert rb.refresh_bag_statistics(model, bags) == 12
+    rows = []
+    hook = model.feature_norm.register_forward_hook(lambda _m, _a, out: rows.append(out))
+    rb.predict_bags(model, bags)
+    hook.remove()
+    out = torch.cat(rows)  # standardised by the bags' own statistics: mean 0
+    torch.testing.assert_close(out.mean(0), torch.zeros(4), rtol=0, atol=1e-4)
+    plain = FoveateModel(from_dict(ModelConfig, {"features": feats, "num_classes": 2}))
+    assert rb.refresh_bag_statistics(plain, bags) == 0

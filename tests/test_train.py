@@ -335,14 +335,18 @@ def test_weight_average_follows_its_recursion_and_is_what_is_evaluated_and_saved
 
     with pytest.raises(ConfigError, match="ema_epochs"):
         load_config(TrainConfig, _config_file(tmp_path, slides), ["optim.ema_epochs=-1"])
-    c = load_config(TrainConfig, _config_file(tmp_path, slides), ["optim.ema_epochs=1.5"])
+    c = load_config(
+        TrainConfig, _config_file(tmp_path, slides), ["optim.ema_epochs=1.5", "model.features.standardise=true"]
+    )
     table = build_slide_table(c.data)
     c = dataclasses.replace(c, model=dataclasses.replace(c.model, num_classes=table.num_classes))
     train_recs, val_recs = split_train_val(table.records, c.data.val_fraction, c.data.seed)
-    snaps = []
+    snaps, stats = [], []
 
     def snapshot(metrics, step):
         snaps.append([p.detach().double().clone() for p in trainer.model.parameters()])
+        norm = trainer.model.feature_norm
+        stats.append((norm.mean.double().clone(), norm.var.double().clone(), int(norm.count)))
 
     torch.manual_seed(0)
     trainer = Trainer(c.model, c.optim, c.schedule, slides_per_epoch=len(train_recs), seed=c.seed, on_step=snapshot)
@@ -357,6 +361,16 @@ def test_weight_average_follows_its_recursion_and_is_what_is_evaluated_and_saved
         expected = [d * e + (1 - d) * p for e, p in zip(expected, params)]
     got = [p.double() for p in trainer.ema_model.parameters()]
     assert all(torch.allclose(g, e, rtol=0, atol=1e-6) for g, e in zip(got, expected))
+    # the running feature statistics are averaged the same way (the first update copies them: the average's own
+    # were never set), the count is copied
+    mean, var = stats[0][0], stats[0][1]
+    for t, (m, v, _) in enumerate(stats[1:], start=1):
+        d = min(decay, (1 + t) / (10 + t))
+        mean, var = d * mean + (1 - d) * m, d * var + (1 - d) * v
+    ema_norm = trainer.ema_model.feature_norm
+    torch.testing.assert_close(ema_norm.mean.double(), mean, rtol=0, atol=1e-6)
+    torch.testing.assert_close(ema_norm.var.double(), var, rtol=0, atol=1e-6)
+    assert int(ema_norm.count) == stats[-1][2] and not torch.allclose(ema_norm.mean.double(), stats[-1][0])
     assert any(not torch.equal(g, p.double()) for g, p in zip(got, trainer.model.parameters()))
     # evaluation uses the average, not the last weights
     ev = trainer.evaluate(val_recs)
@@ -372,6 +386,55 @@ def test_weight_average_follows_its_recursion_and_is_what_is_evaluated_and_saved
     plain = load_config(TrainConfig, _config_file(tmp_path, slides))
     off = Trainer(c.model, plain.optim, plain.schedule, slides_per_epoch=len(train_recs), seed=0)
     assert off.eval_model is off.model and "ema" not in off.state_dict()
+
+
+def test_training_ends_with_the_feature_statistics_of_the_training_slides(tmp_path, slides):
+    """At the end (here the cap), the exported model's standardisation is the exact mean / variance of the
+    features it computes for the training slides in eval mode: standardised, they have mean 0 and variance 1 (the
+    running statistics of the last slides did not), and the validation is run again with them (final_val_*)."""
+    from pipeline.data import build_slide_table, shard, split_train_val
+    from workers.trainer import Trainer
+
+    c = load_config(
+        TrainConfig, _config_file(tmp_path, slides), ["optim.ema_epochs=1", "model.features.standardise=true"]
+    )
+    table = build_slide_table(c.data)
+    c = dataclasses.replace(c, model=dataclasses.replace(c.model, num_classes=table.num_classes))
+    train_recs, val_recs = split_train_val(table.records, c.data.val_fraction, c.data.seed)
+    torch.manual_seed(0)
+    trainer = Trainer(c.model, c.optim, c.schedule, slides_per_epoch=len(train_recs), seed=c.seed)
+    model = trainer.eval_model
+
+    def standardised() -> torch.Tensor:
+        rows = []
+        hook = model.feature_norm.register_forward_hook(lambda _m, _a, out: rows.append(out.double()))
+        with torch.no_grad():
+            for rec in train_recs:
+                forward_slide(model.eval(), trainer._store(rec.store), training=False)
+        hook.remove()
+        return torch.cat(rows)
+
+    from workers.slide_forward import forward_slide
+
+    metrics = trainer.run_epoch(shard(train_recs, 0, 1, epoch=0, seed=0), val_recs)
+    assert trainer.stop_reason is None and "final_val_accuracy" not in metrics
+    before = standardised()
+    assert before.mean(0).abs().max() > 0.05  # the running statistics are not the training slides' own
+    metrics = trainer.run_epoch(shard(train_recs, 0, 1, epoch=1, seed=0), val_recs)
+    assert trainer.stop_reason == "cap"
+    after = standardised()
+    assert after.shape[0] > 2
+    torch.testing.assert_close(after.mean(0), torch.zeros(after.shape[1], dtype=torch.float64), rtol=0, atol=1e-4)
+    v = model.feature_norm.var.double()  # variance 1 up to the standardisation's eps
+    torch.testing.assert_close(after.var(0), v / (v + model.feature_norm.eps), rtol=1e-4, atol=0)
+    ev = trainer.evaluate(val_recs)  # final_val_* is the exported model's validation
+    assert metrics["final_val_accuracy"] == classification_metrics(ev.targets, np.array(ev.probs))["accuracy"]
+    assert metrics["final_val_loss"] == pytest.approx(ev.loss / len(val_recs))
+    plain = Trainer(c.model, dataclasses.replace(c.optim, ema_epochs=0), c.schedule, slides_per_epoch=2)
+    assert plain.refresh_feature_stats(train_recs) > 2 and plain.eval_model is plain.model
+    features = dataclasses.replace(c.model.features, standardise=False)
+    no_norm = Trainer(dataclasses.replace(c.model, features=features), c.optim, c.schedule, slides_per_epoch=2)
+    assert no_norm.refresh_feature_stats(train_recs) == 0
 
 
 # ------------------------------------------------------------------------------------------ early stopping

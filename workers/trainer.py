@@ -580,13 +580,24 @@ class Trainer:
 
     @torch.no_grad()
     def _update_ema(self) -> None:
-        """``ema = d * ema + (1 - d) * weights`` after an optimizer step (buffers copied as they are)."""
+        """``ema = d * ema + (1 - d) * weights`` after an optimizer step, and the same for floating-point buffers
+        (the running feature statistics of ``model.features.standardise`` follow the last ~20 slides; the averaged
+        weights get them averaged over the same steps, as timm's ModelEmaV2 averages BatchNorm's); integer and
+        bool buffers are copied, and so are the statistics of a standardisation the average has not seen yet
+        (fresh after a restart)."""
+        from operators.resnet import RunningStandardise
+
         t = self.global_step  # steps done before this one
         d = min(self.ema_decay, (1.0 + t) / (10.0 + t))
         for e, p in zip(self.ema_model.parameters(), self.model.parameters()):
             e.lerp_(p.detach(), 1.0 - d)
-        for e, b in zip(self.ema_model.buffers(), self.model.buffers()):
-            e.copy_(b)
+        for mod_e, mod in zip(self.ema_model.modules(), self.model.modules()):
+            fresh = isinstance(mod_e, RunningStandardise) and int(mod_e.count) == 0
+            for e, b in zip(mod_e.buffers(recurse=False), mod.buffers(recurse=False)):
+                if e.is_floating_point() and not fresh:
+                    e.lerp_(b, 1.0 - d)
+                else:
+                    e.copy_(b)
 
     # ------------------------------------------------------------------ slides
     def _store(self, path: str):
@@ -851,9 +862,36 @@ class Trainer:
                 patches += num_patches(out)
         return EvalResult(targets, probs, loss_sum, patches)
 
+    @torch.no_grad()
+    def refresh_feature_stats(self, records: Sequence[Any]) -> int:
+        """Set :attr:`eval_model`'s feature standardisation (``model.features.standardise``) to the exact mean and
+        variance of the features it computes for ``records`` (this worker's training slides; summed over all
+        workers) with hard selection in eval mode, as it will see slides at inference — what SWA's ``update_bn``
+        does for BatchNorm. The running statistics follow the last ~20 training slides, so a linear head on top
+        sees a mean that moves with the classes of those slides: its held-out accuracy swung by 10–20 points
+        between epochs at a steady AUC (benchmarks/RESULTS.md, "The feature statistics at the end of training").
+        Returns the number of feature rows over all workers (0: nothing to refresh)."""
+        from operators.resnet import feature_moments, set_exact_statistics
+
+        model = self.eval_model
+        norm = getattr(model, "feature_norm", None)
+        if norm is None:
+            return 0
+        was_training = model.training
+        model.eval()
+        try:
+            with feature_moments(norm) as moments:
+                for rec in records:
+                    self._forward(self._store(rec.store), training=False, sigma=0.0, model=model)
+        finally:
+            model.train(was_training)
+        return set_exact_statistics(norm, sum(self.collective.all_gather(moments)))
+
     def run_epoch(self, train_records: Sequence[Any], val_records: Sequence[Any]) -> dict[str, float]:
         """:meth:`train_epoch` then :meth:`evaluate` on this worker's validation shard; the epoch's metrics
-        over all workers (full on rank 0; only ``epoch`` and ``global_step`` on the others)."""
+        over all workers (full on rank 0; only ``epoch`` and ``global_step`` on the others). When training ends
+        here (early stopping or the cap), the exported model's feature statistics are refreshed over the training
+        slides (:meth:`refresh_feature_stats`) and it is validated again: ``final_val_*``."""
         ep = self.train_epoch(train_records)
         val = self.evaluate(val_records)
         gathered = self.collective.all_gather(
@@ -886,6 +924,15 @@ class Trainer:
             metrics["epoch_peak_memory_mb"] = peak_memory_mb(self.device)
             metrics["train_seconds"] = self.train_seconds
         self._early_stopping(metrics)
+        if self.stop_reason is not None and self.refresh_feature_stats(train_records) > 1:
+            val = self.evaluate(val_records)
+            gathered = self.collective.all_gather((val.targets, val.probs, val.loss))
+            vt = [t for g in gathered for t in g[0]]
+            if self.rank == 0 and vt:
+                metrics["final_val_loss"] = sum(g[2] for g in gathered) / len(vt)
+                metrics.update(
+                    classification_metrics(vt, np.array([p for g in gathered for p in g[1]]), prefix="final_val_")
+                )
         return metrics
 
     def _early_stopping(self, metrics: dict[str, float]) -> None:
