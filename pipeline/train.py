@@ -103,7 +103,9 @@ class TrainResult:
             f"look at it: {run_url(self.tracking_uri, self.experiment_id, self.run_id)}",
         ]
         shown = {
-            k: v for k, v in self.metrics.items() if k.startswith(("val_", "epoch_train_")) or k == "train_seconds"
+            k: v
+            for k, v in self.metrics.items()
+            if k.startswith(("val_", "final_val_", "epoch_train_")) or k == "train_seconds"
         }
         if shown:
             lines.append("final: " + ", ".join(f"{k}={v:.4g}" for k, v in sorted(shown.items())))
