@@ -4,43 +4,25 @@ what the trainer does when training ends; a model without a standardisation is r
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
-import numpy as np
 import pytest
 import torch
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+from benchmark_modules import load_benchmark
 
 
 def test_retest_refreshes_the_statistics_on_the_training_slides_only(tmp_path):
     from test_two_phase import _config
-    from tiny_stores import rare_structures_image
+    from tiny_stores import rare_structures_views
 
     from operators.checkpoint import checkpoint_dict
     from operators.model import FoveateModel
     from workers.slide_forward import forward_slide
-    from workers.store import SlideStore, write_store_from_array
+    from workers.store import SlideStore
 
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    _load("robustness")
-    fs = _load("feature_stats")
-    img = rare_structures_image()
-    recs = []
-    for i, view in enumerate((img, img[::-1], img[:, ::-1], np.roll(img, 200, axis=1), np.roll(img, 300, axis=0))):
-        write_store_from_array(tmp_path / f"s{i}.zarr", np.ascontiguousarray(view), tile_size=128, min_size=64)
-        recs.append(SimpleNamespace(store=str(tmp_path / f"s{i}.zarr"), target=i % 2))
+    load_benchmark("robustness")
+    fs = load_benchmark("feature_stats")
+    recs = rare_structures_views(tmp_path)
     cfg = _config(discovery=False)
     cfg = dataclasses.replace(cfg, features=dataclasses.replace(cfg.features, standardise=True))
     torch.manual_seed(0)

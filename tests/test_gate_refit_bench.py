@@ -3,41 +3,22 @@ the gate's own, and no bag holds more objects than the candidates."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
-import numpy as np
 import pytest
 import torch
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+from benchmark_modules import load_benchmark
 
 
 def test_refit_is_the_trainers_fit_and_scores_the_held_out_bags(tmp_path):
     from test_gate import _gated_config
-    from tiny_stores import rare_structures_image
+    from tiny_stores import rare_structures_views
 
-    from workers.store import write_store_from_array
     from workers.trainer import OptimConfig, ScheduleConfig, Trainer
 
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    _load("robustness")
-    gr = _load("gate_refit")
-    img = rare_structures_image()
-    recs = []
-    for i, view in enumerate((img, img[::-1], img[:, ::-1], np.roll(img, 200, axis=1), np.roll(img, 300, axis=0))):
-        write_store_from_array(tmp_path / f"s{i}.zarr", np.ascontiguousarray(view), tile_size=128, min_size=64)
-        recs.append(SimpleNamespace(store=str(tmp_path / f"s{i}.zarr"), target=i % 2))
+    load_benchmark("robustness")
+    gr = load_benchmark("gate_refit")
+    recs = rare_structures_views(tmp_path)
     train, test = recs[:4], recs[4:]
     tr = Trainer(_gated_config(), OptimConfig(epochs=2), ScheduleConfig(select_until=0.5), slides_per_epoch=4, seed=3)
     tr._train_records = train[::-1]  # an epoch's order: the fit does not depend on it

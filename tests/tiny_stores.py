@@ -1,9 +1,11 @@
 """Tiny stores for the training tests: labelled 256x256 slides, the class carried by a 16x16 checkerboard's
-contrast (0: no checkerboard); one 512x512 slide with two small rare structures (:func:`rare_structures_store`)."""
+contrast (0: no checkerboard); one 512x512 slide with two small rare structures (:func:`rare_structures_store`, five views of it:
+:func:`rare_structures_views`)."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pandas as pd
@@ -46,3 +48,14 @@ def rare_structures_image() -> np.ndarray:
 def rare_structures_store(path: Path):
     """:func:`rare_structures_image` as a real Zarr store at ``path`` (128 px tiles); returns the opened store."""
     return write_store_from_array(path, rare_structures_image(), tile_size=128, min_size=64)
+
+
+def rare_structures_views(root: Path) -> list[SimpleNamespace]:
+    """Five stores ``root/s{i}.zarr`` of :func:`rare_structures_image` seen five ways (as is, flipped up-down and
+    left-right, rolled 200 px along x and 300 px along y): slide records ``(store, target = i % 2)``."""
+    img = rare_structures_image()
+    recs = []
+    for i, view in enumerate((img, img[::-1], img[:, ::-1], np.roll(img, 200, axis=1), np.roll(img, 300, axis=0))):
+        write_store_from_array(root / f"s{i}.zarr", np.ascontiguousarray(view), tile_size=128, min_size=64)
+        recs.append(SimpleNamespace(store=str(root / f"s{i}.zarr"), target=i % 2))
+    return recs
