@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -72,7 +70,7 @@ def retest(model, split) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from robustness import load_split
+    from robustness import checkpoint_result, load_split
 
     from operators.checkpoint import load_checkpoint
 
@@ -88,12 +86,7 @@ def main(argv: list[str] | None = None) -> dict:
         if model.feature_norm is None:
             raise SystemExit(f"{ck} has no feature standardisation (model.features.standardise is false)")
     split = load_split(args.config, args.stores, [])
-    result = {
-        "command": "python benchmarks/feature_stats.py " + " ".join(sys.argv[1:] if argv is None else argv),
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "machine": f"{platform.machine()} {platform.processor() or ''} torch {torch.__version__}".strip(),
-        "checkpoints": [],
-    }
+    result = checkpoint_result("feature_stats.py", argv)
     print(f"{'checkpoint':40s}  accuracy (AUC)  refreshed (AUC)  shift med/max  var ratio")
     for ck, model in models.items():
         row = {"checkpoint": ck.parent.name, **retest(model, split)}

@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -123,7 +121,7 @@ def _ints(text: str) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from robustness import load_split
+    from robustness import checkpoint_result, load_split
 
     from operators.checkpoint import load_checkpoint
 
@@ -139,12 +137,7 @@ def main(argv: list[str] | None = None) -> dict:
         p.error(f"--seedings must be >= 1, got {args.seedings}")
     torch.set_num_threads(1)
     split = load_split(args.config, args.stores, [])
-    result = {
-        "command": "python benchmarks/gate_refit.py " + " ".join(sys.argv[1:] if argv is None else argv),
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "machine": f"{platform.machine()} {platform.processor() or ''} torch {torch.__version__}".strip(),
-        "checkpoints": [],
-    }
+    result = checkpoint_result("gate_refit.py", argv)
     print(f"{'checkpoint':40s} {'k':>3s}  hit rate        object recall   decidable       size")
     for ck in args.checkpoint:
         model, _, _ = load_checkpoint(ck)

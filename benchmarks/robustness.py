@@ -426,6 +426,19 @@ class Split:
     distractors: dict[str, list[dict]] = field(default_factory=dict)  # store -> distractor boxes (objects task)
 
 
+def checkpoint_result(script: str, argv: list[str] | None) -> dict[str, Any]:
+    """The head of the JSON the checkpoint re-test scripts (``gate_refit.py``, ``feature_stats.py``) write: the
+    command as run, the date, the machine, and an empty ``checkpoints`` list they fill."""
+    import torch
+
+    return {
+        "command": f"python benchmarks/{script} " + " ".join(sys.argv[1:] if argv is None else argv),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "machine": f"{platform.machine()} {platform.processor() or ''} torch {torch.__version__}".strip(),
+        "checkpoints": [],
+    }
+
+
 def load_split(config: str, stores: Path, overrides: list[str]) -> Split:
     """The train/test split ``foveate train`` makes for this config, plus each slide's informative boxes."""
     import pandas as pd
