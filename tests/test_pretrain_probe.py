@@ -2,23 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
-
-ROOT = Path(__file__).resolve().parents[1]
+from benchmark_modules import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def probe():
-    sys.path.insert(0, str(ROOT))
-    spec = importlib.util.spec_from_file_location("pretrain_probe_bench", ROOT / "benchmarks" / "pretrain_probe.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("pretrain_probe")
 
 
 def test_slide_vote_is_the_strict_mode_of_the_predicted_kinds(probe):

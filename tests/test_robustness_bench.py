@@ -4,15 +4,14 @@ training that early-stops on a validation split carved from the training slides.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
+from benchmark_modules import load_benchmark
 
 from operators.model import FoveateModel
 from workers.slide_forward import gate_candidates
@@ -22,11 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def rb():
-    spec = importlib.util.spec_from_file_location("robustness_bench", ROOT / "benchmarks" / "robustness.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["robustness_bench"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("robustness")
 
 
 def test_hits_of(rb):

@@ -1,6 +1,6 @@
 """Tiny stores for the training tests: labelled 256x256 slides, the class carried by a 16x16 checkerboard's
-contrast (0: no checkerboard); one 512x512 slide with two small rare structures (:func:`rare_structures_store`, five views of it:
-:func:`rare_structures_views`)."""
+contrast (0: no checkerboard); one 512x512 slide with two small rare structures (:func:`rare_structures_store`;
+five views of it: :func:`rare_structures_views`)."""
 
 from __future__ import annotations
 
