@@ -536,3 +536,52 @@ def test_the_gate_fit_depends_on_the_training_slides_not_their_order(tmp_path):
             if k.startswith("encoder."):
                 continue
             assert torch.equal(v, other[k]), k
+
+
+def test_select_restart_features_from_the_gate_encoder(tmp_path):
+    """``schedule.select_restart_features: gate_encoder``: at the switch the model's feature network becomes a
+    trainable copy of the gate's pretrained encoder; the gate's own stays frozen and unchanged by training."""
+    from operators.errors import ConfigError
+    from operators.resnet import ResNet
+    from workers.trainer import EpochResult
+
+    with pytest.raises(ConfigError, match="select_restart_features"):
+        ScheduleConfig(select_until=0.5, select_restart=True, select_restart_features="pretrain")
+    with pytest.raises(ConfigError, match="select_restart_features"):
+        ScheduleConfig(select_until=0.5, select_restart_features="gate_encoder")  # no restart
+    schedule = ScheduleConfig(
+        sigma_start=0.1, sigma_end=0.1, select_until=0.5, select_restart=True, select_restart_features="gate_encoder"
+    )
+    optim = OptimConfig(epochs=2, accumulate=1, lr=0.05, warmup=0, weight_decay=0.1, ema_epochs=1)
+    with pytest.raises(ValueError, match="gate_encoder"):  # the gate's encoder is a copy of the model's: refused
+        Trainer(_gated_config(), optim, schedule, slides_per_epoch=2)
+    store = _store(tmp_path)
+    base = _gated_config()
+    torch.manual_seed(7)
+    pretrained = ResNet(base.features.resnet()).state_dict()
+    torch.save(pretrained, tmp_path / "encoder.pt")
+    cfg = dataclasses.replace(
+        base, experimental=dataclasses.replace(base.experimental, gate_encoder=str(tmp_path / "encoder.pt"))
+    )
+    tr = Trainer(cfg, optim, schedule, slides_per_epoch=2, seed=3)
+    assert any(not torch.equal(v, pretrained[k]) for k, v in tr.model.features.state_dict().items())
+    records = [SimpleNamespace(store=store, target=0), SimpleNamespace(store=store, target=1)]
+    tr._train_records = records
+    seen = []
+    restart = tr._restart_classifier
+
+    def spy():
+        restart()
+        seen.append({k: v.clone() for k, v in tr.model.features.state_dict().items()})
+
+    tr._restart_classifier = spy
+    for i in range(4):
+        tr.step(records[i % 2 : i % 2 + 1], EpochResult(started=0.0))
+    assert len(seen) == 1
+    for k, v in seen[0].items():  # at the switch: the pretrained weights
+        assert torch.equal(v, pretrained[k]), k
+    assert tr.model.features is not tr.model.gate.encoder
+    assert any(p.requires_grad for p in tr.model.features.parameters())
+    assert any(not torch.equal(v, pretrained[k]) for k, v in tr.model.features.state_dict().items())  # fine-tuned
+    for k, v in tr.model.gate.encoder.state_dict().items():  # the gate's stays
+        assert torch.equal(v, pretrained[k]), k

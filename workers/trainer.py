@@ -155,6 +155,11 @@ class ScheduleConfig:
     learning rate runs its warm-up and cosine again over the remaining steps; the fixed scorer and a cell gate
     (fitted before the restart, on the encoder as it was) stay. Under study; False (default): the classifier goes on.
 
+    ``select_restart_features``: where the restarted feature network starts: ``fresh``, a new initialisation (or
+    ``model.features.init`` when set); ``gate_encoder``, the cluster gate's own frozen encoder
+    (``model.experimental.gate_encoder``, e.g. pretrained on the training slides without labels), copied and then
+    fine-tuned. Under study; ``fresh`` (default).
+
     ``gate_refits``: with a cell gate (``model.experimental.gate_candidates``), fit it again this many times, evenly
     spaced through the second phase, on the encoder as it is then (its bags and the encoder can improve each other).
     Under study; 0 (default): fitted once, at the switch.
@@ -169,6 +174,7 @@ class ScheduleConfig:
     select_until: float | None = None
     select_bag: str = "topk"
     select_restart: bool = False
+    select_restart_features: str = "fresh"
     gate_refits: int = 0
 
     def __post_init__(self) -> None:
@@ -197,6 +203,18 @@ class ScheduleConfig:
             self.select_restart,
             not self.select_restart or self.select_until is not None,
             "false without schedule.select_until (the restart is at its switch)",
+        )
+        _check(
+            "schedule.select_restart_features",
+            self.select_restart_features,
+            self.select_restart_features in ("fresh", "gate_encoder"),
+            "'fresh' or 'gate_encoder'",
+        )
+        _check(
+            "schedule.select_restart_features",
+            self.select_restart_features,
+            self.select_restart_features == "fresh" or self.select_restart,
+            "'fresh' without schedule.select_restart (the features restart there)",
         )
         _check(
             "schedule.gate_refits",
@@ -511,6 +529,15 @@ class Trainer:
                 f"selection is fixed); got gate_candidates={model_config.experimental.gate_candidates} and "
                 "schedule.select_until=None: set schedule.select_until (e.g. 0.5) or gate_candidates: 0"
             )
+        if schedule.select_restart_features == "gate_encoder" and (
+            model_config.experimental.gate_candidates <= 0 or model_config.experimental.gate_encoder is None
+        ):
+            raise ValueError(
+                "schedule.select_restart_features='gate_encoder' starts the second phase's feature network from the "
+                "cluster gate's own encoder; it needs model.experimental.gate_candidates > 0 and "
+                "model.experimental.gate_encoder (a file, an MLflow URI or 'pretrain'); got gate_candidates="
+                f"{model_config.experimental.gate_candidates}, gate_encoder={model_config.experimental.gate_encoder!r}"
+            )
         self.model = FoveateModel(model_config)
         _load_resolved(
             self.model.features, features_init, "model.features.init", model_config.features.init, "features_init"
@@ -801,7 +828,9 @@ class Trainer:
             if mine is None:
                 continue
             state = getattr(fresh, name).state_dict()
-            if name == "features" and self._features_init is not None:  # a pretrained start stays the start
+            if name == "features" and self.schedule.select_restart_features == "gate_encoder":
+                state = self.model.gate.encoder.state_dict()  # the gate's own copy stays frozen
+            elif name == "features" and self._features_init is not None:  # a pretrained start stays the start
                 state = self._features_init
             mine.load_state_dict(state)
             for p in mine.parameters():
