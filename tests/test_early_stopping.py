@@ -161,11 +161,41 @@ def test_after_chance_counts_only_once_chance_is_beaten_and_restarts_with_the_cl
     assert EarlyStopping.from_config(dataclasses.replace(cfg, after_chance=False)).after_chance is False
 
 
+def test_chance_must_be_beaten_on_epochs_in_a_row():
+    """``chance_epochs``: every epoch tests the same validation split again, so one epoch past p < 0.05 (a lucky
+    one) does not start the count; ``chance_epochs`` in a row do, the last of them the first candidate."""
+    losses = [0.70, 0.68, 0.69, 0.70, 0.71, 0.72, 0.60, 0.55, 0.58, 0.59]
+    beats = [False, True, False, False, False, False, True, True, True, True]
+    one = EarlyStopping("val_loss", patience=3, after_chance=True)  # one epoch: the lucky epoch 2 starts the count
+    assert [one.update(e, v, beats_chance=b) for e, (v, b) in enumerate(zip(losses, beats), 1)].index(True) == 4
+    assert one.chance_epoch == 2  # stopped after epoch 5, before the model learnt (epochs 7-10)
+    two = EarlyStopping("val_loss", patience=3, after_chance=True, chance_epochs=2)
+    stops = [two.update(e, v, beats_chance=b) for e, (v, b) in enumerate(zip(losses, beats), 1)]
+    assert not any(stops) and (two.chance_epoch, two.best_epoch, two.bad_epochs) == (8, 8, 2)
+    state = two.state_dict()  # a streak under way survives a checkpoint
+    three = EarlyStopping("val_loss", patience=3, after_chance=True, chance_epochs=3)
+    three.update(1, 0.7, beats_chance=True)
+    three.update(2, 0.6, beats_chance=True)
+    mid = three.state_dict()
+    resumed = EarlyStopping("val_loss", patience=3, after_chance=True, chance_epochs=3)
+    resumed.load_state_dict(mid)
+    resumed.update(3, 0.65, beats_chance=True)
+    assert resumed.chance_epoch == 3 and state["chance_streak"] == 4
+    resumed.restart()  # a new classifier starts its streak again
+    assert resumed.chance_streak == 0 and resumed.chance_epoch == 0
+    assert EarlyStopping.from_config(EarlyStoppingConfig()).chance_epochs == 2
+    for bad in (0, 1.5, True):
+        with pytest.raises(ConfigError, match="early_stopping.chance_epochs"):
+            EarlyStoppingConfig(chance_epochs=bad)
+        with pytest.raises(ValueError, match="chance_epochs"):
+            EarlyStopping("val_loss", chance_epochs=bad)
+
+
 # ------------------------------------------------------------------------------------------ config
 def test_config_section_defaults_and_errors():
     cfg = load_config(TrainConfig, None)
     assert cfg.early_stopping == EarlyStoppingConfig(
-        metric="val_loss", patience=5, min_delta=0.0, min_epochs=0, after_chance=True
+        metric="val_loss", patience=5, min_delta=0.0, min_epochs=0, after_chance=True, chance_epochs=2
     )
     assert to_dict(cfg)["early_stopping"] == {
         "metric": "val_loss",
@@ -173,6 +203,7 @@ def test_config_section_defaults_and_errors():
         "min_delta": 0.0,
         "min_epochs": 0,
         "after_chance": True,
+        "chance_epochs": 2,
     }
     with pytest.raises(ConfigError, match="early_stopping.after_chance: got 'yes', must be true or false"):
         EarlyStoppingConfig(after_chance="yes")

@@ -72,8 +72,9 @@ class EarlyStoppingConfig:
     the switch of ``schedule.select_until`` (``schedule.select_restart``) is a new model: the rule starts over there
     (no best, no count), so the exported model is the best epoch of the second phase, never a first-phase one.
     With ``after_chance`` the count of epochs without an improvement starts only once the validation accuracy has
-    beaten chance (the majority class's share of the validation split, one-sided binomial test at p < 0.05), and
-    that epoch is the first candidate for export: a classifier still at chance (the first epochs of a restarted
+    beaten chance (the majority class's share of the validation split, one-sided binomial test at p < 0.05) on
+    ``chance_epochs`` epochs in a row (each epoch looks at the same split again, so one epoch past p < 0.05 can be
+    luck), and the last of them is the first candidate for export: a classifier still at chance (the first epochs of a restarted
     one, a model before its discovery) is neither stopped nor kept for its (chance-level) validation loss.
     On a validation split too small for the test to pass (4 slides or fewer in two classes: 4 of 4 right has
     p = 0.0625) training runs to the cap and exports the best epoch.
@@ -90,10 +91,14 @@ class EarlyStoppingConfig:
     after_chance: bool = True
     """Count epochs without an improvement only once the validation accuracy has beaten chance (p < 0.05); the
     epochs before are no candidates for the exported model (unless chance is never beaten)."""
+    chance_epochs: int = 2
+    """With ``after_chance``: epochs in a row the validation accuracy must beat chance before the count starts."""
 
     def __post_init__(self) -> None:
         if self.metric not in METRICS:
             raise ConfigError(f"early_stopping.metric: got {self.metric!r}, must be one of {list(METRICS)}")
+        if isinstance(self.chance_epochs, bool) or not isinstance(self.chance_epochs, int) or self.chance_epochs < 1:
+            raise ConfigError(f"early_stopping.chance_epochs: got {self.chance_epochs!r}, must be an integer >= 1")
         for name in ("patience", "min_epochs"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
@@ -115,9 +120,10 @@ class EarlyStopping:
         min_epochs: :meth:`update` never returns True for an epoch below this.
         mode: ``"min"`` or ``"max"``; default from :data:`METRICS`.
         after_chance: count epochs without an improvement only from the first epoch :meth:`update` is told the
-            model beats chance (``beats_chance=True``), and take that epoch as the first candidate (the best
-            until then, an epoch at chance, is dropped); before it the best is kept (what a run that never
-            beats chance exports) but the count stays 0.
+            model beats chance (``beats_chance=True``) for the ``chance_epochs``-th time in a row, and take that
+            epoch as the first candidate (the best until then, an epoch at chance, is dropped); before it the best
+            is kept (what a run that never beats chance exports) but the count stays 0.
+        chance_epochs: see ``after_chance`` (>= 1).
 
     A NaN value (e.g. the AUC of a validation split with one class) is never an improvement; while no finite value
     has been seen there is no best, and the rule never stops.
@@ -132,12 +138,15 @@ class EarlyStopping:
         min_epochs: int = 0,
         mode: str | None = None,
         after_chance: bool = False,
+        chance_epochs: int = 1,
     ):
         mode = METRICS.get(metric) if mode is None else mode
         if mode not in ("min", "max"):
             raise ValueError(f"mode: got {mode!r} for metric {metric!r}, must be 'min' or 'max'")
         if patience < 1:
             raise ValueError(f"patience: got {patience!r}, must be >= 1")
+        if isinstance(chance_epochs, bool) or not isinstance(chance_epochs, int) or chance_epochs < 1:
+            raise ValueError(f"chance_epochs: got {chance_epochs!r}, must be an integer >= 1")
         self.metric, self.mode = metric, mode
         self.patience, self.min_delta, self.min_epochs = int(patience), float(min_delta), int(min_epochs)
         self.best: float | None = None
@@ -145,7 +154,9 @@ class EarlyStopping:
         self.bad_epochs = 0  # epochs since the best
         self.stopped_epoch = 0  # the epoch update() returned True for; 0: not stopped
         self.after_chance = bool(after_chance)
-        self.chance_epoch = 0  # the first epoch told the model beats chance (after_chance); 0: not yet
+        self.chance_epochs = int(chance_epochs)
+        self.chance_epoch = 0  # the epoch the count started at (after_chance); 0: not yet
+        self.chance_streak = 0  # epochs in a row told the model beats chance, up to the current one
 
     @classmethod
     def from_config(cls, config: EarlyStoppingConfig, *, min_epochs: int | None = None) -> EarlyStopping:
@@ -156,6 +167,7 @@ class EarlyStopping:
             min_delta=config.min_delta,
             min_epochs=config.min_epochs if min_epochs is None else min_epochs,
             after_chance=config.after_chance,
+            chance_epochs=config.chance_epochs,
         )
 
     def improves(self, value: float) -> bool:
@@ -176,8 +188,10 @@ class EarlyStopping:
     def update(self, epoch: int, value: float, *, beats_chance: bool = False) -> bool:
         """Record ``epoch``'s (1-based) metric ``value`` and whether the model beats chance this epoch (read with
         ``after_chance`` only); True when training should stop after this epoch."""
-        if self.after_chance and beats_chance and self.chance_epoch == 0:
-            # the first epoch past chance is the first candidate: an earlier one at chance is never exported
+        self.chance_streak = self.chance_streak + 1 if beats_chance else 0
+        if self.after_chance and self.chance_streak >= self.chance_epochs and self.chance_epoch == 0:
+            # the first epoch past chance (the last of a streak) is the first candidate: an earlier one is never
+            # exported
             self.chance_epoch = int(epoch)
             self.best, self.best_epoch, self.bad_epochs = None, 0, 0
         if self.improves(value):
@@ -194,6 +208,7 @@ class EarlyStopping:
         ``schedule.select_restart``; with ``after_chance`` it has to beat chance again); ``min_epochs`` and a stop
         already decided stay."""
         self.best, self.best_epoch, self.bad_epochs, self.chance_epoch = None, 0, 0, 0
+        self.chance_streak = 0
 
     @property
     def stopped(self) -> bool:
@@ -213,6 +228,7 @@ class EarlyStopping:
             "bad_epochs": self.bad_epochs,
             "stopped_epoch": self.stopped_epoch,
             "chance_epoch": self.chance_epoch,
+            "chance_streak": self.chance_streak,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -228,6 +244,7 @@ class EarlyStopping:
         self.bad_epochs = int(state.get("bad_epochs", 0))
         self.stopped_epoch = int(state.get("stopped_epoch", 0))
         self.chance_epoch = int(state.get("chance_epoch", 0))
+        self.chance_streak = int(state.get("chance_streak", 0))
 
 
 def stop_message(metric: str, min_delta: float, stopped_epoch: int, best_epoch: int, best: float) -> str:
