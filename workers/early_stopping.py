@@ -74,8 +74,9 @@ class EarlyStoppingConfig:
     With ``after_chance`` the count of epochs without an improvement starts only once the validation accuracy has
     beaten chance (the majority class's share of the validation split, one-sided binomial test at p < 0.05) on
     ``chance_epochs`` epochs in a row (each epoch looks at the same split again, so one epoch past p < 0.05 can be
-    luck), and the last of them is the first candidate for export: a classifier still at chance (the first epochs of a restarted
-    one, a model before its discovery) is neither stopped nor kept for its (chance-level) validation loss.
+    luck), and the last of them is the first candidate for export: a classifier still at chance (the first epochs
+    of a restarted one, a model before its discovery) is neither stopped nor kept for its (chance-level) validation
+    loss.
     On a validation split too small for the test to pass (4 slides or fewer in two classes: 4 of 4 right has
     p = 0.0625) training runs to the cap and exports the best epoch.
     """
