@@ -126,7 +126,9 @@ def test_workers_without_ray_match_forward_chain(data, tmp_path, selector, aggre
         coords, probs, pscores = _reference(model, data["stores"] / f"{row['slide_id']}.zarr")
         np.testing.assert_array_equal([[p["x"], p["y"]] for p in row["patches"]], coords)
         assert all(p["w"] == p["h"] == 32 for p in row["patches"])
-        np.testing.assert_allclose([p["score"] for p in row["patches"]], pscores, rtol=1e-5, atol=1e-6)
+        # the scorer scores s0 and s1 as one batch, the reference one slide at a time: float32 convolutions of
+        # another batch size may sum in another order (seen: 1.8e-5 relative on an AMD EPYC), exact at batch 1
+        np.testing.assert_allclose([p["score"] for p in row["patches"]], pscores, rtol=1e-4, atol=1e-6)
         np.testing.assert_allclose([row["probabilities"][c] for c in CLASSES], probs, rtol=1e-4, atol=1e-6)
         assert row["prediction"] == CLASSES[int(np.argmax(probs))]
         assert Path(row["heatmap"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
