@@ -146,3 +146,31 @@ def test_trainer_freezes_the_scorer_in_the_second_phase(tmp_path, ema):
     assert any(not torch.equal(feats1[k], v) for k, v in snap(tr.model.features).items())
     # the bag CE alone: no evidence, rare-bag or neutral terms after the switch
     assert parts == [{"loss_ce"}, {"loss_ce"}]
+
+
+def test_second_phase_weight_decay_from_the_switch_and_through_a_resume(tmp_path):
+    for bad in (-0.1, float("nan"), True, "big"):
+        with pytest.raises(ConfigError, match="select_weight_decay"):
+            ScheduleConfig(select_until=0.5, select_weight_decay=bad)
+    with pytest.raises(ConfigError, match="select_weight_decay.*without schedule.select_until"):
+        ScheduleConfig(select_weight_decay=0.05)
+    store = _store(tmp_path)
+    records = [SimpleNamespace(store=store, target=0), SimpleNamespace(store=store, target=1)]
+
+    def trainer():
+        return Trainer(
+            _config(discovery=False),
+            OptimConfig(epochs=2, accumulate=1, lr=0.05, warmup=0, weight_decay=1e-4),
+            ScheduleConfig(select_until=0.5, select_restart=True, select_weight_decay=0.05),
+            slides_per_epoch=2,
+        )
+
+    tr = trainer()
+    decays = []
+    for i in range(4):
+        tr.step(records[i % 2 : i % 2 + 1], EpochResult(started=0.0))
+        decays.append({g["weight_decay"] for g in tr.optimizer.param_groups})
+    assert decays == [{1e-4}, {1e-4}, {0.05}, {0.05}]  # steps 2 and 3 are the second phase
+    again = trainer()  # a resume in the second phase: the optimizer state carries the second phase's decay
+    again.optimizer.load_state_dict(tr.optimizer.state_dict())
+    assert {g["weight_decay"] for g in again.optimizer.param_groups} == {0.05}

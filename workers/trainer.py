@@ -160,6 +160,10 @@ class ScheduleConfig:
     (``model.experimental.gate_encoder``, e.g. pretrained on the training slides without labels), copied and then
     fine-tuned. Under study; ``fresh`` (default).
 
+    ``select_weight_decay``: the AdamW weight decay of the second phase of ``select_until`` (from its first step;
+    a checkpoint's optimizer state carries it on a resume). Under study; None (default): ``optim.weight_decay``
+    throughout.
+
     ``gate_refits``: with a cell gate (``model.experimental.gate_candidates``), fit it again this many times, evenly
     spaced through the second phase, on the encoder as it is then (its bags and the encoder can improve each other).
     Under study; 0 (default): fitted once, at the switch.
@@ -175,6 +179,7 @@ class ScheduleConfig:
     select_bag: str = "topk"
     select_restart: bool = False
     select_restart_features: str = "fresh"
+    select_weight_decay: float | None = None
     gate_refits: int = 0
 
     def __post_init__(self) -> None:
@@ -215,6 +220,19 @@ class ScheduleConfig:
             self.select_restart_features,
             self.select_restart_features == "fresh" or self.select_restart,
             "'fresh' without schedule.select_restart (the features restart there)",
+        )
+        v = self.select_weight_decay
+        _check(
+            "schedule.select_weight_decay",
+            v,
+            v is None or (not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v) and v >= 0),
+            "None or a number >= 0",
+        )
+        _check(
+            "schedule.select_weight_decay",
+            v,
+            v is None or self.select_until is not None,
+            "None without schedule.select_until (it is the second phase's)",
         )
         _check(
             "schedule.gate_refits",
@@ -708,8 +726,12 @@ class Trainer:
                 log.info("selection fixed from step %d (schedule.select_until): the scorer is frozen", self.global_step)
                 if gate is not None and not gate.is_fitted:  # a resume after the switch finds it fitted already
                     self._fit_gate()
-                if self.schedule.select_restart and self.global_step == self.schedule.select_step(self.total_steps):
+                switch = self.global_step == self.schedule.select_step(self.total_steps)
+                if self.schedule.select_restart and switch:
                     self._restart_classifier()
+                if self.schedule.select_weight_decay is not None and switch:
+                    for group in self.optimizer.param_groups:  # a resume loads it with the optimizer state
+                        group["weight_decay"] = float(self.schedule.select_weight_decay)
         if fixed and gate is not None and self.global_step in self.schedule.gate_refit_steps(self.total_steps):
             self._fit_gate()  # schedule.gate_refits: on the encoder as it is now
         self.optimizer.zero_grad(set_to_none=True)
