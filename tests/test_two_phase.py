@@ -171,6 +171,10 @@ def test_second_phase_weight_decay_from_the_switch_and_through_a_resume(tmp_path
         tr.step(records[i % 2 : i % 2 + 1], EpochResult(started=0.0))
         decays.append({g["weight_decay"] for g in tr.optimizer.param_groups})
     assert decays == [{1e-4}, {1e-4}, {0.05}, {0.05}]  # steps 2 and 3 are the second phase
-    again = trainer()  # a resume in the second phase: the optimizer state carries the second phase's decay
-    again.optimizer.load_state_dict(tr.optimizer.state_dict())
+    # a resume in the second phase (the trainer's own state dict): the optimizer state carries the second phase's
+    # decay, and the resumed trainer's next step, which enters the second phase again, keeps it
+    again = trainer()
+    again.load_state_dict(tr.state_dict())
+    assert {g["weight_decay"] for g in again.optimizer.param_groups} == {0.05}
+    again.step(records[:1], EpochResult(started=0.0))
     assert {g["weight_decay"] for g in again.optimizer.param_groups} == {0.05}
