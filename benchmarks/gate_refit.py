@@ -9,8 +9,12 @@ patches on an informative object), object recall, decidable (the touched objects
 bag size; ``candidates`` is the same of all the candidates (the ceiling of any gate). No training: a refit takes
 seconds, so the gate's settings are compared over seedings on the same scorer, where a training run is one draw.
 
+``--fits 1,8`` also fits each gate as a union of that many k-means fits (``model.experimental.gate_fits``) and
+``--keep-from 24`` applies it to each held-out slide's top 24 local maxima while fitting it on the checkpoint's top
+``gate_candidates`` (``model.experimental.gate_keep_from``).
+
 Usage: python benchmarks/gate_refit.py --stores DATA/stores --checkpoint RUN/model.pt [...] --clusters 16,32
-       --seedings 8 [--config perturbed_mean] [--json OUT.json]
+       --seedings 8 [--fits 1,8] [--keep-from 24] [--config perturbed_mean] [--json OUT.json]
 (``DATA``: a folder ``benchmarks/robustness.py`` synthesised, e.g. ``<workdir>/data/shapes-8class-384x3072-v2``.)
 """
 
@@ -31,9 +35,10 @@ import torch
 __all__ = ["candidate_table", "fit_gate", "refit_rows", "main"]
 
 
-def candidate_table(model, split) -> dict[str, list]:
-    """Every train and test slide's gate candidates: ``{"split", "target", "store", "xy" [n, 2] level-0 top-left,
-    "features" [n, D], "scores" [n], "patch"}`` lists, one entry per slide."""
+def candidate_table(model, split, n: int | None = None) -> dict[str, list]:
+    """Every train and test slide's top ``n`` gate candidates (None: what the model's gate keeps from,
+    :func:`workers.slide_forward.gate_keep_from`): ``{"split", "target", "store", "xy" [n, 2] level-0 top-left,
+    "features" [n, D], "scores" [n], "patch"}`` lists, one entry per slide, best first."""
     from robustness import _cell_boxes
 
     from workers.patches import prepare_slide
@@ -45,7 +50,7 @@ def candidate_table(model, split) -> dict[str, list]:
         for part, records in (("train", split.train), ("test", split.test)):
             for rec in records:
                 slide = prepare_slide(rec.store, model.cfg)
-                cells, values, pixels = read_gate_candidates(model, slide, score_slide(model, slide))
+                cells, values, pixels = read_gate_candidates(model, slide, score_slide(model, slide), n)
                 out["split"].append(part)
                 out["target"].append(int(rec.target))
                 out["store"].append(str(rec.store))
@@ -56,27 +61,30 @@ def candidate_table(model, split) -> dict[str, list]:
     return out
 
 
-def fit_gate(table: dict[str, list], clusters: int, seeding: int):
-    """The gate fitted on the training slides' candidates with ``clusters`` and the k-means seeding ``seeding`` by
-    the trainer's own fit (:func:`workers.trainer.fit_gate_on_slides`, whose seeding is the run's seed): ``(CellGate,
-    fit dict)``."""
+def fit_gate(table: dict[str, list], clusters: int, seeding: int, fits: int = 1, fit_on: int | None = None):
+    """The gate fitted on the training slides' candidates (their first ``fit_on``; None: all the table has) with
+    ``clusters``, ``fits`` k-means fits and the k-means seeding ``seeding`` by the trainer's own fit
+    (:func:`workers.trainer.fit_gate_on_slides`, whose seeding is the run's seed): ``(CellGate, fit dict)``."""
     from operators.gate import CellGate
     from workers.trainer import fit_gate_on_slides
 
     slides = [
-        (table["store"][i], table["features"][i], table["scores"][i])
+        (table["store"][i], table["features"][i][:fit_on], table["scores"][i][:fit_on])
         for i, part in enumerate(table["split"])
         if part == "train"
     ]
-    gate = CellGate(None, slides[0][1].shape[1], clusters).double()
+    gate = CellGate(None, slides[0][1].shape[1], clusters, fits=fits).double()
     return gate, fit_gate_on_slides(gate, slides, seeding)
 
 
-def refit_rows(table: dict[str, list], split, clusters: int, seeding: int) -> dict[str, float]:
-    """:func:`fit_gate`, then the held-out bags' mean hit rate / object recall / decidable / size."""
+def refit_rows(
+    table: dict[str, list], split, clusters: int, seeding: int, fits: int = 1, fit_on: int | None = None
+) -> dict[str, float]:
+    """:func:`fit_gate`, then the held-out bags (chosen from all the table's candidates of each slide): their mean
+    hit rate / object recall / decidable / size."""
     from robustness import bag_row
 
-    gate, fit = fit_gate(table, clusters, seeding)
+    gate, fit = fit_gate(table, clusters, seeding, fits, fit_on)
     rows = []
     for i, part in enumerate(table["split"]):
         if part != "test":
@@ -110,13 +118,13 @@ def _means(rows: list[dict], keys: tuple[str, ...]) -> dict[str, float]:
     return {k: float(np.mean([r[k] for r in rows if k in r])) for k in keys if any(k in r for r in rows)}
 
 
-def _ints(text: str) -> list[int]:
+def _ints(text: str, minimum: int = 2) -> list[int]:
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or any(v < 2 for v in values):
-        raise argparse.ArgumentTypeError(f"expected integers >= 2, got {text!r}")
+    if not values or any(v < minimum for v in values):
+        raise argparse.ArgumentTypeError(f"expected integers >= {minimum}, got {text!r}")
     return values
 
 
@@ -130,32 +138,52 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--checkpoint", type=Path, nargs="+", required=True, help="gated model.pt files")
     p.add_argument("--clusters", type=_ints, default=[16, 32], help="cluster counts to fit (default 16,32)")
     p.add_argument("--seedings", type=int, default=8, help="k-means seedings per count (default 8)")
+    p.add_argument("--fits", type=lambda t: _ints(t, 1), default=[1], help="k-means fits per gate, a union (default 1)")
+    p.add_argument(
+        "--keep-from",
+        type=int,
+        default=0,
+        help="the bag from each slide's top N local maxima (default 0: the checkpoint's gate_candidates)",
+    )
     p.add_argument("--config", default="perturbed_mean", help="the config whose data split the runs used")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
     if args.seedings < 1:
         p.error(f"--seedings must be >= 1, got {args.seedings}")
+    if args.keep_from < 0:
+        p.error(f"--keep-from must be 0 or a count of candidates, got {args.keep_from}")
     torch.set_num_threads(1)
     split = load_split(args.config, args.stores, [])
     result = checkpoint_result("gate_refit.py", argv)
-    print(f"{'checkpoint':40s} {'k':>3s}  hit rate        object recall   decidable       size")
+    print(f"{'checkpoint':40s} {'k':>3s} {'F':>2s}  hit rate        object recall   decidable       size")
     for ck in args.checkpoint:
         model, _, _ = load_checkpoint(ck)
         if model.gate is None:
             raise SystemExit(f"{ck} has no cluster gate (model.experimental.gate_candidates is 0)")
-        table = candidate_table(model, split)
-        entry = {"checkpoint": ck.parent.name, "candidates": candidates_row(table, split), "fits": {}}
+        fit_on = model.cfg.experimental.gate_candidates
+        keep_from = max(args.keep_from, fit_on) if args.keep_from else None
+        table = candidate_table(model, split, keep_from)
+        entry = {
+            "checkpoint": ck.parent.name,
+            "fit_on": fit_on,
+            "keep_from": keep_from or fit_on,
+            "candidates": candidates_row(table, split),
+            "fits": {},
+        }
         c = entry["candidates"]
         dec = f"{c['decidable']:.3f}" if "decidable" in c else "-"
-        print(f"{ck.parent.name[-40:]:40s} all  {c['hit_rate']:.3f}           {c['object_recall']:.3f}           {dec}")
+        print(
+            f"{ck.parent.name[-40:]:40s} all     {c['hit_rate']:.3f}           {c['object_recall']:.3f}           {dec}"
+        )
         for k in args.clusters:
-            fits = [refit_rows(table, split, k, s) for s in range(args.seedings)]
-            entry["fits"][str(k)] = fits
-            cols = []
-            for key in ("hit_rate", "object_recall", "decidable", "size"):
-                v = [f[key] for f in fits if key in f]
-                cols.append(f"{np.mean(v):.3f} [{min(v):.2f},{max(v):.2f}]" if v else f"{'-':17s}")
-            print(f"{'':40s} {k:3d}  " + "  ".join(cols))
+            for n_fits in args.fits:
+                fits = [refit_rows(table, split, k, s, n_fits, fit_on) for s in range(args.seedings)]
+                entry["fits"][str(k) if n_fits == 1 else f"{k}x{n_fits}"] = fits
+                cols = []
+                for key in ("hit_rate", "object_recall", "decidable", "size"):
+                    v = [f[key] for f in fits if key in f]
+                    cols.append(f"{np.mean(v):.3f} [{min(v):.2f},{max(v):.2f}]" if v else f"{'-':17s}")
+                print(f"{'':40s} {k:3d} {n_fits:2d}  " + "  ".join(cols))
         result["checkpoints"].append(entry)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

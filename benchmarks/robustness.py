@@ -557,7 +557,7 @@ def evaluate_model(model, split: Split, limit: int | None = None, training_bags:
     eval mode). ``training_bags``: also the hit rate, recall, ``all_objects`` and ``decidable`` of the bag training
     draws (the config's selection in training mode at ``model.selection.sigma``, one draw per slide, fixed seed),
     prefixed ``train_bag_``. A model with a fitted cluster gate also gets the same of the gate's candidates (the
-    scorer's top ``model.experimental.gate_candidates`` local maxima, what the gate chooses from), prefixed
+    scorer's top ``model.experimental.gate_keep_from`` local maxima, what the gate chooses from), prefixed
     ``candidates_``: a glyph the candidates miss, no gate can keep."""
     import torch
 

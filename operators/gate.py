@@ -194,20 +194,30 @@ class CellGate(nn.Module):
         clusters: k.
         margin: keep a candidate whose cosine similarity to the nearest informative centroid is at least that to
             its nearest centroid minus ``margin`` (>= 0; 0: its nearest cluster is informative).
+        fits: F independent k-means fits (the seedings of one drawn after the other's from one generator); a
+            candidate is kept when any fit keeps it. One fit's best-of-restarts can still merge an informative
+            appearance with filler (RESULTS, "a union of k-means fits"); F = 1 is a single fit.
     """
 
-    def __init__(self, encoder: nn.Module | None, feature_dim: int, clusters: int, margin: float = 0.0):
+    def __init__(self, encoder: nn.Module | None, feature_dim: int, clusters: int, margin: float = 0.0, fits: int = 1):
         super().__init__()
         if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin <= 2:
             raise ValueError(f"margin must be a number in [0, 2] (a cosine-similarity gap), got {margin!r}")
+        if isinstance(fits, bool) or not isinstance(fits, int) or fits < 1:
+            raise ValueError(f"fits must be an int >= 1 (independent k-means fits), got {fits!r}")
+        if isinstance(clusters, bool) or not isinstance(clusters, int) or clusters < 1:
+            raise ValueError(f"clusters must be an int >= 1, got {clusters!r}")
         self.margin = float(margin)
+        self.fits = fits
+        self.clusters = clusters
         self.encoder = encoder
         if encoder is not None:
             encoder.requires_grad_(False).eval()
         self.register_buffer("mean", torch.zeros(feature_dim))
         self.register_buffer("std", torch.ones(feature_dim))
-        self.register_buffer("centroids", torch.zeros(clusters, feature_dim))
-        self.register_buffer("informative", torch.ones(clusters, dtype=torch.bool))
+        # fit f's centroids are rows f*k .. (f+1)*k - 1 (one fit: [k, D], as a gate of one fit always was)
+        self.register_buffer("centroids", torch.zeros(fits * clusters, feature_dim))
+        self.register_buffer("informative", torch.ones(fits * clusters, dtype=torch.bool))
         self.register_buffer("fitted", torch.zeros((), dtype=torch.bool))
 
     def train(self, mode: bool = True) -> CellGate:
@@ -227,49 +237,61 @@ class CellGate(nn.Module):
         generator: torch.Generator | None = None,
         ranks: torch.Tensor | None = None,
     ) -> dict:
-        """:func:`fit_cluster_gate` on ``features [M, D]`` (from :meth:`encode`), ``scores [M]`` and optionally
-        ``ranks [M]``; stores the result (fewer candidates than clusters: the spare centroids are never nearest,
-        marked not informative)."""
-        fit = fit_cluster_gate(
-            features.detach().cpu(),
-            scores.detach().cpu(),
-            self.centroids.shape[0],
-            generator,
-            ranks=None if ranks is None else ranks.detach().cpu(),
-        )
-        k = fit["centroids"].shape[0]
-        dt = self.centroids.dtype
-        self.mean.copy_(fit["mean"].to(dt))
-        self.std.copy_(fit["std"].to(dt))
+        """:func:`fit_cluster_gate` ``fits`` times on ``features [M, D]`` (from :meth:`encode`), ``scores [M]`` and
+        optionally ``ranks [M]``, the k-means seedings drawn one fit after the other from ``generator`` (the first
+        fit is the fit of a one-fit gate); stores the results (fewer candidates than clusters: the spare centroids
+        are never nearest, marked not informative). Returns the first fit, with ``"kept"``: ``[M]`` bool, the
+        candidates any fit keeps."""
+        f_cpu, s_cpu = features.detach().cpu(), scores.detach().cpu()
+        r_cpu = None if ranks is None else ranks.detach().cpu()
+        dt, k_max = self.centroids.dtype, self.clusters
+        results = []
         self.centroids.zero_()
-        self.centroids[:k] = fit["centroids"].to(dt)
         self.informative.zero_()
-        self.informative[:k] = fit["informative"]
+        for f in range(self.fits):
+            fit = fit_cluster_gate(f_cpu, s_cpu, k_max, generator, ranks=r_cpu)
+            k = fit["centroids"].shape[0]
+            self.centroids[f * k_max : f * k_max + k] = fit["centroids"].to(dt)
+            self.informative[f * k_max : f * k_max + k] = fit["informative"]
+            results.append(fit)
+        first = results[0]  # every fit standardises the same features the same way
+        self.mean.copy_(first["mean"].to(dt))
+        self.std.copy_(first["std"].to(dt))
         self.fitted.fill_(True)
-        return fit
+        kept = torch.zeros(f_cpu.shape[0], dtype=torch.bool)
+        for fit in results:
+            kept |= fit["informative"][fit["assignment"]]
+        return {**first, "kept": kept}
 
     def similarities(self, features: torch.Tensor) -> torch.Tensor:
-        """``features [M, D]`` -> ``[M, k]`` cosine similarity to each centroid (after the fitted
-        standardisation); -inf for the spare centroids of a fit on fewer candidates than clusters."""
+        """``features [M, D]`` -> ``[M, F*k]`` cosine similarity to each centroid of every fit (after the fitted
+        standardisation; fit f's are columns ``f*k .. (f+1)*k - 1``); -inf for the spare centroids of a fit on
+        fewer candidates than clusters."""
         x = nn.functional.normalize((_check_2d("features", features) - self.mean) / self.std, dim=1)
         live = self.centroids.norm(dim=1) > 0
         return (x @ self.centroids.T).masked_fill(~live, float("-inf"))
 
     def assign(self, features: torch.Tensor) -> torch.Tensor:
-        """``features [M, D]`` -> nearest cluster ``[M]`` (cosine, after the fitted standardisation)."""
-        return self.similarities(features).argmax(1)
+        """``features [M, D]`` -> ``[M, F]`` nearest cluster of each fit (cosine, after the fitted
+        standardisation), as an index into that fit's ``k`` clusters; ``[M]`` for a gate of one fit."""
+        a = self.similarities(features).view(features.shape[0], self.fits, self.clusters).argmax(2)
+        return a[:, 0] if self.fits == 1 else a
 
     def keep(self, features: torch.Tensor) -> torch.Tensor:
         """``features [M, D]`` of a slide's candidates, best-scored first -> ``[M]`` bool: in an informative
-        cluster (or within ``margin`` of one); the first candidate kept when none is. All True while unfitted."""
+        cluster (or within ``margin`` of one) of any fit; the first candidate kept when none is. All True while
+        unfitted."""
         if not self.is_fitted:
             return torch.ones(features.shape[0], dtype=torch.bool, device=features.device)
-        sim = self.similarities(features)
-        if self.margin == 0 or not bool(self.informative.any()):
-            k = self.informative[sim.argmax(1)]
-        else:
-            best_in = sim.masked_fill(~self.informative, float("-inf")).max(1).values
-            k = best_in >= sim.max(1).values - self.margin
+        m = features.shape[0]
+        sim = self.similarities(features).view(m, self.fits, self.clusters)
+        info = self.informative.view(self.fits, self.clusters)
+        nearest = sim.argmax(2)  # [M, F]
+        k = info.gather(1, nearest.T).T  # [M, F]: each fit's nearest cluster informative
+        if self.margin > 0:
+            best_in = sim.masked_fill(~info[None], float("-inf")).max(2).values
+            k = k | (best_in >= sim.max(2).values - self.margin)
+        k = k.any(1)
         if not bool(k.any()):
             k[0] = True
         return k

@@ -746,6 +746,13 @@ class ExperimentalConfig:
     0: off (the top ``selection.k``). Under study (RESULTS, "a gate on the frozen scorer's candidates")."""
     gate_clusters: int = 16
     """Appearance clusters of the cluster gate."""
+    gate_fits: int = 1
+    """Independent k-means fits of the cluster gate (each the best of its seedings, the seedings differing); a
+    candidate is kept when any fit keeps it. One fit's seeding can merge an informative appearance with filler
+    (RESULTS, "a union of k-means fits"); 1: one fit."""
+    gate_keep_from: int = 0
+    """The gate keeps from a slide's top ``gate_keep_from`` local maxima, while its clusters are fitted on the top
+    ``gate_candidates`` (a held-out slide's informative cells can rank just below them); 0: ``gate_candidates``."""
     gate_cut: str = "score"
     """Which clusters the gate keeps: ``score``, the upper two-means group of the clusters' mean scores; ``rank``,
     of their mean within-slide candidate rank (robust to many candidates; under study)."""
@@ -765,6 +772,19 @@ class ExperimentalConfig:
     def __post_init__(self) -> None:
         _int("model.experimental.gate_candidates", self.gate_candidates, 0)
         _int("model.experimental.gate_clusters", self.gate_clusters, 2)
+        _int("model.experimental.gate_fits", self.gate_fits, 1)
+        _int("model.experimental.gate_keep_from", self.gate_keep_from, 0)
+        if self.gate_candidates == 0 and (self.gate_keep_from or self.gate_fits != 1):
+            raise ConfigError(
+                "model.experimental.gate_keep_from / gate_fits are set but the cluster gate is off: set "
+                "model.experimental.gate_candidates (e.g. 16) or leave them at 0 / 1; got gate_keep_from="
+                f"{self.gate_keep_from}, gate_fits={self.gate_fits}"
+            )
+        if 0 < self.gate_keep_from < self.gate_candidates:
+            raise ConfigError(
+                "model.experimental.gate_keep_from must be 0 (gate_candidates) or at least gate_candidates="
+                f"{self.gate_candidates}, got {self.gate_keep_from}"
+            )
         _choice("model.experimental.gate_cut", self.gate_cut, ("score", "rank"))
         _num("model.experimental.gate_margin", self.gate_margin, 0, 2)
         _file_path("model.experimental.gate_encoder", self.gate_encoder)

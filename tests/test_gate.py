@@ -140,11 +140,50 @@ def test_the_margin_keeps_candidates_near_an_informative_centroid():
         CellGate(None, 2, 2, margin=-0.1)
 
 
-def _gated_config(candidates: int = 6, clusters: int = 3):
+def test_a_union_of_fits_keeps_what_any_fit_keeps():
+    # overlapping blobs, k below their number: fits of different seedings keep different candidates; the F-fit
+    # gate's fit f is the one-fit gate fitted with the f-th stretch of the same generator stream, and it keeps a
+    # candidate when any of those keeps it
+    centres = torch.randn(12, 5, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    x, label = _blobs(centres, 15, 0.6)
+    g = torch.Generator().manual_seed(11)
+    scores = (label % 3 == 0).double() * 0.1 + 0.05 * torch.randn(len(label), generator=g, dtype=torch.float64)
+    union = CellGate(None, 5, 6, fits=4)
+    fit = union.fit(x, scores, torch.Generator().manual_seed(0))
+    stream, singles = torch.Generator().manual_seed(0), []
+    for f in range(4):
+        one = CellGate(None, 5, 6)
+        one.fit(x, scores, stream)
+        torch.testing.assert_close(union.centroids[6 * f : 6 * f + 6], one.centroids, rtol=0, atol=0)
+        assert torch.equal(union.informative[6 * f : 6 * f + 6], one.informative)
+        singles.append(one.keep(x.float()))
+    any_fit = torch.stack(singles).any(0)
+    assert len({int(k.sum()) for k in singles}) > 1  # the fits disagree: the union is more than one of them
+    assert torch.equal(union.keep(x.float()), any_fit) and torch.equal(fit["kept"], any_fit)
+    assert int(any_fit.sum()) > max(int(k.sum()) for k in singles)
+    assert union.assign(x.float()).shape == (len(x), 4) and one.assign(x.float()).shape == (len(x),)
+    # the first fit is the fit of a one-fit gate: the same seed gives it the same state (and shapes)
+    first = CellGate(None, 5, 6)
+    first.fit(x, scores, torch.Generator().manual_seed(0))
+    assert first.centroids.shape == (6, 5) and union.centroids.shape == (24, 5)
+    torch.testing.assert_close(union.centroids[:6], first.centroids, rtol=0, atol=0)
+    # a margin widens every fit's choice
+    wide = CellGate(None, 5, 6, margin=0.3, fits=4)
+    wide.load_state_dict(union.state_dict())
+    kept_wide = wide.keep(x.float())
+    assert bool((kept_wide >= any_fit).all()) and int(kept_wide.sum()) > int(any_fit.sum())
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match="fits must"):
+            CellGate(None, 5, 6, fits=bad)
+
+
+def _gated_config(candidates: int = 6, clusters: int = 3, **experimental):
     cfg = _config()
     return dataclasses.replace(
         cfg,
-        experimental=dataclasses.replace(cfg.experimental, gate_candidates=candidates, gate_clusters=clusters),
+        experimental=dataclasses.replace(
+            cfg.experimental, gate_candidates=candidates, gate_clusters=clusters, **experimental
+        ),
     )
 
 
@@ -247,6 +286,59 @@ def test_trainer_fits_the_gate_at_the_switch_and_it_survives_a_checkpoint(tmp_pa
     np.testing.assert_allclose([rows[0]["probabilities"][c] for c in ("a", "b")], probs, rtol=1e-5, atol=1e-6)
     plain = ClassifierWorker(save_checkpoint(tmp_path / "plain.pt", fresh_plain(), model.cfg, ["a", "b"]))
     assert "no fitted gate" in plain.classify_batch(items)[0]["error"]
+
+
+def test_the_gate_keeps_from_more_candidates_than_it_is_fitted_on(tmp_path):
+    # gate_candidates 4, gate_keep_from 6: the trainer's fit sees 4 candidates per slide, a gated forward (and the
+    # scorer stage) reads and chooses from 6
+    store = _store(tmp_path)
+    tr = Trainer(
+        _gated_config(4, 2, gate_keep_from=6, gate_fits=3),
+        OptimConfig(epochs=2, accumulate=1, lr=0.05, warmup=0),
+        ScheduleConfig(sigma_start=0.1, sigma_end=0.1, select_until=0.5),
+        slides_per_epoch=2,
+    )
+    assert tr.model.gate.fits == 3 and tr.model.gate.centroids.shape[0] == 6
+    fitted_on = []
+    real_fit = tr.model.gate.fit
+
+    def recording_fit(features, scores, generator=None, ranks=None):
+        fitted_on.append(features.shape[0])
+        return real_fit(features, scores, generator, ranks)
+
+    tr.model.gate.fit = recording_fit
+    records = [SimpleNamespace(store=store, target=0), SimpleNamespace(store=store, target=1)]
+    tr.train_epoch(records)
+    tr.train_epoch(records)
+    assert fitted_on == [8]  # 4 candidates of each of the 2 training slides
+    model = tr.model.eval()
+    with torch.no_grad():
+        out = forward_slide(model, store, training=False)
+    assert out.info["cells_read"] == 6 and out.info["gate_candidates"] == 6
+    from workers.patches import prepare_slide
+
+    slide = prepare_slide(store, model.cfg)
+    cells6, _ = gate_candidates(model, out.scores[None], tuple(slide.cell_mask.shape))
+    cells4, _ = gate_candidates(model, out.scores[None], tuple(slide.cell_mask.shape), 4)
+    assert torch.equal(cells6[:4], cells4)  # the same ranking, read further down
+    assert set(out.cell_indices.tolist()) <= set(cells6.tolist())
+
+
+def test_gate_fits_and_keep_from_are_checked():
+    from operators.errors import ConfigError
+    from operators.model_config import ExperimentalConfig
+
+    for bad in (0, -1, 2.0, True):
+        with pytest.raises(ConfigError, match="gate_fits"):
+            ExperimentalConfig(gate_candidates=16, gate_fits=bad)
+    with pytest.raises(ConfigError, match="gate_keep_from must be 0 .* at least gate_candidates=16, got 8"):
+        ExperimentalConfig(gate_candidates=16, gate_keep_from=8)
+    with pytest.raises(ConfigError, match="gate_keep_from"):
+        ExperimentalConfig(gate_candidates=16, gate_keep_from=-1)
+    with pytest.raises(ConfigError, match="the cluster gate is off"):
+        ExperimentalConfig(gate_fits=8)
+    assert ExperimentalConfig(gate_candidates=16, gate_keep_from=0).gate_keep_from == 0
+    assert ExperimentalConfig(gate_candidates=16, gate_keep_from=24, gate_fits=8).gate_fits == 8
 
 
 @pytest.mark.parametrize(("candidates", "clusters"), list(itertools.product((-1, 1.5, True), (16,))) + [(8, 1)])

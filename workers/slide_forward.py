@@ -26,6 +26,7 @@ __all__ = [
     "forward_slide",
     "score_slide",
     "gate_candidates",
+    "gate_keep_from",
     "read_gate_candidates",
     "color_jitter_patches",
     "symmetry_patches",
@@ -382,25 +383,34 @@ def _slide_info(model: FoveateModel, slide: SlideInput, scores: torch.Tensor) ->
     }
 
 
+def gate_keep_from(model: FoveateModel) -> int:
+    """How many of a slide's top local maxima a fitted gate keeps from (``model.experimental.gate_keep_from``, 0:
+    ``gate_candidates``, the number its clusters are fitted on)."""
+    ex = model.cfg.experimental
+    return ex.gate_keep_from or ex.gate_candidates
+
+
 def gate_candidates(
-    model: FoveateModel, scores: torch.Tensor, grid_shape: tuple[int, int]
+    model: FoveateModel, scores: torch.Tensor, grid_shape: tuple[int, int], n: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The cell gate's candidates of one slide: the top ``model.experimental.gate_candidates`` local maxima of
-    ``scores [1, N]`` on the ``(Gh, Gw)`` grid (fewer where the slide has fewer), best first -> ``(cells [n] long, on
-    the CPU; their scores [n])``."""
+    """The cell gate's candidates of one slide: the top ``n`` local maxima of ``scores [1, N]`` on the ``(Gh, Gw)``
+    grid (fewer where the slide has fewer), best first -> ``(cells [n] long, on the CPU; their scores [n])``. ``n``
+    None: :func:`gate_keep_from` (what a fitted gate keeps from); the gate's fit reads
+    ``model.experimental.gate_candidates``."""
     lm = model.local_maxima(scores, tuple(grid_shape))[0]
-    n = min(model.cfg.experimental.gate_candidates, int(torch.isfinite(lm).sum()))
+    n = min(gate_keep_from(model) if n is None else n, int(torch.isfinite(lm).sum()))
     top = lm.topk(max(n, 1))
     return top.indices.cpu(), top.values
 
 
 def read_gate_candidates(
-    model: FoveateModel, slide: SlideInput, scores: torch.Tensor
+    model: FoveateModel, slide: SlideInput, scores: torch.Tensor, n: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`gate_candidates` of a prepared slide and their pixels: ``(cells [n], scores [n], float patches
-    [n, 3, p, p] in [0, 1] on the model's device)`` (what the gate is fitted on and what a gated forward reads)."""
+    """:func:`gate_candidates` (``n`` as there) of a prepared slide and their pixels: ``(cells [n], scores [n],
+    float patches [n, 3, p, p] in [0, 1] on the model's device)`` (what the gate is fitted on and what a gated
+    forward reads)."""
     param = next(model.parameters())
-    cells, values = gate_candidates(model, scores, tuple(slide.cell_mask.shape))
+    cells, values = gate_candidates(model, scores, tuple(slide.cell_mask.shape), n)
     pixels = slide.reader.read(cells).to(device=param.device, dtype=param.dtype).div_(255.0)
     return cells, values, pixels
 

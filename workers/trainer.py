@@ -817,21 +817,23 @@ class Trainer:
         mine = []  # per slide: (store, features, scores)
         for rec in self._train_records:
             slide = prepare_slide(self._store(rec.store), model.cfg)
-            _, values, pixels = read_gate_candidates(model, slide, score_slide(model, slide))
+            n = model.cfg.experimental.gate_candidates  # fitted on these; it keeps from gate_keep_from
+            _, values, pixels = read_gate_candidates(model, slide, score_slide(model, slide), n)
             mine.append((str(rec.store), model.gate_encode(pixels).cpu(), values.cpu()))
         model.train(was_training)
         slides = [s for p in self.collective.all_gather(mine) for s in p]
         fit = fit_gate_on_slides(gate, slides, self.seed, rank_cut)
         if self.ema_model is not None:
             self.ema_model.gate.load_state_dict(gate.state_dict())
-        kept = fit["informative"][fit["assignment"]].double().mean()
+        kept = fit["kept"].double().mean()
         log.info(
-            "cell gate fitted on %d candidates of %d training slides: %d of %d clusters informative, %.0f%% of the "
-            "candidates in them",
+            "cell gate fitted on %d candidates of %d training slides: %d of %d clusters informative (the first of "
+            "%d fits), %.0f%% of the candidates kept",
             fit["assignment"].numel(),
             len(slides),
             int(fit["informative"].sum()),
             fit["centroids"].shape[0],
+            gate.fits,
             100 * float(kept),
         )
 
