@@ -11,10 +11,11 @@ seconds, so the gate's settings are compared over seedings on the same scorer, w
 
 ``--fits 1,8`` also fits each gate as a union of that many k-means fits (``model.experimental.gate_fits``) and
 ``--keep-from 24`` applies it to each held-out slide's top 24 local maxima while fitting it on the checkpoint's top
-``gate_candidates`` (``model.experimental.gate_keep_from``).
+``gate_candidates`` (``model.experimental.gate_keep_from``); ``--agree 0,0.5`` keeps a candidate in a gate of F
+fits when that share of the fits keeps it (``model.experimental.gate_agree``; 0: any fit).
 
 Usage: python benchmarks/gate_refit.py --stores DATA/stores --checkpoint RUN/model.pt [...] --clusters 16,32
-       --seedings 8 [--fits 1,8] [--keep-from 24] [--config perturbed_mean] [--json OUT.json]
+       --seedings 8 [--fits 1,8] [--agree 0,0.5] [--keep-from 24] [--config perturbed_mean] [--json OUT.json]
 (``DATA``: a folder ``benchmarks/robustness.py`` synthesised, e.g. ``<workdir>/data/shapes-8class-384x3072-v2``.)
 """
 
@@ -61,9 +62,16 @@ def candidate_table(model, split, n: int | None = None) -> dict[str, list]:
     return out
 
 
-def fit_gate(table: dict[str, list], clusters: int, seeding: int, fits: int = 1, fit_on: int | None = None):
+def fit_gate(
+    table: dict[str, list],
+    clusters: int,
+    seeding: int,
+    fits: int = 1,
+    fit_on: int | None = None,
+    agree: float = 0.0,
+):
     """The gate fitted on the training slides' candidates (their first ``fit_on``; None: all the table has) with
-    ``clusters``, ``fits`` k-means fits and the k-means seeding ``seeding`` by the trainer's own fit
+    ``clusters``, ``fits`` k-means fits (kept by the share ``agree`` of them) and the k-means seeding ``seeding`` by the trainer's own fit
     (:func:`workers.trainer.fit_gate_on_slides`, whose seeding is the run's seed): ``(CellGate, fit dict)``."""
     from operators.gate import CellGate
     from workers.trainer import fit_gate_on_slides
@@ -73,18 +81,24 @@ def fit_gate(table: dict[str, list], clusters: int, seeding: int, fits: int = 1,
         for i, part in enumerate(table["split"])
         if part == "train"
     ]
-    gate = CellGate(None, slides[0][1].shape[1], clusters, fits=fits).double()
+    gate = CellGate(None, slides[0][1].shape[1], clusters, fits=fits, agree=agree).double()
     return gate, fit_gate_on_slides(gate, slides, seeding)
 
 
 def refit_rows(
-    table: dict[str, list], split, clusters: int, seeding: int, fits: int = 1, fit_on: int | None = None
+    table: dict[str, list],
+    split,
+    clusters: int,
+    seeding: int,
+    fits: int = 1,
+    fit_on: int | None = None,
+    agree: float = 0.0,
 ) -> dict[str, float]:
     """:func:`fit_gate`, then the held-out bags (chosen from all the table's candidates of each slide): their mean
     hit rate / object recall / decidable / size."""
     from robustness import bag_row
 
-    gate, fit = fit_gate(table, clusters, seeding, fits, fit_on)
+    gate, fit = fit_gate(table, clusters, seeding, fits, fit_on, agree)
     rows = []
     for i, part in enumerate(table["split"]):
         if part != "test":
@@ -128,6 +142,16 @@ def _ints(text: str, minimum: int = 2) -> list[int]:
     return values
 
 
+def _shares(text: str) -> list[float]:
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers in [0, 1], got {text!r}") from None
+    if not values or any(not 0 <= v <= 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected numbers in [0, 1], got {text!r}")
+    return values
+
+
 def main(argv: list[str] | None = None) -> dict:
     from robustness import checkpoint_result, load_split
 
@@ -139,6 +163,12 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--clusters", type=_ints, default=[16, 32], help="cluster counts to fit (default 16,32)")
     p.add_argument("--seedings", type=int, default=8, help="k-means seedings per count (default 8)")
     p.add_argument("--fits", type=lambda t: _ints(t, 1), default=[1], help="k-means fits per gate, a union (default 1)")
+    p.add_argument(
+        "--agree",
+        type=_shares,
+        default=[0.0],
+        help="with --fits F > 1: the shares of the fits that must keep a candidate, each a row (default 0: any fit)",
+    )
     p.add_argument(
         "--keep-from",
         type=int,
@@ -155,7 +185,7 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(1)
     split = load_split(args.config, args.stores, [])
     result = checkpoint_result("gate_refit.py", argv)
-    print(f"{'checkpoint':40s} {'k':>3s} {'F':>2s}  hit rate        object recall   decidable       size")
+    print(f"{'checkpoint':36s} {'k':>3s} {'F':>2s} {'agree':>4s} hit rate        object recall   decidable       size")
     for ck in args.checkpoint:
         model, _, _ = load_checkpoint(ck)
         if model.gate is None:
@@ -173,17 +203,19 @@ def main(argv: list[str] | None = None) -> dict:
         c = entry["candidates"]
         dec = f"{c['decidable']:.3f}" if "decidable" in c else "-"
         print(
-            f"{ck.parent.name[-40:]:40s} all     {c['hit_rate']:.3f}           {c['object_recall']:.3f}           {dec}"
+            f"{ck.parent.name[-36:]:36s} all          {c['hit_rate']:.3f}           {c['object_recall']:.3f}           {dec}"
         )
         for k in args.clusters:
             for n_fits in args.fits:
-                fits = [refit_rows(table, split, k, s, n_fits, fit_on) for s in range(args.seedings)]
-                entry["fits"][str(k) if n_fits == 1 else f"{k}x{n_fits}"] = fits
-                cols = []
-                for key in ("hit_rate", "object_recall", "decidable", "size"):
-                    v = [f[key] for f in fits if key in f]
-                    cols.append(f"{np.mean(v):.3f} [{min(v):.2f},{max(v):.2f}]" if v else f"{'-':17s}")
-                print(f"{'':40s} {k:3d} {n_fits:2d}  " + "  ".join(cols))
+                for agree in args.agree if n_fits > 1 else [0.0]:
+                    fits = [refit_rows(table, split, k, s, n_fits, fit_on, agree) for s in range(args.seedings)]
+                    name = str(k) if n_fits == 1 else f"{k}x{n_fits}" + (f"@{agree:g}" if agree else "")
+                    entry["fits"][name] = fits
+                    cols = []
+                    for key in ("hit_rate", "object_recall", "decidable", "size"):
+                        v = [f[key] for f in fits if key in f]
+                        cols.append(f"{np.mean(v):.3f} [{min(v):.2f},{max(v):.2f}]" if v else f"{'-':17s}")
+                    print(f"{'':36s} {k:3d} {n_fits:2d} {agree:4.2f}  " + "  ".join(cols))
         result["checkpoints"].append(entry)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

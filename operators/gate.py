@@ -26,6 +26,8 @@ Shapes: ``M`` candidate cells, ``D`` feature size, ``k`` clusters.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -195,11 +197,22 @@ class CellGate(nn.Module):
         margin: keep a candidate whose cosine similarity to the nearest informative centroid is at least that to
             its nearest centroid minus ``margin`` (>= 0; 0: its nearest cluster is informative).
         fits: F independent k-means fits (the seedings of one drawn after the other's from one generator); a
-            candidate is kept when any fit keeps it. One fit's best-of-restarts can still merge an informative
-            appearance with filler (RESULTS, "a union of k-means fits"); F = 1 is a single fit.
+            candidate is kept when at least ``votes(F)`` fits keep it (see ``agree``). One fit's best-of-restarts
+            can still merge an informative appearance with filler (RESULTS, "a union of k-means fits"); F = 1 is a
+            single fit.
+        agree: the share of the F fits that must keep a candidate, in [0, 1]: ``max(1, ceil(agree * F))`` fits;
+            0 (default): any fit (the union), 0.5: a majority, 1: every fit.
     """
 
-    def __init__(self, encoder: nn.Module | None, feature_dim: int, clusters: int, margin: float = 0.0, fits: int = 1):
+    def __init__(
+        self,
+        encoder: nn.Module | None,
+        feature_dim: int,
+        clusters: int,
+        margin: float = 0.0,
+        fits: int = 1,
+        agree: float = 0.0,
+    ):
         super().__init__()
         if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin <= 2:
             raise ValueError(f"margin must be a number in [0, 2] (a cosine-similarity gap), got {margin!r}")
@@ -207,8 +220,14 @@ class CellGate(nn.Module):
             raise ValueError(f"fits must be an int >= 1 (independent k-means fits), got {fits!r}")
         if isinstance(clusters, bool) or not isinstance(clusters, int) or clusters < 1:
             raise ValueError(f"clusters must be an int >= 1, got {clusters!r}")
+        if isinstance(agree, bool) or not isinstance(agree, (int, float)) or not 0 <= agree <= 1:
+            raise ValueError(
+                f"agree must be a number in [0, 1] (the share of fits that must keep a cell), got {agree!r}"
+            )
         self.margin = float(margin)
         self.fits = fits
+        self.agree = float(agree)
+        self.votes = max(1, math.ceil(self.agree * fits - 1e-9))  # fits that must keep a candidate
         self.clusters = clusters
         self.encoder = encoder
         if encoder is not None:
@@ -241,7 +260,7 @@ class CellGate(nn.Module):
         optionally ``ranks [M]``, the k-means seedings drawn one fit after the other from ``generator`` (the first
         fit is the fit of a one-fit gate); stores the results (fewer candidates than clusters: the spare centroids
         are never nearest, marked not informative). Returns the first fit, with ``"kept"``: ``[M]`` bool, the
-        candidates any fit keeps."""
+        candidates at least :attr:`votes` fits keep."""
         f_cpu, s_cpu = features.detach().cpu(), scores.detach().cpu()
         r_cpu = None if ranks is None else ranks.detach().cpu()
         dt, k_max = self.centroids.dtype, self.clusters
@@ -258,10 +277,10 @@ class CellGate(nn.Module):
         self.mean.copy_(first["mean"].to(dt))
         self.std.copy_(first["std"].to(dt))
         self.fitted.fill_(True)
-        kept = torch.zeros(f_cpu.shape[0], dtype=torch.bool)
+        votes = torch.zeros(f_cpu.shape[0], dtype=torch.long)
         for fit in results:
-            kept |= fit["informative"][fit["assignment"]]
-        return {**first, "kept": kept}
+            votes += fit["informative"][fit["assignment"]].long()
+        return {**first, "kept": votes >= self.votes}
 
     def similarities(self, features: torch.Tensor) -> torch.Tensor:
         """``features [M, D]`` -> ``[M, F*k]`` cosine similarity to each centroid of every fit (after the fitted
@@ -279,8 +298,8 @@ class CellGate(nn.Module):
 
     def keep(self, features: torch.Tensor) -> torch.Tensor:
         """``features [M, D]`` of a slide's candidates, best-scored first -> ``[M]`` bool: in an informative
-        cluster (or within ``margin`` of one) of any fit; the first candidate kept when none is. All True while
-        unfitted."""
+        cluster (or within ``margin`` of one) of at least :attr:`votes` fits; the first candidate kept when none is.
+        All True while unfitted."""
         if not self.is_fitted:
             return torch.ones(features.shape[0], dtype=torch.bool, device=features.device)
         m = features.shape[0]
@@ -291,7 +310,7 @@ class CellGate(nn.Module):
         if self.margin > 0:
             best_in = sim.masked_fill(~info[None], float("-inf")).max(2).values
             k = k | (best_in >= sim.max(2).values - self.margin)
-        k = k.any(1)
+        k = k.sum(1) >= self.votes
         if not bool(k.any()):
             k[0] = True
         return k

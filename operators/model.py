@@ -191,7 +191,7 @@ class FoveateModel(nn.Module):
                 own = ResNet(replace(cfg.features.resnet(), weights=weights, frozen=True))
             else:  # a copy of the model's encoder made at each fit, or none: the model's own when that is frozen
                 own = None if cfg.features.weights_fixed else _build_features(cfg, torchscript)
-            self.gate = CellGate(own, self.feature_dim, ex.gate_clusters, ex.gate_margin, ex.gate_fits)
+            self.gate = CellGate(own, self.feature_dim, ex.gate_clusters, ex.gate_margin, ex.gate_fits, ex.gate_agree)
 
     def gate_encode(self, patches: torch.Tensor) -> torch.Tensor:
         """``patches[M, 3, p, p]`` float in [0, 1] -> the features the cell gate clusters: its frozen encoder's

@@ -750,6 +750,9 @@ class ExperimentalConfig:
     """Independent k-means fits of the cluster gate (each the best of its seedings, the seedings differing); a
     candidate is kept when any fit keeps it. One fit's seeding can merge an informative appearance with filler
     (RESULTS, "a union of k-means fits"); 1: one fit."""
+    gate_agree: float = 0.0
+    """With ``gate_fits`` > 1, the share of the fits that must keep a candidate: ``max(1, ceil(gate_agree *
+    gate_fits))`` of them; 0: any fit (the union), 0.5: a majority, 1: every fit."""
     gate_keep_from: int = 0
     """The gate keeps from a slide's top ``gate_keep_from`` local maxima, while its clusters are fitted on the top
     ``gate_candidates`` (a held-out slide's informative cells can rank just below them); 0: ``gate_candidates``."""
@@ -774,11 +777,12 @@ class ExperimentalConfig:
         _int("model.experimental.gate_clusters", self.gate_clusters, 2)
         _int("model.experimental.gate_fits", self.gate_fits, 1)
         _int("model.experimental.gate_keep_from", self.gate_keep_from, 0)
-        if self.gate_candidates == 0 and (self.gate_keep_from or self.gate_fits != 1):
+        _num("model.experimental.gate_agree", self.gate_agree, 0, 1)
+        if self.gate_candidates == 0 and (self.gate_keep_from or self.gate_fits != 1 or self.gate_agree):
             raise ConfigError(
-                "model.experimental.gate_keep_from / gate_fits are set but the cluster gate is off: set "
-                "model.experimental.gate_candidates (e.g. 16) or leave them at 0 / 1; got gate_keep_from="
-                f"{self.gate_keep_from}, gate_fits={self.gate_fits}"
+                "model.experimental.gate_keep_from / gate_fits / gate_agree are set but the cluster gate is off: set "
+                "model.experimental.gate_candidates (e.g. 16) or leave them at 0 / 1 / 0; got gate_keep_from="
+                f"{self.gate_keep_from}, gate_fits={self.gate_fits}, gate_agree={self.gate_agree}"
             )
         if 0 < self.gate_keep_from < self.gate_candidates:
             raise ConfigError(

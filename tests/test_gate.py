@@ -177,6 +177,33 @@ def test_a_union_of_fits_keeps_what_any_fit_keeps():
             CellGate(None, 5, 6, fits=bad)
 
 
+def test_agree_keeps_what_enough_fits_keep():
+    # the same fits as the union's test: with agree a, a candidate is kept when at least max(1, ceil(a * F)) of
+    # the one-fit gates keep it; a = 0 is the union, a = 1 the intersection (each checked against the single fits)
+    centres = torch.randn(12, 5, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    x, label = _blobs(centres, 15, 0.6)
+    g = torch.Generator().manual_seed(11)
+    scores = (label % 3 == 0).double() * 0.1 + 0.05 * torch.randn(len(label), generator=g, dtype=torch.float64)
+    stream, singles = torch.Generator().manual_seed(0), []
+    for _ in range(4):
+        one = CellGate(None, 5, 6)
+        one.fit(x, scores, stream)
+        singles.append(one.keep(x.float()))
+    count = torch.stack(singles).long().sum(0)
+    kept_by = {}
+    for agree, votes in ((0.0, 1), (0.25, 1), (0.5, 2), (0.6, 3), (1.0, 4)):
+        gate = CellGate(None, 5, 6, fits=4, agree=agree)
+        fit = gate.fit(x, scores, torch.Generator().manual_seed(0))
+        assert gate.votes == votes
+        want = count >= votes
+        assert torch.equal(gate.keep(x.float()), want) and torch.equal(fit["kept"], want)
+        kept_by[agree] = int(want.sum())
+    assert kept_by[0.0] > kept_by[0.5] > kept_by[1.0] > 0  # the rule matters on these fits
+    for bad in (-0.1, 1.5, True, "half"):
+        with pytest.raises(ValueError, match="agree"):
+            CellGate(None, 5, 6, fits=4, agree=bad)
+
+
 def _gated_config(candidates: int = 6, clusters: int = 3, **experimental):
     cfg = _config()
     return dataclasses.replace(
@@ -337,6 +364,12 @@ def test_gate_fits_and_keep_from_are_checked():
         ExperimentalConfig(gate_candidates=16, gate_keep_from=-1)
     with pytest.raises(ConfigError, match="the cluster gate is off"):
         ExperimentalConfig(gate_fits=8)
+    with pytest.raises(ConfigError, match="the cluster gate is off"):
+        ExperimentalConfig(gate_agree=0.5)
+    for bad in (-0.5, 1.01, True):
+        with pytest.raises(ConfigError, match="gate_agree"):
+            ExperimentalConfig(gate_candidates=16, gate_fits=8, gate_agree=bad)
+    assert ExperimentalConfig(gate_candidates=16, gate_fits=8, gate_agree=0.5).gate_agree == 0.5
     assert ExperimentalConfig(gate_candidates=16, gate_keep_from=0).gate_keep_from == 0
     assert ExperimentalConfig(gate_candidates=16, gate_keep_from=24, gate_fits=8).gate_fits == 8
 

@@ -47,7 +47,11 @@ def test_refit_is_the_trainers_fit_and_scores_the_held_out_bags(tmp_path):
     assert row["object_recall"] <= cand["object_recall"]
     # a union of fits (its first fit is the trainer's) keeps at least what the trainer's gate keeps; fit_on fits on
     # each training slide's first candidates only
-    assert gr.refit_rows(table, split, k, 3, fits=3)["size"] >= row["size"]
+    union = gr.refit_rows(table, split, k, 3, fits=3)
+    assert union["size"] >= row["size"]
+    # every fit agreeing keeps no more than the union, and no more than the first fit (the trainer's) alone
+    every = gr.refit_rows(table, split, k, 3, fits=3, agree=1.0)
+    assert every["size"] <= min(union["size"], row["size"])
     _, fit2 = gr.fit_gate(table, k, 3, fits=2, fit_on=2)
     assert fit2["assignment"].numel() == 2 * len(train) and fit2["kept"].shape == (2 * len(train),)
     # boxes that name no class (the checker family): no decidable column, not a NaN
@@ -55,3 +59,5 @@ def test_refit_is_the_trainers_fit_and_scores_the_held_out_bags(tmp_path):
     assert "decidable" not in gr.candidates_row(table, plain) and "decidable" not in gr.refit_rows(table, plain, k, 3)
     with pytest.raises(SystemExit):
         gr.main(["--stores", str(tmp_path), "--checkpoint", "x.pt", "--clusters", "1"])
+    with pytest.raises(SystemExit):
+        gr.main(["--stores", str(tmp_path), "--checkpoint", "x.pt", "--agree", "1.5"])
