@@ -227,7 +227,7 @@ class CellGate(nn.Module):
         self.margin = float(margin)
         self.fits = fits
         self.agree = float(agree)
-        self.votes = max(1, math.ceil(self.agree * fits - 1e-9))  # fits that must keep a candidate
+        self.min_votes = max(1, math.ceil(self.agree * fits - 1e-9))  # fits that must keep a candidate
         self.clusters = clusters
         self.encoder = encoder
         if encoder is not None:
@@ -260,7 +260,7 @@ class CellGate(nn.Module):
         optionally ``ranks [M]``, the k-means seedings drawn one fit after the other from ``generator`` (the first
         fit is the fit of a one-fit gate); stores the results (fewer candidates than clusters: the spare centroids
         are never nearest, marked not informative). Returns the first fit, with ``"kept"``: ``[M]`` bool, the
-        candidates at least :attr:`votes` fits keep."""
+        candidates at least :attr:`min_votes` fits keep."""
         f_cpu, s_cpu = features.detach().cpu(), scores.detach().cpu()
         r_cpu = None if ranks is None else ranks.detach().cpu()
         dt, k_max = self.centroids.dtype, self.clusters
@@ -280,7 +280,7 @@ class CellGate(nn.Module):
         votes = torch.zeros(f_cpu.shape[0], dtype=torch.long)
         for fit in results:
             votes += fit["informative"][fit["assignment"]].long()
-        return {**first, "kept": votes >= self.votes}
+        return {**first, "kept": votes >= self.min_votes}
 
     def similarities(self, features: torch.Tensor) -> torch.Tensor:
         """``features [M, D]`` -> ``[M, F*k]`` cosine similarity to each centroid of every fit (after the fitted
@@ -296,13 +296,12 @@ class CellGate(nn.Module):
         a = self.similarities(features).view(features.shape[0], self.fits, self.clusters).argmax(2)
         return a[:, 0] if self.fits == 1 else a
 
-    def keep(self, features: torch.Tensor) -> torch.Tensor:
-        """``features [M, D]`` of a slide's candidates, best-scored first -> ``[M]`` bool: in an informative
-        cluster (or within ``margin`` of one) of at least :attr:`votes` fits; the first candidate kept when none is.
-        All True while unfitted."""
-        if not self.is_fitted:
-            return torch.ones(features.shape[0], dtype=torch.bool, device=features.device)
+    def vote_counts(self, features: torch.Tensor) -> torch.Tensor:
+        """``features [M, D]`` -> ``[M]`` long: how many of the F fits keep each candidate (its nearest cluster
+        informative, or within ``margin`` of one); F for every candidate while unfitted."""
         m = features.shape[0]
+        if not self.is_fitted:
+            return torch.full((m,), self.fits, dtype=torch.long, device=features.device)
         sim = self.similarities(features).view(m, self.fits, self.clusters)
         info = self.informative.view(self.fits, self.clusters)
         nearest = sim.argmax(2)  # [M, F]
@@ -310,7 +309,13 @@ class CellGate(nn.Module):
         if self.margin > 0:
             best_in = sim.masked_fill(~info[None], float("-inf")).max(2).values
             k = k | (best_in >= sim.max(2).values - self.margin)
-        k = k.sum(1) >= self.votes
+        return k.sum(1)
+
+    def keep(self, features: torch.Tensor) -> torch.Tensor:
+        """``features [M, D]`` of a slide's candidates, best-scored first -> ``[M]`` bool: in an informative
+        cluster (or within ``margin`` of one) of at least :attr:`min_votes` fits (:meth:`vote_counts`); the first
+        candidate kept when none is. All True while unfitted."""
+        k = self.vote_counts(features) >= self.min_votes
         if not bool(k.any()):
             k[0] = True
         return k

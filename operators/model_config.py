@@ -727,6 +727,9 @@ class AggregatorConfig:
 NEIGHBOUR_VIEWS = (0, 4, 8)
 
 
+GATE_WEIGHTS = ("equal", "votes")
+
+
 @dataclass(frozen=True)
 class ExperimentalConfig:
     """Switches kept for study: off by default, not part of the recipe, may change or go."""
@@ -753,6 +756,9 @@ class ExperimentalConfig:
     gate_agree: float = 0.0
     """With ``gate_fits`` > 1, the share of the fits that must keep a candidate: ``max(1, ceil(gate_agree *
     gate_fits))`` of them; 0: any fit (the union), 0.5: a majority, 1: every fit."""
+    gate_weights: str = "equal"
+    """How the classifier weighs a gate's kept cells: ``equal`` (their mean) or ``votes`` (each by how many of the
+    ``gate_fits`` fits keep it: cells every fit keeps count most); under study."""
     gate_keep_from: int = 0
     """The gate keeps from a slide's top ``gate_keep_from`` local maxima, while its clusters are fitted on the top
     ``gate_candidates`` (a held-out slide's informative cells can rank just below them); 0: ``gate_candidates``."""
@@ -790,6 +796,12 @@ class ExperimentalConfig:
                 f"{self.gate_candidates}, got {self.gate_keep_from}"
             )
         _choice("model.experimental.gate_cut", self.gate_cut, ("score", "rank"))
+        _choice("model.experimental.gate_weights", self.gate_weights, GATE_WEIGHTS)
+        if self.gate_weights != "equal" and self.gate_fits == 1:
+            raise ConfigError(
+                "model.experimental.gate_weights: votes needs model.experimental.gate_fits > 1 (with one fit every "
+                f"kept cell has one vote); got gate_fits={self.gate_fits}"
+            )
         _num("model.experimental.gate_margin", self.gate_margin, 0, 2)
         _file_path("model.experimental.gate_encoder", self.gate_encoder)
         _bool("model.experimental.control_variate", self.control_variate)

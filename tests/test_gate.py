@@ -194,7 +194,8 @@ def test_agree_keeps_what_enough_fits_keep():
     for agree, votes in ((0.0, 1), (0.25, 1), (0.5, 2), (0.6, 3), (1.0, 4)):
         gate = CellGate(None, 5, 6, fits=4, agree=agree)
         fit = gate.fit(x, scores, torch.Generator().manual_seed(0))
-        assert gate.votes == votes
+        assert gate.min_votes == votes
+        assert torch.equal(gate.vote_counts(x.float()), count)
         want = count >= votes
         assert torch.equal(gate.keep(x.float()), want) and torch.equal(fit["kept"], want)
         kept_by[agree] = int(want.sum())
@@ -252,6 +253,58 @@ def test_gated_forward_reads_the_candidates_once_and_classifies_the_kept_ones(tm
     assert torch.equal(fixed.cell_indices, ref_cells) and fixed.aux_losses == {}
     free = forward_slide(model, store, training=True, sigma=0.1, generator=g, target=1)
     assert "gate_kept" not in free.info and free.cell_indices.numel() == 3
+
+
+def test_vote_weights_weigh_each_kept_cell_by_its_fits_in_forward_and_scoring(tmp_path):
+    # gate_weights: votes — the bag's cells weighted by how many of the F fits keep them (over the kept cells'
+    # total), the same in a gated forward and in the scoring stages; equal weights are the plain mean
+    from operators.checkpoint import save_checkpoint
+    from workers.patches import prepare_slide
+    from workers.scoring import ClassifierWorker, ScorerWorker
+
+    store = _store(tmp_path)
+    torch.manual_seed(0)
+    model = FoveateModel(_gated_config(6, 3, gate_fits=4, gate_weights="votes")).eval()
+    slide = prepare_slide(store, model.cfg)
+    with torch.no_grad():
+        scores = model.score(slide.lowres_u8[None], slide.cell_mask[None], slide.geometry)
+        cells, values = gate_candidates(model, scores, tuple(slide.cell_mask.shape))
+        feats = model.gate_encode(slide.reader.read(cells).float() / 255)
+    model.gate.fit(feats.double(), values, torch.Generator().manual_seed(1))
+    # fit 0 keeps every cluster, the other fits only the cluster of the best candidate: unequal votes
+    nearest = model.gate.assign(feats)  # [M, F]
+    info = torch.zeros(4, 3, dtype=torch.bool)
+    info[0] = True
+    info[torch.arange(1, 4), nearest[0, 1:]] = True
+    model.gate.informative.copy_(info.flatten())
+    keep, votes = model.gate.keep(feats), model.gate.vote_counts(feats)
+    ref_cells, order = cells[keep].sort()
+    w = votes[keep][order].double().clamp_min(1)
+    w = (w / w.sum()).float()
+    with torch.no_grad():
+        out = forward_slide(model, store, training=False)
+        emb = model.embed(slide.reader.read(ref_cells).float() / 255)
+        pos = slide.grid.cell_centres(ref_cells)[None]
+        ref = model.aggregate(emb[None], pos, w[None])
+        plain = model.aggregate(emb[None], pos, None)
+    assert torch.equal(out.cell_indices, ref_cells)
+    torch.testing.assert_close(out.logits, ref, rtol=0, atol=1e-6)
+    torch.testing.assert_close(w.sum(), torch.tensor(1.0))
+    assert len(set(w.tolist())) > 1  # unequal votes on this slide: not the plain mean
+    assert not torch.allclose(out.logits, plain, atol=1e-6)
+    path = save_checkpoint(tmp_path / "votes.pt", model, model.cfg, ["a", "b"])
+    sw, cw = ScorerWorker(str(path), device="cpu"), ClassifierWorker(str(path))
+    row = cw.classify_batch(sw.score_batch([("s", store)]))[0]
+    assert row["status"] == "ok", row
+    probs = torch.softmax(out.logits.reshape(-1), 0).numpy()
+    np.testing.assert_allclose([row["probabilities"][c] for c in ("a", "b")], probs, rtol=1e-5, atol=1e-6)
+    from operators.errors import ConfigError
+    from operators.model_config import ExperimentalConfig
+
+    with pytest.raises(ConfigError, match="gate_weights: votes needs"):
+        ExperimentalConfig(gate_candidates=16, gate_weights="votes")
+    with pytest.raises(ConfigError, match="gate_weights"):
+        ExperimentalConfig(gate_candidates=16, gate_fits=4, gate_weights="score")
 
 
 def test_trainer_fits_the_gate_at_the_switch_and_it_survives_a_checkpoint(tmp_path):

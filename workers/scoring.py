@@ -449,25 +449,31 @@ class ClassifierWorker(_Stage):
         shifts = item.get("offsets")  # model.geometry.recentre: the scorer stage's shifts of each read
         shifts = None if shifts is None else torch.from_numpy(np.asarray(shifts, dtype=np.int64).reshape(-1, 2))
         pix = PatchReader(store, grid, geo.patch_input).read(cells, offsets_l0=shifts)
+        weights = item.get("slot_weights")
         if item.get("gated"):  # the cell gate's candidates: keep the gate's choice, in increasing cell order
+            from workers.slide_forward import gate_keep
+
             if not _gated(self.model):
                 raise ValueError("the scorer stage handed on cell-gate candidates; this model has no fitted gate")
             with torch.inference_mode(), _autocast(self.device, self.precision):
-                keep = self.model.gate.keep(self.model.gate_encode(pix.to(self.device, torch.float32).div_(255.0)))
+                keep, bag_w = gate_keep(
+                    self.model, self.model.gate_encode(pix.to(self.device, torch.float32).div_(255.0))
+                )
             idx = torch.nonzero(keep.cpu()).flatten()
             idx = idx[cells[idx].argsort()]
             cells, pix = cells[idx], pix[idx]
             shifts = None if shifts is None else shifts[idx]
+            weights = None if bag_w is None else bag_w.float().cpu()[idx].numpy()
         positions = grid.cell_centres(cells)  # [K, 2]
         coords = grid.cell_xy_l0(cells).numpy()  # [K, 2] where each patch was read
         if shifts is not None:
             coords = coords + shifts.numpy()
-        return store, grid, pix, positions, coords, cells.numpy()
+        return store, grid, pix, positions, coords, cells.numpy(), weights
 
     def classify_batch(self, items: list[Mapping[str, Any]]) -> list[dict[str, Any]]:
         """Prediction rows for scorer outputs ``items`` (error items pass through as error rows)."""
         rows: list[dict[str, Any] | None] = [None] * len(items)
-        ready = []  # (index, store, grid, pix, positions, coords, cells, t_read)
+        ready = []  # (index, store, grid, pix, positions, coords, cells, weights, t_read)
         todo = []
         for i, item in enumerate(items):
             if item.get("status") != "ok":
@@ -496,12 +502,10 @@ class ClassifierWorker(_Stage):
         timing = {"read": time.perf_counter() - t_start, "classify": 0.0, "output": 0.0}
         if ready:
             t0 = time.perf_counter()
-            probs = self._classify(
-                [r[3] for r in ready], [r[4] for r in ready], [items[r[0]].get("slot_weights") for r in ready]
-            )
+            probs = self._classify([r[3] for r in ready], [r[4] for r in ready], [r[7] for r in ready])
             timing["classify"] = time.perf_counter() - t0
             per_slide = timing["classify"] / len(ready)
-            for (i, store, grid, _pix, _pos, coords, cells, t_read), p in zip(ready, probs):
+            for (i, store, grid, _pix, _pos, coords, cells, _w, t_read), p in zip(ready, probs):
                 item = items[i]
                 t1 = time.perf_counter()
                 try:

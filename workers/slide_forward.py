@@ -26,6 +26,7 @@ __all__ = [
     "forward_slide",
     "score_slide",
     "gate_candidates",
+    "gate_keep",
     "gate_keep_from",
     "read_gate_candidates",
     "color_jitter_patches",
@@ -415,6 +416,19 @@ def read_gate_candidates(
     return cells, values, pixels
 
 
+def gate_keep(model: FoveateModel, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A fitted gate's choice among a slide's candidates, from their gate features ``[M, D]``
+    (:meth:`FoveateModel.gate_encode`): ``(keep [M] bool, weights)``; ``weights`` is None for equal weights, or
+    with ``model.experimental.gate_weights: votes`` ``[M]`` float, each kept cell's vote count
+    (:meth:`operators.gate.CellGate.vote_counts`) over the kept cells' total (zero where not kept), what the
+    classifier weighs the bag by, in training and at inference alike."""
+    keep = model.gate.keep(features)
+    if model.cfg.experimental.gate_weights != "votes":
+        return keep, None
+    v = model.gate.vote_counts(features).to(torch.float32).clamp_min(1) * keep  # the fallback's lone cell: one vote
+    return keep, v / v.sum()
+
+
 def _forward_gated(
     model: FoveateModel,
     slide: SlideInput,
@@ -424,14 +438,16 @@ def _forward_gated(
     generator: torch.Generator | None,
 ) -> ModelOutput:
     """The bag of a fitted cell gate (:mod:`operators.gate`): the slide's :func:`gate_candidates` read once, the
-    gate keeps those in informative clusters, the classifier sees the kept cells (cell order) with equal weights.
+    gate keeps those in informative clusters, the classifier sees the kept cells (cell order) with equal weights
+    (``model.experimental.gate_weights: votes``: each by the number of the gate's fits that keep it).
     In training (the second phase of ``schedule.select_until``) the kept patches are augmented; nothing else is
     read."""
     param = next(model.parameters())
     device, dtype = param.device, param.dtype
     cand, _, pixels = read_gate_candidates(model, slide, scores)
     with torch.no_grad():
-        keep = model.gate.keep(model.gate_encode(pixels)).cpu()
+        keep, bag_w = gate_keep(model, model.gate_encode(pixels))
+    keep = keep.cpu()
     cells, order = cand[keep].sort()
     patches = pixels[keep.to(device)][order.to(device)]
     aug = model.cfg.augment
@@ -439,7 +455,8 @@ def _forward_gated(
         patches = augment_patches(patches, aug, generator)
     feats = model.embed(patches)
     positions = slide.grid.cell_centres(cells).to(device=device, dtype=dtype)
-    logits = model.aggregate(feats[None], positions[None], None)
+    weights = None if bag_w is None else bag_w[keep.to(bag_w.device)][order.to(bag_w.device)].to(device, dtype)[None]
+    logits = model.aggregate(feats[None], positions[None], weights)
     k = int(cells.numel())
     idx = cells.to(scores.device)
     sel = Selection(indices=idx[None, :, None], weights=torch.ones(1, k, 1, device=scores.device, dtype=scores.dtype))
