@@ -95,8 +95,9 @@ def refit_rows(
     agree: float = 0.0,
 ) -> dict[str, float]:
     """:func:`fit_gate`, then the held-out bags (chosen from all the table's candidates of each slide): their mean
-    hit rate / object recall / decidable / size."""
-    from robustness import bag_row
+    hit rate / object recall / decidable / size, and ``vote_hit_rate``: the share of the bag's weight on an object
+    when each kept cell is weighted by the fits that keep it (``model.experimental.gate_weights: votes``)."""
+    from robustness import bag_row, overlaps
 
     gate, fit = fit_gate(table, clusters, seeding, fits, fit_on, agree)
     rows = []
@@ -105,10 +106,14 @@ def refit_rows(
             continue
         keep = gate.keep(table["features"][i]).numpy()
         label = split.class_names[table["target"][i]]
-        row = bag_row(table["xy"][i][keep], table["patch"][i], split.boxes[table["store"][i]], label)
+        boxes = split.boxes[table["store"][i]]
+        row = bag_row(table["xy"][i][keep], table["patch"][i], boxes, label)
         row["size"] = float(keep.sum())
+        votes = gate.vote_counts(table["features"][i]).numpy()[keep].clip(min=1).astype(float)
+        on = overlaps(table["xy"][i][keep], table["patch"][i], boxes).any(1)
+        row["vote_hit_rate"] = float((votes * on).sum() / votes.sum())
         rows.append(row)
-    res = _means(rows, ("hit_rate", "object_recall", "decidable", "size"))
+    res = _means(rows, ("hit_rate", "object_recall", "decidable", "size", "vote_hit_rate"))
     res["informative_clusters"] = int(fit["informative"].sum())
     return res
 
@@ -185,7 +190,10 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(1)
     split = load_split(args.config, args.stores, [])
     result = checkpoint_result("gate_refit.py", argv)
-    print(f"{'checkpoint':36s} {'k':>3s} {'F':>2s} {'agree':>4s} hit rate        object recall   decidable       size")
+    print(
+        f"{'checkpoint':36s} {'k':>3s} {'F':>2s} {'agree':>4s} hit rate        object recall   decidable       size"
+        "              vote-weighted hit rate"
+    )
     for ck in args.checkpoint:
         model, _, _ = load_checkpoint(ck)
         if model.gate is None:
@@ -212,7 +220,7 @@ def main(argv: list[str] | None = None) -> dict:
                     name = str(k) if n_fits == 1 else f"{k}x{n_fits}" + (f"@{agree:g}" if agree else "")
                     entry["fits"][name] = fits
                     cols = []
-                    for key in ("hit_rate", "object_recall", "decidable", "size"):
+                    for key in ("hit_rate", "object_recall", "decidable", "size", "vote_hit_rate"):
                         v = [f[key] for f in fits if key in f]
                         cols.append(f"{np.mean(v):.3f} [{min(v):.2f},{max(v):.2f}]" if v else f"{'-':17s}")
                     print(f"{'':36s} {k:3d} {n_fits:2d} {agree:4.2f}  " + "  ".join(cols))

@@ -45,6 +45,7 @@ def test_refit_is_the_trainers_fit_and_scores_the_held_out_bags(tmp_path):
     cand = gr.candidates_row(table, split)
     assert cand["object_recall"] == 1.0 and row["object_recall"] == float(keep[0])
     assert row["object_recall"] <= cand["object_recall"]
+    assert row["vote_hit_rate"] == row["hit_rate"]  # one fit: every kept cell has one vote
     # a union of fits (its first fit is the trainer's) keeps at least what the trainer's gate keeps; fit_on fits on
     # each training slide's first candidates only
     union = gr.refit_rows(table, split, k, 3, fits=3)
