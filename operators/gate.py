@@ -197,7 +197,7 @@ class CellGate(nn.Module):
         margin: keep a candidate whose cosine similarity to the nearest informative centroid is at least that to
             its nearest centroid minus ``margin`` (>= 0; 0: its nearest cluster is informative).
         fits: F independent k-means fits (the seedings of one drawn after the other's from one generator); a
-            candidate is kept when at least ``votes(F)`` fits keep it (see ``agree``). One fit's best-of-restarts
+            candidate is kept when at least :attr:`min_votes` fits keep it (see ``agree``). One fit's best-of-restarts
             can still merge an informative appearance with filler (RESULTS, "a union of k-means fits"); F = 1 is a
             single fit.
         agree: the share of the F fits that must keep a candidate, in [0, 1]: ``max(1, ceil(agree * F))`` fits;

@@ -751,8 +751,8 @@ class ExperimentalConfig:
     """Appearance clusters of the cluster gate."""
     gate_fits: int = 1
     """Independent k-means fits of the cluster gate (each the best of its seedings, the seedings differing); a
-    candidate is kept when any fit keeps it. One fit's seeding can merge an informative appearance with filler
-    (RESULTS, "a union of k-means fits"); 1: one fit."""
+    candidate is kept when any fit keeps it (``gate_agree``: a share of them). One fit's seeding can merge an
+    informative appearance with filler (RESULTS, "a union of k-means fits"); 1: one fit."""
     gate_agree: float = 0.0
     """With ``gate_fits`` > 1, the share of the fits that must keep a candidate: ``max(1, ceil(gate_agree *
     gate_fits))`` of them; 0: any fit (the union), 0.5: a majority, 1: every fit."""
