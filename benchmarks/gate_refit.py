@@ -71,8 +71,9 @@ def fit_gate(
     agree: float = 0.0,
 ):
     """The gate fitted on the training slides' candidates (their first ``fit_on``; None: all the table has) with
-    ``clusters``, ``fits`` k-means fits (kept by the share ``agree`` of them) and the k-means seeding ``seeding`` by the trainer's own fit
-    (:func:`workers.trainer.fit_gate_on_slides`, whose seeding is the run's seed): ``(CellGate, fit dict)``."""
+    ``clusters``, ``fits`` k-means fits (a cell kept by the share ``agree`` of them) and the k-means seeding
+    ``seeding`` by the trainer's own fit (:func:`workers.trainer.fit_gate_on_slides`, whose seeding is the run's
+    seed): ``(CellGate, fit dict)``."""
     from operators.gate import CellGate
     from workers.trainer import fit_gate_on_slides
 
@@ -104,12 +105,13 @@ def refit_rows(
     for i, part in enumerate(table["split"]):
         if part != "test":
             continue
-        keep = gate.keep(table["features"][i]).numpy()
+        votes = gate.vote_counts(table["features"][i])
+        keep = gate.keep_by_votes(votes).numpy()
         label = split.class_names[table["target"][i]]
         boxes = split.boxes[table["store"][i]]
         row = bag_row(table["xy"][i][keep], table["patch"][i], boxes, label)
         row["size"] = float(keep.sum())
-        votes = gate.vote_counts(table["features"][i]).numpy()[keep].clip(min=1).astype(float)
+        votes = votes.numpy()[keep].clip(min=1).astype(float)
         on = overlaps(table["xy"][i][keep], table["patch"][i], boxes).any(1)
         row["vote_hit_rate"] = float((votes * on).sum() / votes.sum())
         rows.append(row)

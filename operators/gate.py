@@ -315,7 +315,12 @@ class CellGate(nn.Module):
         """``features [M, D]`` of a slide's candidates, best-scored first -> ``[M]`` bool: in an informative
         cluster (or within ``margin`` of one) of at least :attr:`min_votes` fits (:meth:`vote_counts`); the first
         candidate kept when none is. All True while unfitted."""
-        k = self.vote_counts(features) >= self.min_votes
+        return self.keep_by_votes(self.vote_counts(features))
+
+    def keep_by_votes(self, votes: torch.Tensor) -> torch.Tensor:
+        """``votes [M]`` (:meth:`vote_counts` of a slide's candidates, best-scored first) -> ``[M]`` bool, as
+        :meth:`keep`: at least :attr:`min_votes`, the first candidate kept when none is."""
+        k = votes >= self.min_votes
         if not bool(k.any()):
             k[0] = True
         return k

@@ -422,10 +422,11 @@ def gate_keep(model: FoveateModel, features: torch.Tensor) -> tuple[torch.Tensor
     with ``model.experimental.gate_weights: votes`` ``[M]`` float, each kept cell's vote count
     (:meth:`operators.gate.CellGate.vote_counts`) over the kept cells' total (zero where not kept), what the
     classifier weighs the bag by, in training and at inference alike."""
-    keep = model.gate.keep(features)
+    votes = model.gate.vote_counts(features)
+    keep = model.gate.keep_by_votes(votes)
     if model.cfg.experimental.gate_weights != "votes":
         return keep, None
-    v = model.gate.vote_counts(features).to(torch.float32).clamp_min(1) * keep  # the fallback's lone cell: one vote
+    v = votes.to(torch.float32).clamp_min(1) * keep  # the fallback's lone cell: one vote
     return keep, v / v.sum()
 
 
