@@ -1,0 +1,235 @@
+"""A fresh classifier trained on a gated checkpoint's bags: the second phase without the first, beside the oracle.
+
+A gated checkpoint (``model.experimental.gate_candidates`` > 0) fixes the scorer and the gate's encoder, so every
+slide's candidates (its top local maxima) and their gate features are fixed. This script reads them once for the
+training and held-out slides of the split, makes each slide's bag by one of the rules below, and trains the
+oracle's classifier (``benchmarks/robustness.py``'s :func:`robustness.run_oracle`: the config's feature network +
+aggregator from scratch, AdamW, the trainer's warm-up + cosine, ``optim.accumulate`` bags per step, augmented as
+``foveate train`` does) on the training slides' bags, then tests it on the held-out slides' bags made by the same
+rule. The oracle's own bags are a rule too, so each row differs from the oracle only in its bags, on the same
+slides and the same training. No validation split: every training slide of the split trains, as in the oracle.
+
+Bag rules (``--bags``, comma-separated, one row each):
+  ``gate``      one k-means fit of the gate (``--clusters``, seeding ``--seeding``), fitted on the top
+                ``gate_candidates`` of the training slides, applied to the top ``gate_candidates`` (as shipped);
+  ``union``     ``--fits`` fits, any of them keeping a cell (``model.experimental.gate_fits``), applied to the top
+                ``--keep-from`` (``model.experimental.gate_keep_from``);
+  ``topN``      a slide's first N candidates, no gate (e.g. ``top8``: what the plain two-phase run reads);
+  ``oracle``    :func:`robustness.oracle_cells` (the ground-truth cells);
+  ``X+pure``    rule X with every patch that misses the slide's informative boxes dropped (ground truth: what X
+                would give without filler; a slide left empty keeps its best-scored cell).
+
+Usage: python benchmarks/gate_bags.py --stores DATA/stores --checkpoint RUN/model.pt [...] --bags gate,union,oracle
+       [--config perturbed_mean] [--set model.augment.symmetry=flips ...] [--epochs 40] [--seed 0] [--json OUT]
+(``--config`` and ``--set`` make the classifier, as ``robustness.py --oracle`` does; the split is the config's.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import numpy as np
+import torch
+
+__all__ = ["candidate_bags", "rule_keep", "train_rule", "main"]
+
+
+def candidate_bags(model, split, n: int) -> list[dict]:
+    """Every train and test slide's top ``n`` gate candidates with their pixels: one dict per slide, best first:
+    ``{"split", "target", "store", "cells" [n], "xy" [n, 2] level-0 top-left, "pixels" uint8 [n, 3, p, p],
+    "features" [n, D] float64 (the gate encoder's), "scores" [n], "positions" [n, 2], "patch"}``."""
+    from robustness import _cell_boxes
+
+    from workers.patches import prepare_slide
+    from workers.slide_forward import gate_candidates, score_slide
+
+    out = []
+    model.eval()
+    with torch.no_grad():
+        for part, records in (("train", split.train), ("test", split.test)):
+            for rec in records:
+                slide = prepare_slide(rec.store, model.cfg)
+                cells, values = gate_candidates(model, score_slide(model, slide), tuple(slide.cell_mask.shape), n)
+                pixels = slide.reader.read(cells)
+                feats = model.gate_encode(pixels.to(next(model.parameters()).dtype).div(255.0))
+                out.append(
+                    {
+                        "split": part,
+                        "target": int(rec.target),
+                        "store": str(rec.store),
+                        "cells": cells.cpu(),
+                        "xy": _cell_boxes(slide.grid, cells),
+                        "pixels": pixels.cpu(),
+                        "features": feats.cpu().double(),
+                        "scores": values.cpu().double(),
+                        "positions": slide.grid.cell_centres(cells).cpu(),
+                        "patch": int(slide.grid.patch_size),
+                    }
+                )
+    return out
+
+
+def rule_keep(rule: str, bags: list[dict], split, *, fit_on: int, clusters: int, seeding: int, fits: int,
+              keep_from: int) -> list[np.ndarray]:
+    """Per slide (the order of ``bags``) the indices of its candidates the rule keeps (not ``oracle``)."""
+    from operators.gate import CellGate
+    from robustness import overlaps
+    from workers.trainer import fit_gate_on_slides
+
+    base, _, pure = rule.partition("+")
+    if pure and pure != "pure":
+        raise ValueError(f"a bag rule is X or X+pure, got {rule!r}")
+    if base.startswith("top"):
+        n = int(base[3:])
+        keep = [np.arange(min(n, len(b["cells"]))) for b in bags]
+    elif base in ("gate", "union"):
+        f, m = (1, fit_on) if base == "gate" else (fits, keep_from)
+        slides = [(b["store"], b["features"][:fit_on], b["scores"][:fit_on]) for b in bags if b["split"] == "train"]
+        gate = CellGate(None, slides[0][1].shape[1], clusters, fits=f).double()
+        fit_gate_on_slides(gate, slides, seeding)
+        keep = []
+        for b in bags:
+            k = gate.keep_by_votes(gate.vote_counts(b["features"][:m])).numpy()
+            keep.append(np.flatnonzero(k))
+    else:
+        raise ValueError(f"unknown bag rule {rule!r}: expected gate, union, topN, oracle, each optionally +pure")
+    if pure:
+        out = []
+        for b, k in zip(bags, keep):
+            on = overlaps(b["xy"][k], b["patch"], split.boxes[b["store"]]).any(1)
+            out.append(k[on] if on.any() else k[:1])
+        keep = out
+    return keep
+
+
+def train_rule(config: str, overrides: list[str], split, seed: int, epochs: int, train_items, test_items) -> dict:
+    """:func:`robustness.run_oracle`'s training on given bags (``[(patches uint8 [K, 3, p, p], positions [K, 2],
+    target)]``): held-out and training accuracy / AUC."""
+    from robustness import config_path, fit_bags, predict_bags, refresh_bag_statistics
+
+    from operators.checkpoint import build_model, with_num_classes
+    from pipeline.config import load_config
+    from pipeline.train import TrainConfig, classification_metrics
+
+    cfg = load_config(TrainConfig, config_path(config), overrides)
+    mcfg = with_num_classes(cfg.model, len(split.class_names))
+    torch.manual_seed(seed)
+    model, mcfg = build_model(mcfg)
+    rng = np.random.default_rng(seed)
+    t0 = time.perf_counter()
+    fit_bags(model, cfg.optim, lambda _epoch: train_items, epochs, rng)
+    refresh_bag_statistics(model, train_items)
+    m = classification_metrics(*predict_bags(model, test_items))
+    tr = classification_metrics(*predict_bags(model, train_items))
+    return {
+        "test_accuracy": m["accuracy"],
+        "test_auc": m["auc"],
+        "train_accuracy": tr["accuracy"],
+        "train_seconds": time.perf_counter() - t0,
+    }
+
+
+def _oracle_items(config: str, overrides: list[str], split, seed: int):
+    from robustness import config_path, oracle_cells
+
+    from operators.checkpoint import with_num_classes
+    from pipeline.config import load_config
+    from pipeline.train import TrainConfig
+    from workers.patches import prepare_slide
+
+    cfg = load_config(TrainConfig, config_path(config), overrides)
+    mcfg = with_num_classes(cfg.model, len(split.class_names))
+    rng = np.random.default_rng(seed)
+    out = {}
+    for part, recs in (("train", split.train), ("test", split.test)):
+        items = []
+        for rec in recs:
+            si = prepare_slide(rec.store, mcfg)
+            cells = torch.from_numpy(oracle_cells(si, split.boxes[rec.store], mcfg.selection.k, rng))
+            items.append((si.reader.read(cells), si.grid.cell_centres(cells), rec.target))
+        out[part] = items
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict:
+    from robustness import bag_row, checkpoint_result, load_split
+
+    from operators.checkpoint import load_checkpoint
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--stores", type=Path, required=True, help="the synthesised stores folder (with the manifest)")
+    p.add_argument("--checkpoint", type=Path, nargs="+", required=True, help="gated model.pt files")
+    p.add_argument("--bags", default="gate,oracle", help="bag rules, comma-separated (see the module docstring)")
+    p.add_argument("--clusters", type=int, default=16)
+    p.add_argument("--seeding", type=int, default=0, help="the gate's k-means seeding (default 0)")
+    p.add_argument("--fits", type=int, default=8, help="the union's k-means fits (default 8)")
+    p.add_argument("--keep-from", type=int, default=24, help="the union's candidates per slide (default 24)")
+    p.add_argument("--config", default="perturbed_mean", help="the classifier's config and the split's")
+    p.add_argument("--set", dest="overrides", action="append", default=[], help="key=value for the classifier")
+    p.add_argument("--epochs", type=int, default=40)
+    p.add_argument("--seed", type=int, default=0, help="the classifier's initialisation and draws")
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    split = load_split(args.config, args.stores, args.overrides)
+    result = checkpoint_result("gate_bags.py", argv)
+    rules = [r for r in args.bags.split(",") if r]
+    oracle = None
+    print(f"{'checkpoint':30s} {'bags':14s} {'test acc':>8s} {'AUC':>6s} {'train':>6s} {'hit':>6s} {'recall':>6s} "
+          f"{'decid.':>6s} {'size':>5s} {'s':>5s}", flush=True)
+    for ck in args.checkpoint:
+        model, _, _ = load_checkpoint(ck)
+        if model.gate is None:
+            raise SystemExit(f"{ck} has no cluster gate (model.experimental.gate_candidates is 0)")
+        fit_on = model.cfg.experimental.gate_candidates
+        n = max(args.keep_from, fit_on, *[int(r.split("+")[0][3:]) for r in rules if r.startswith("top")])
+        bags = candidate_bags(model, split, n)
+        entry = {"checkpoint": ck.parent.name, "rows": {}}
+        for rule in rules:
+            if rule.split("+")[0] == "oracle":
+                if oracle is None:
+                    oracle = _oracle_items(args.config, args.overrides, split, args.seed)
+                items, bag_stats = oracle, {}
+            else:
+                keep = rule_keep(rule, bags, split, fit_on=fit_on, clusters=args.clusters, seeding=args.seeding,
+                                 fits=args.fits, keep_from=args.keep_from)
+                items = {"train": [], "test": []}
+                stats = []
+                for b, k in zip(bags, keep):
+                    kt = torch.from_numpy(k)
+                    items[b["split"]].append((b["pixels"][kt], b["positions"][kt], b["target"]))
+                    if b["split"] == "test":
+                        r = bag_row(b["xy"][k], b["patch"], split.boxes[b["store"]], split.class_names[b["target"]])
+                        r["size"] = float(len(k))
+                        stats.append(r)
+                bag_stats = {
+                    key: float(np.mean([r[key] for r in stats if key in r]))
+                    for key in ("hit_rate", "object_recall", "decidable", "size")
+                    if any(key in r for r in stats)
+                }
+            row = {**train_rule(args.config, args.overrides, split, args.seed, args.epochs, items["train"],
+                                items["test"]), **bag_stats}
+            entry["rows"][rule] = row
+            print(f"{ck.parent.name[-30:]:30s} {rule:14s} {row['test_accuracy']:8.3f} {row['test_auc']:6.3f} "
+                  f"{row['train_accuracy']:6.3f} {row.get('hit_rate', float('nan')):6.3f} "
+                  f"{row.get('object_recall', float('nan')):6.3f} {row.get('decidable', float('nan')):6.3f} "
+                  f"{row.get('size', float('nan')):5.1f} {row['train_seconds']:5.0f}", flush=True)
+            if args.json:  # written after every row: a long run's rows are kept
+                args.json.parent.mkdir(parents=True, exist_ok=True)
+                args.json.write_text(json.dumps({**result, "checkpoints": [*result["checkpoints"], entry]}, indent=1))
+        result["checkpoints"].append(entry)
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1))
+    return result
+
+
+if __name__ == "__main__":
+    main()
