@@ -77,11 +77,13 @@ def candidate_bags(model, split, n: int) -> list[dict]:
     return out
 
 
-def rule_keep(rule: str, bags: list[dict], split, *, fit_on: int, clusters: int, seeding: int, fits: int,
-              keep_from: int) -> list[np.ndarray]:
+def rule_keep(
+    rule: str, bags: list[dict], split, *, fit_on: int, clusters: int, seeding: int, fits: int, keep_from: int
+) -> list[np.ndarray]:
     """Per slide (the order of ``bags``) the indices of its candidates the rule keeps (not ``oracle``)."""
-    from operators.gate import CellGate
     from robustness import overlaps
+
+    from operators.gate import CellGate
     from workers.trainer import fit_gate_on_slides
 
     base, _, pure = rule.partition("+")
@@ -183,8 +185,11 @@ def main(argv: list[str] | None = None) -> dict:
     result = checkpoint_result("gate_bags.py", argv)
     rules = [r for r in args.bags.split(",") if r]
     oracle = None
-    print(f"{'checkpoint':30s} {'bags':14s} {'test acc':>8s} {'AUC':>6s} {'train':>6s} {'hit':>6s} {'recall':>6s} "
-          f"{'decid.':>6s} {'size':>5s} {'s':>5s}", flush=True)
+    print(
+        f"{'checkpoint':30s} {'bags':14s} {'test acc':>8s} {'AUC':>6s} {'train':>6s} {'hit':>6s} {'recall':>6s} "
+        f"{'decid.':>6s} {'size':>5s} {'s':>5s}",
+        flush=True,
+    )
     for ck in args.checkpoint:
         model, _, _ = load_checkpoint(ck)
         if model.gate is None:
@@ -199,8 +204,16 @@ def main(argv: list[str] | None = None) -> dict:
                     oracle = _oracle_items(args.config, args.overrides, split, args.seed)
                 items, bag_stats = oracle, {}
             else:
-                keep = rule_keep(rule, bags, split, fit_on=fit_on, clusters=args.clusters, seeding=args.seeding,
-                                 fits=args.fits, keep_from=args.keep_from)
+                keep = rule_keep(
+                    rule,
+                    bags,
+                    split,
+                    fit_on=fit_on,
+                    clusters=args.clusters,
+                    seeding=args.seeding,
+                    fits=args.fits,
+                    keep_from=args.keep_from,
+                )
                 items = {"train": [], "test": []}
                 stats = []
                 for b, k in zip(bags, keep):
@@ -215,13 +228,18 @@ def main(argv: list[str] | None = None) -> dict:
                     for key in ("hit_rate", "object_recall", "decidable", "size")
                     if any(key in r for r in stats)
                 }
-            row = {**train_rule(args.config, args.overrides, split, args.seed, args.epochs, items["train"],
-                                items["test"]), **bag_stats}
+            row = {
+                **train_rule(args.config, args.overrides, split, args.seed, args.epochs, items["train"], items["test"]),
+                **bag_stats,
+            }
             entry["rows"][rule] = row
-            print(f"{ck.parent.name[-30:]:30s} {rule:14s} {row['test_accuracy']:8.3f} {row['test_auc']:6.3f} "
-                  f"{row['train_accuracy']:6.3f} {row.get('hit_rate', float('nan')):6.3f} "
-                  f"{row.get('object_recall', float('nan')):6.3f} {row.get('decidable', float('nan')):6.3f} "
-                  f"{row.get('size', float('nan')):5.1f} {row['train_seconds']:5.0f}", flush=True)
+            print(
+                f"{ck.parent.name[-30:]:30s} {rule:14s} {row['test_accuracy']:8.3f} {row['test_auc']:6.3f} "
+                f"{row['train_accuracy']:6.3f} {row.get('hit_rate', float('nan')):6.3f} "
+                f"{row.get('object_recall', float('nan')):6.3f} {row.get('decidable', float('nan')):6.3f} "
+                f"{row.get('size', float('nan')):5.1f} {row['train_seconds']:5.0f}",
+                flush=True,
+            )
             if args.json:  # written after every row: a long run's rows are kept
                 args.json.parent.mkdir(parents=True, exist_ok=True)
                 args.json.write_text(json.dumps({**result, "checkpoints": [*result["checkpoints"], entry]}, indent=1))
