@@ -39,74 +39,32 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import numpy as np
 import torch
 
-__all__ = ["candidate_bags", "rule_keep", "train_rule", "main"]
-
-
-def candidate_bags(model, split, n: int) -> list[dict]:
-    """Every train and test slide's top ``n`` gate candidates with their pixels: one dict per slide, best first:
-    ``{"split", "target", "store", "cells" [n], "xy" [n, 2] level-0 top-left, "pixels" uint8 [n, 3, p, p],
-    "features" [n, D] float64 (the gate encoder's), "scores" [n], "positions" [n, 2], "patch"}``."""
-    from robustness import _cell_boxes
-
-    from workers.patches import prepare_slide
-    from workers.slide_forward import gate_candidates, score_slide
-
-    out = []
-    model.eval()
-    with torch.no_grad():
-        for part, records in (("train", split.train), ("test", split.test)):
-            for rec in records:
-                slide = prepare_slide(rec.store, model.cfg)
-                cells, values = gate_candidates(model, score_slide(model, slide), tuple(slide.cell_mask.shape), n)
-                pixels = slide.reader.read(cells)
-                feats = model.gate_encode(pixels.to(next(model.parameters()).dtype).div(255.0))
-                out.append(
-                    {
-                        "split": part,
-                        "target": int(rec.target),
-                        "store": str(rec.store),
-                        "cells": cells.cpu(),
-                        "xy": _cell_boxes(slide.grid, cells),
-                        "pixels": pixels.cpu(),
-                        "features": feats.cpu().double(),
-                        "scores": values.cpu().double(),
-                        "positions": slide.grid.cell_centres(cells).cpu(),
-                        "patch": int(slide.grid.patch_size),
-                    }
-                )
-    return out
+__all__ = ["rule_keep", "train_rule", "main"]
 
 
 def rule_keep(
-    rule: str, bags: list[dict], split, *, fit_on: int, clusters: int, seeding: int, fits: int, keep_from: int
+    rule: str, table: dict[str, list], split, *, fit_on: int, clusters: int, seeding: int, fits: int, keep_from: int
 ) -> list[np.ndarray]:
-    """Per slide (the order of ``bags``) the indices of its candidates the rule keeps (not ``oracle``)."""
+    """Per slide of ``table`` (:func:`gate_refit.candidate_table`) the indices of the candidates the bag rule keeps
+    (any rule of the module docstring but ``oracle``)."""
+    from gate_refit import fit_gate
     from robustness import overlaps
-
-    from operators.gate import CellGate
-    from workers.trainer import fit_gate_on_slides
 
     base, _, pure = rule.partition("+")
     if pure and pure != "pure":
         raise ValueError(f"a bag rule is X or X+pure, got {rule!r}")
-    if base.startswith("top"):
-        n = int(base[3:])
-        keep = [np.arange(min(n, len(b["cells"]))) for b in bags]
+    if base.startswith("top") and base[3:].isdigit() and int(base[3:]) > 0:
+        keep = [np.arange(min(int(base[3:]), len(f))) for f in table["features"]]
     elif base in ("gate", "union"):
         f, m = (1, fit_on) if base == "gate" else (fits, keep_from)
-        slides = [(b["store"], b["features"][:fit_on], b["scores"][:fit_on]) for b in bags if b["split"] == "train"]
-        gate = CellGate(None, slides[0][1].shape[1], clusters, fits=f).double()
-        fit_gate_on_slides(gate, slides, seeding)
-        keep = []
-        for b in bags:
-            k = gate.keep_by_votes(gate.vote_counts(b["features"][:m])).numpy()
-            keep.append(np.flatnonzero(k))
+        gate, _ = fit_gate(table, clusters, seeding, f, fit_on)
+        keep = [np.flatnonzero(gate.keep_by_votes(gate.vote_counts(feat[:m])).numpy()) for feat in table["features"]]
     else:
         raise ValueError(f"unknown bag rule {rule!r}: expected gate, union, topN, oracle, each optionally +pure")
     if pure:
         out = []
-        for b, k in zip(bags, keep):
-            on = overlaps(b["xy"][k], b["patch"], split.boxes[b["store"]]).any(1)
+        for i, k in enumerate(keep):
+            on = overlaps(table["xy"][i][k], table["patch"][i], split.boxes[table["store"][i]]).any(1)
             out.append(k[on] if on.any() else k[:1])
         keep = out
     return keep
@@ -162,6 +120,7 @@ def _oracle_items(config: str, overrides: list[str], split, seed: int):
 
 
 def main(argv: list[str] | None = None) -> dict:
+    from gate_refit import candidate_table
     from robustness import bag_row, checkpoint_result, load_split
 
     from operators.checkpoint import load_checkpoint
@@ -196,17 +155,17 @@ def main(argv: list[str] | None = None) -> dict:
             raise SystemExit(f"{ck} has no cluster gate (model.experimental.gate_candidates is 0)")
         fit_on = model.cfg.experimental.gate_candidates
         n = max(args.keep_from, fit_on, *[int(r.split("+")[0][3:]) for r in rules if r.startswith("top")])
-        bags = candidate_bags(model, split, n)
+        table = candidate_table(model, split, n, pixels=True)
         entry = {"checkpoint": ck.parent.name, "rows": {}}
         for rule in rules:
-            if rule.split("+")[0] == "oracle":
+            if rule == "oracle":
                 if oracle is None:
                     oracle = _oracle_items(args.config, args.overrides, split, args.seed)
                 items, bag_stats = oracle, {}
             else:
                 keep = rule_keep(
                     rule,
-                    bags,
+                    table,
                     split,
                     fit_on=fit_on,
                     clusters=args.clusters,
@@ -216,11 +175,13 @@ def main(argv: list[str] | None = None) -> dict:
                 )
                 items = {"train": [], "test": []}
                 stats = []
-                for b, k in zip(bags, keep):
+                for i, k in enumerate(keep):
                     kt = torch.from_numpy(k)
-                    items[b["split"]].append((b["pixels"][kt], b["positions"][kt], b["target"]))
-                    if b["split"] == "test":
-                        r = bag_row(b["xy"][k], b["patch"], split.boxes[b["store"]], split.class_names[b["target"]])
+                    part, target = table["split"][i], table["target"][i]
+                    items[part].append((table["pixels"][i][kt], table["positions"][i][kt], target))
+                    if part == "test":
+                        boxes = split.boxes[table["store"][i]]
+                        r = bag_row(table["xy"][i][k], table["patch"][i], boxes, split.class_names[target])
                         r["size"] = float(len(k))
                         stats.append(r)
                 bag_stats = {

@@ -36,29 +36,39 @@ import torch
 __all__ = ["candidate_table", "fit_gate", "refit_rows", "main"]
 
 
-def candidate_table(model, split, n: int | None = None) -> dict[str, list]:
+def candidate_table(model, split, n: int | None = None, pixels: bool = False) -> dict[str, list]:
     """Every train and test slide's top ``n`` gate candidates (None: what the model's gate keeps from,
     :func:`workers.slide_forward.gate_keep_from`): ``{"split", "target", "store", "xy" [n, 2] level-0 top-left,
-    "features" [n, D], "scores" [n], "patch"}`` lists, one entry per slide, best first."""
+    "features" [n, D], "scores" [n], "patch"}`` lists, one entry per slide, best first; with ``pixels`` also
+    ``"pixels"`` (uint8 ``[n, 3, p, p]``, the reads a gated forward classifies) and ``"positions"`` ``[n, 2]`` (the
+    cells' centres)."""
     from robustness import _cell_boxes
 
     from workers.patches import prepare_slide
-    from workers.slide_forward import read_gate_candidates, score_slide
+    from workers.slide_forward import gate_candidates, score_slide
 
-    out = {k: [] for k in ("split", "target", "store", "xy", "features", "scores", "patch")}
+    keys = ("split", "target", "store", "xy", "features", "scores", "patch") + (
+        ("pixels", "positions") if pixels else ()
+    )
+    out = {k: [] for k in keys}
     model.eval()
+    dtype = next(model.parameters()).dtype
     with torch.no_grad():
         for part, records in (("train", split.train), ("test", split.test)):
             for rec in records:
                 slide = prepare_slide(rec.store, model.cfg)
-                cells, values, pixels = read_gate_candidates(model, slide, score_slide(model, slide), n)
+                cells, values = gate_candidates(model, score_slide(model, slide), tuple(slide.cell_mask.shape), n)
+                u8 = slide.reader.read(cells)  # as workers.slide_forward.read_gate_candidates reads them
                 out["split"].append(part)
                 out["target"].append(int(rec.target))
                 out["store"].append(str(rec.store))
                 out["xy"].append(_cell_boxes(slide.grid, cells))
-                out["features"].append(model.gate_encode(pixels).cpu().double())
+                out["features"].append(model.gate_encode(u8.to(dtype).div(255.0)).cpu().double())
                 out["scores"].append(values.cpu().double())
                 out["patch"].append(int(slide.grid.patch_size))
+                if pixels:
+                    out["pixels"].append(u8.cpu())
+                    out["positions"].append(slide.grid.cell_centres(cells).cpu())
     return out
 
 

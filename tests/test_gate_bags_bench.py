@@ -16,9 +16,11 @@ def test_bags_are_the_trainers_gate_and_pure_drops_the_filler(tmp_path):
     from tiny_stores import rare_structures_views
 
     from workers.patches import prepare_slide
+    from workers.slide_forward import gate_candidates, read_gate_candidates, score_slide
     from workers.trainer import OptimConfig, ScheduleConfig, Trainer
 
     rb = load_benchmark("robustness")
+    gr = load_benchmark("gate_refit")
     gb = load_benchmark("gate_bags")
     recs = rare_structures_views(tmp_path)
     train, test = recs[:4], recs[4:]
@@ -27,32 +29,34 @@ def test_bags_are_the_trainers_gate_and_pure_drops_the_filler(tmp_path):
     tr._fit_gate()
     model = tr.model.eval()
     split0 = SimpleNamespace(train=train, test=test, class_names=["a", "b"], boxes={r.store: [] for r in recs})
-    bags = gb.candidate_bags(model, split0, 6)
-    assert [b["split"] for b in bags] == ["train"] * 4 + ["test"]
-    # the bag's pixels are the slide reader's pixels of its candidates
-    b = bags[4]
+    table = gr.candidate_table(model, split0, 6, pixels=True)
+    assert table["split"] == ["train"] * 4 + ["test"]
+    # the bag's pixels are the slide reader's pixels of its candidates, the features the gate encoder's of them
     slide = prepare_slide(test[0].store, model.cfg)
-    assert torch.equal(b["pixels"], slide.reader.read(b["cells"]))
-    assert b["pixels"].dtype == torch.uint8 and b["positions"].shape == (len(b["cells"]), 2)
+    cells, _ = gate_candidates(model, score_slide(model, slide), tuple(slide.cell_mask.shape), 6)
+    assert torch.equal(table["pixels"][4], slide.reader.read(cells)) and table["pixels"][4].dtype == torch.uint8
+    assert torch.equal(table["positions"][4], slide.grid.cell_centres(cells))
+    with torch.no_grad():
+        feats = model.gate_encode(read_gate_candidates(model, slide, score_slide(model, slide), 6)[2])
+    torch.testing.assert_close(table["features"][4], feats.double())
     k = model.gate.centroids.shape[0]
-    keep = gb.rule_keep("gate", bags, split0, fit_on=6, clusters=k, seeding=3, fits=1, keep_from=6)
-    for bag, kept in zip(bags, keep):  # the trainer's gate, refitted from the same slides and seeding
-        want = np.flatnonzero(model.gate.keep(bag["features"].float()).numpy())
-        assert np.array_equal(kept, want)
-    top = gb.rule_keep("top2", bags, split0, fit_on=6, clusters=k, seeding=3, fits=1, keep_from=6)
-    assert all(np.array_equal(t, np.arange(2)) for t in top)
+    kw = {"fit_on": 6, "clusters": k, "seeding": 3, "fits": 1, "keep_from": 6}
+    keep = gb.rule_keep("gate", table, split0, **kw)
+    for feat, kept in zip(table["features"], keep):  # the trainer's gate, refitted from the same slides and seeding
+        assert np.array_equal(kept, np.flatnonzero(model.gate.keep(feat.float()).numpy()))
+    assert all(np.array_equal(t, np.arange(2)) for t in gb.rule_keep("top2", table, split0, **kw))
     # a box on the held-out slide's second candidate only: +pure keeps that one; a slide with no box its first
-    xy = b["xy"]
+    xy = table["xy"][4]
     box = {"x": int(xy[1, 0]) + 1, "y": int(xy[1, 1]) + 1, "width": 2, "height": 2, "kind": "b"}
-    on = rb.overlaps(xy, b["patch"], [box])[:, 0]
+    on = rb.overlaps(xy, table["patch"][4], [box])[:, 0]
     split = SimpleNamespace(**{**vars(split0), "boxes": {**split0.boxes, test[0].store: [box]}})
-    pure = gb.rule_keep("top6+pure", bags, split, fit_on=6, clusters=k, seeding=3, fits=1, keep_from=6)
+    pure = gb.rule_keep("top6+pure", table, split, **kw)
     assert np.array_equal(pure[4], np.flatnonzero(on)) and 1 in pure[4]
     assert all(np.array_equal(p, [0]) for p in pure[:4])
     with pytest.raises(ValueError, match="unknown bag rule"):
-        gb.rule_keep("best", bags, split, fit_on=6, clusters=k, seeding=3, fits=1, keep_from=6)
+        gb.rule_keep("best", table, split, **kw)
     with pytest.raises(ValueError, match=r"X\+pure"):
-        gb.rule_keep("gate+clean", bags, split, fit_on=6, clusters=k, seeding=3, fits=1, keep_from=6)
-    items = [(bb["pixels"][:2], bb["positions"][:2], bb["target"]) for bb in bags]
+        gb.rule_keep("gate+clean", table, split, **kw)
+    items = [(x[:2], pos[:2], y) for x, pos, y in zip(table["pixels"], table["positions"], table["target"])]
     row = gb.train_rule("perturbed_mean", [], split, 0, 1, items[:4], items[4:])
     assert 0.0 <= row["test_accuracy"] <= 1.0 and 0.0 <= row["train_accuracy"] <= 1.0
