@@ -178,3 +178,57 @@ def test_second_phase_weight_decay_from_the_switch_and_through_a_resume(tmp_path
     assert {g["weight_decay"] for g in again.optimizer.param_groups} == {0.05}
     again.step(records[:1], EpochResult(started=0.0))
     assert {g["weight_decay"] for g in again.optimizer.param_groups} == {0.05}
+
+
+def test_second_phase_drops_the_mean_skip_and_keeps_it_dropped_through_a_resume(tmp_path):
+    import dataclasses
+
+    with pytest.raises(ConfigError, match="select_drop_skip.*without schedule.select_restart"):
+        ScheduleConfig(select_until=0.5, select_drop_skip=True)
+    with pytest.raises(ConfigError, match="select_drop_skip"):
+        ScheduleConfig(select_until=0.5, select_restart=True, select_drop_skip=1)
+    base = _config(discovery=False)
+    mil = dataclasses.replace(base.aggregator.attention_mil, mean_skip=True)
+    cfg = dataclasses.replace(
+        base, aggregator=dataclasses.replace(base.aggregator, kind="attention_mil", attention_mil=mil)
+    )
+    sched = ScheduleConfig(select_until=0.5, select_restart=True, select_drop_skip=True)
+    optim = OptimConfig(epochs=2, accumulate=1, lr=0.05, warmup=0, weight_decay=0.1, ema_epochs=1)
+    no_skip = dataclasses.replace(
+        cfg,
+        aggregator=dataclasses.replace(
+            cfg.aggregator, attention_mil=dataclasses.replace(cfg.aggregator.attention_mil, mean_skip=False)
+        ),
+    )
+    for bad in (base, no_skip):  # the mean aggregator has no skip; nor has attention-MIL without mean_skip
+        with pytest.raises(ValueError, match="select_drop_skip.*mean_skip"):
+            Trainer(bad, optim, sched, slides_per_epoch=2)
+    store = _store(tmp_path)
+    records = [SimpleNamespace(store=store, target=0), SimpleNamespace(store=store, target=1)]
+    tr = Trainer(cfg, optim, sched, slides_per_epoch=2)
+    skip = tr.model.aggregator.skip
+    for i in range(2):  # the first phase: the skip trains
+        tr.step(records[i : i + 1], EpochResult(started=0.0))
+    assert any(bool(p.abs().sum() > 0) for p in skip.parameters())
+    attention0 = {k: v.clone() for k, v in tr.model.aggregator.V.state_dict().items()}
+    for i in range(2):  # the second phase: the skip zero and frozen (weight decay and momentum included)
+        tr.step(records[i : i + 1], EpochResult(started=0.0))
+        for model in (tr.model, tr.ema_model):
+            assert all(torch.equal(p, torch.zeros_like(p)) for p in model.aggregator.skip.parameters())
+        assert not any(p.requires_grad for p in skip.parameters())
+    assert any(not torch.equal(attention0[k], v) for k, v in tr.model.aggregator.V.state_dict().items())
+    # the classifier is the attention path alone: the same logits as the aggregator without its skip
+    feats = torch.randn(1, 3, tr.model.feature_dim)
+    agg = tr.model.aggregator.eval()
+    with torch.no_grad():
+        want = agg(feats)
+        agg.skip = None
+        got = agg(feats)
+        agg.skip = skip
+    torch.testing.assert_close(got, want)
+    # a resume after the switch: the loaded zeros are frozen again on the next step
+    again = Trainer(cfg, optim, sched, slides_per_epoch=2)
+    again.load_state_dict(tr.state_dict())
+    again.step(records[:1], EpochResult(started=0.0))
+    assert not any(p.requires_grad for p in again.model.aggregator.skip.parameters())
+    assert all(torch.equal(p, torch.zeros_like(p)) for p in again.model.aggregator.skip.parameters())

@@ -164,6 +164,12 @@ class ScheduleConfig:
     a checkpoint's optimizer state carries it on a resume). Under study; None (default): ``optim.weight_decay``
     throughout.
 
+    ``select_drop_skip``: at the restart of ``select_restart`` the aggregator's mean skip
+    (``model.aggregator.attention_mil.mean_skip`` / ``model.aggregator.transformer.mean_skip``) is set to zero and
+    frozen, so the second phase's classifier is the attention path alone: a bag with filler is not read through
+    its mean (the first phase keeps the skip, which starts the attention path as the mean aggregator). Under study;
+    False (default).
+
     ``gate_refits``: with a cell gate (``model.experimental.gate_candidates``), fit it again this many times, evenly
     spaced through the second phase, on the encoder as it is then (its bags and the encoder can improve each other).
     Under study; 0 (default): fitted once, at the switch.
@@ -180,6 +186,7 @@ class ScheduleConfig:
     select_restart: bool = False
     select_restart_features: str = "fresh"
     select_weight_decay: float | None = None
+    select_drop_skip: bool = False
     gate_refits: int = 0
 
     def __post_init__(self) -> None:
@@ -233,6 +240,15 @@ class ScheduleConfig:
             v,
             v is None or self.select_until is not None,
             "None without schedule.select_until (it is the second phase's)",
+        )
+        _check(
+            "schedule.select_drop_skip", self.select_drop_skip, isinstance(self.select_drop_skip, bool), "true or false"
+        )
+        _check(
+            "schedule.select_drop_skip",
+            self.select_drop_skip,
+            not self.select_drop_skip or self.select_restart,
+            "false without schedule.select_restart (the skip is dropped where the classifier restarts)",
         )
         _check(
             "schedule.gate_refits",
@@ -556,6 +572,16 @@ class Trainer:
                 "model.experimental.gate_encoder (a file, an MLflow URI or 'pretrain'); got gate_candidates="
                 f"{model_config.experimental.gate_candidates}, gate_encoder={model_config.experimental.gate_encoder!r}"
             )
+        agg = model_config.aggregator
+        if schedule.select_drop_skip and not (
+            (agg.kind == "attention_mil" and agg.attention_mil.mean_skip)
+            or (agg.kind == "transformer" and agg.transformer.mean_skip)
+        ):
+            raise ValueError(
+                "schedule.select_drop_skip drops the aggregator's mean skip in the second phase; it needs "
+                "model.aggregator.kind 'attention_mil' or 'transformer' with its mean_skip true; got "
+                f"kind={agg.kind!r}" + (", mean_skip false" if agg.kind in ("attention_mil", "transformer") else "")
+            )
         self.model = FoveateModel(model_config)
         _load_resolved(
             self.model.features, features_init, "model.features.init", model_config.features.init, "features_init"
@@ -729,6 +755,8 @@ class Trainer:
                 switch = self.global_step == self.schedule.select_step(self.total_steps)
                 if self.schedule.select_restart and switch:
                     self._restart_classifier()
+                if self.schedule.select_drop_skip:  # on a resume after the switch too: the zeros stay frozen
+                    self._drop_skip()
                 if self.schedule.select_weight_decay is not None and switch:
                     for group in self.optimizer.param_groups:  # a resume loads it with the optimizer state
                         group["weight_decay"] = float(self.schedule.select_weight_decay)
@@ -865,6 +893,20 @@ class Trainer:
             self.stopper.restart()
             self.best_state = None
         log.info("classifier restarted at step %d (schedule.select_restart)", self.global_step)
+
+    def _drop_skip(self) -> None:
+        """``schedule.select_drop_skip``: the aggregator's mean skip (and the moving average's) set to zero and
+        frozen; the attention path alone classifies from here on."""
+        for model in (self.model, self.ema_model):
+            skip = None if model is None else getattr(model.aggregator, "skip", None)
+            if skip is None:
+                continue
+            with torch.no_grad():
+                for p in skip.parameters():
+                    p.zero_()
+            skip.requires_grad_(False)
+            for p in skip.parameters():
+                self.optimizer.state.pop(p, None)
 
     def train_epoch(self, records: Sequence[Any]) -> EpochResult:
         """One epoch over this worker's ``records`` (already sharded and shuffled), ``optim.accumulate``
