@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import numpy as np
 import torch
 
-__all__ = ["rule_keep", "train_rule", "main"]
+__all__ = ["rule_keep", "train_rule", "loop_split", "main"]
 
 
 def rule_keep(
@@ -70,9 +70,22 @@ def rule_keep(
     return keep
 
 
-def train_rule(config: str, overrides: list[str], split, seed: int, epochs: int, train_items, test_items) -> dict:
+def train_rule(
+    config: str,
+    overrides: list[str],
+    split,
+    seed: int,
+    epochs: int,
+    train_items,
+    test_items,
+    *,
+    as_trainer: bool = False,
+    curve: bool = False,
+) -> dict:
     """:func:`robustness.run_oracle`'s training on given bags (``[(patches uint8 [K, 3, p, p], positions [K, 2],
-    target)]``): held-out and training accuracy / AUC."""
+    target)]``): held-out and training accuracy / AUC. ``as_trainer``: clipped and averaged as the trainer does
+    (:func:`robustness.fit_bags`); ``curve``: also the held-out accuracy and AUC after every epoch
+    (``test_curve``, before the final refresh of the feature statistics)."""
     from robustness import config_path, fit_bags, predict_bags, refresh_bag_statistics
 
     from operators.checkpoint import build_model, with_num_classes
@@ -84,8 +97,22 @@ def train_rule(config: str, overrides: list[str], split, seed: int, epochs: int,
     torch.manual_seed(seed)
     model, mcfg = build_model(mcfg)
     rng = np.random.default_rng(seed)
+    points: list[list[float]] = []
+
+    def after(epoch, m):
+        r = classification_metrics(*predict_bags(m, test_items))
+        points.append([epoch + 1, r["accuracy"], r["auc"]])
+
     t0 = time.perf_counter()
-    fit_bags(model, cfg.optim, lambda _epoch: train_items, epochs, rng)
+    model = fit_bags(
+        model,
+        cfg.optim,
+        lambda _epoch: train_items,
+        epochs,
+        rng,
+        as_trainer=as_trainer,
+        after_epoch=after if curve else None,
+    )
     refresh_bag_statistics(model, train_items)
     m = classification_metrics(*predict_bags(model, test_items))
     tr = classification_metrics(*predict_bags(model, train_items))
@@ -94,7 +121,24 @@ def train_rule(config: str, overrides: list[str], split, seed: int, epochs: int,
         "test_auc": m["auc"],
         "train_accuracy": tr["accuracy"],
         "train_seconds": time.perf_counter() - t0,
+        **({"test_curve": points} if curve else {}),
     }
+
+
+def loop_split(split, fraction: float, config: str, overrides: list[str]):
+    """``split`` with its training slides cut to those ``robustness.py --in-process --val-fraction fraction``
+    trains on (the same stratified draw, seeded by ``data.seed + 1``); the held-out slides stay."""
+    import dataclasses
+
+    from robustness import config_path
+
+    from pipeline.config import load_config
+    from pipeline.data import split_train_val
+    from pipeline.train import TrainConfig
+
+    cfg = load_config(TrainConfig, config_path(config), overrides)
+    train, _ = split_train_val(split.train, fraction, cfg.data.seed + 1)
+    return dataclasses.replace(split, train=train)
 
 
 def _oracle_items(config: str, overrides: list[str], split, seed: int):
@@ -137,10 +181,28 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--set", dest="overrides", action="append", default=[], help="key=value for the classifier")
     p.add_argument("--epochs", type=int, default=40)
     p.add_argument("--seed", type=int, default=0, help="the classifier's initialisation and draws")
+    p.add_argument(
+        "--as-trainer",
+        action="store_true",
+        help="clip and average the weights as the trainer does (optim.clip, optim.ema_epochs); default: as the oracle",
+    )
+    p.add_argument(
+        "--loop-split",
+        type=float,
+        default=0.0,
+        metavar="F",
+        help="train on the training slides robustness.py --val-fraction F trains on (the rest of them unused); "
+        "default 0: all of them, as the oracle",
+    )
+    p.add_argument("--curve", action="store_true", help="the held-out accuracy after every epoch (test_curve)")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
+    if not 0.0 <= args.loop_split < 1.0:
+        p.error(f"--loop-split must be in [0, 1), got {args.loop_split}")
     torch.set_num_threads(1)
     split = load_split(args.config, args.stores, args.overrides)
+    if args.loop_split > 0:
+        split = loop_split(split, args.loop_split, args.config, args.overrides)
     result = checkpoint_result("gate_bags.py", argv)
     rules = [r for r in args.bags.split(",") if r]
     oracle = None
@@ -190,7 +252,17 @@ def main(argv: list[str] | None = None) -> dict:
                     if any(key in r for r in stats)
                 }
             row = {
-                **train_rule(args.config, args.overrides, split, args.seed, args.epochs, items["train"], items["test"]),
+                **train_rule(
+                    args.config,
+                    args.overrides,
+                    split,
+                    args.seed,
+                    args.epochs,
+                    items["train"],
+                    items["test"],
+                    as_trainer=args.as_trainer,
+                    curve=args.curve,
+                ),
                 **bag_stats,
             }
             entry["rows"][rule] = row

@@ -284,6 +284,8 @@ def run_training_in_process(
     trace=None,
     val_fraction: float = 0.0,
     device: str = "cpu",
+    save_state_at: int | None = None,
+    resume_state: Path | None = None,
 ) -> dict[str, Any]:
     """Train one model in this process with ``workers.trainer.Trainer`` (the numerics of ``foveate train`` on one
     worker, without Ray Train start-up, MLflow and model logging). Same return value as :func:`run_training`.
@@ -292,7 +294,11 @@ def run_training_in_process(
     share of the training slides (stratified, seeded by ``data.seed + 1``) is a validation split of its own, and
     the config's early stopping runs on it (the best epoch's model is the one saved) — the held-out test slides
     stay out of every choice; 0: validation on the held-out split, to the cap (early stopping must then be off).
-    ``device``: where the model trains."""
+    ``device``: where the model trains. ``save_state_at`` E: after epoch E the trainer's whole state
+    (:meth:`Trainer.state_dict`) is saved as ``RUN_DIR/state-eE.pt`` and the evaluated model as
+    ``RUN_DIR/model-eE.pt``, and training goes on; ``resume_state``: training continues from such a state (its
+    epoch, optimizer, generators), under this call's config: options of the optimizer and the schedule may differ
+    from the saved run's (e.g. a second phase replayed from the switch), the model's structure may not."""
     import dataclasses
 
     import torch
@@ -328,6 +334,10 @@ def run_training_in_process(
         gate_encoder_init=_gate_init(cfg, model_cfg, train, workdir),
         device=device,
     )
+    if resume_state is not None:
+        trainer.load_state_dict(torch.load(resume_state, map_location="cpu", weights_only=False))
+    run_dir = workdir / "train" / run_name
+    run_dir.mkdir(parents=True, exist_ok=True)
     metrics: dict[str, float] = {}
     with open(log, "w") as fh:
         while not trainer.finished:
@@ -337,8 +347,12 @@ def run_training_in_process(
                 line.update({f"trace_{k}": v for k, v in trace(trainer.eval_model).items()})
             fh.write(json.dumps(line) + "\n")
             fh.flush()
-    run_dir = workdir / "train" / run_name
-    run_dir.mkdir(parents=True, exist_ok=True)
+            if save_state_at is not None and trainer.epoch == save_state_at:
+                torch.save(trainer.state_dict(), run_dir / f"state-e{save_state_at}.pt")
+                torch.save(
+                    checkpoint_dict(trainer.eval_model, model_cfg, list(table.class_names)),
+                    run_dir / f"model-e{save_state_at}.pt",
+                )
     ckpt = run_dir / "model.pt"
     torch.save(checkpoint_dict(trainer.eval_model, model_cfg, list(table.class_names)), ckpt)
     return {
@@ -704,34 +718,59 @@ def run_oracle(
     }
 
 
-def fit_bags(model, optim, epoch_bags, epochs: int, rng: np.random.Generator, on_epoch=None) -> None:
+def fit_bags(
+    model,
+    optim,
+    epoch_bags,
+    epochs: int,
+    rng: np.random.Generator,
+    on_epoch=None,
+    *,
+    as_trainer: bool = False,
+    after_epoch=None,
+):
     """Train ``model.classify`` (features + aggregator) on fixed bags of patches with the slide label, the patches
     augmented as ``foveate train`` does (``model.augment``: colour jitter, symmetry): AdamW, the
     trainer's warm-up + cosine schedule (``optim``: ``foveate train``'s ``OptimConfig``), ``optim.accumulate``
-    bags per step in a random order per epoch, gradient clipping.
+    bags per step in a random order per epoch, gradient clipping. Returns the model to evaluate: ``model``, or
+    with ``as_trainer`` and ``optim.ema_epochs`` its moving average.
 
     Args:
         epoch_bags: ``epoch -> [(patches uint8 [K, 3, p, p], positions [K, 2], target), ...]``, called at the start
             of every epoch (the same number of bags each time; the schedule is laid out from the first epoch's).
         on_epoch: called as ``on_epoch(epoch, mean training loss)`` after every epoch.
+        as_trainer: clip and average as :class:`workers.trainer.Trainer` does (``optim.clip`` ``per_module``: each
+            child module's gradient clipped on its own; ``optim.ema_epochs``: a moving average of the weights,
+            :func:`workers.trainer.ema_update`); False (the oracle's): one global clip, no average.
+        after_epoch: called as ``after_epoch(epoch, model to evaluate)`` after every epoch.
     """
+    import copy
+
     import torch
 
     from pipeline.train import lr_factor
     from workers.slide_forward import augment_patches
+    from workers.trainer import ema_update
 
     params = [q for q in model.parameters() if q.requires_grad]
+    per_module = as_trainer and optim.clip == "per_module"
+    groups = [g for g in ([q for q in c.parameters() if q.requires_grad] for c in model.children()) if g]
     gen = torch.Generator().manual_seed(int(rng.integers(2**31)))  # the training's patch augmentation
     opt = torch.optim.AdamW(params, lr=optim.lr, weight_decay=optim.weight_decay)
     acc = optim.accumulate
     sched = None
+    ema, decay, step = None, 0.0, 0
     for epoch in range(epochs):
         bags = epoch_bags(epoch)
         if sched is None:
-            total = epochs * math.ceil(len(bags) / acc)
+            per_epoch = math.ceil(len(bags) / acc)
+            total = epochs * per_epoch
             sched = torch.optim.lr_scheduler.LambdaLR(
                 opt, lambda s: lr_factor(s, total, optim.warmup, optim.min_lr_ratio)
             )
+            if as_trainer and optim.ema_epochs > 0:
+                ema = copy.deepcopy(model).eval().requires_grad_(False)
+                decay = 1.0 - 1.0 / max(optim.ema_epochs * per_epoch, 1.0)
         model.train()
         order = rng.permutation(len(bags))
         losses = []
@@ -745,11 +784,19 @@ def fit_bags(model, optim, epoch_bags, epochs: int, rng: np.random.Generator, on
                 loss = torch.nn.functional.cross_entropy(logits.reshape(1, -1), torch.tensor([y]))
                 (loss / len(batch)).backward()
                 losses.append(float(loss.detach()))
-            torch.nn.utils.clip_grad_norm_(params, optim.grad_clip if optim.grad_clip > 0 else 1e9)
+            clip = optim.grad_clip if optim.grad_clip > 0 else 1e9
+            for g in groups if per_module else [params]:
+                torch.nn.utils.clip_grad_norm_(g, clip)
             opt.step()
             sched.step()
+            if ema is not None:
+                ema_update(ema, model, step, decay)
+            step += 1
         if on_epoch is not None:
             on_epoch(epoch, float(np.mean(losses)))
+        if after_epoch is not None:
+            after_epoch(epoch, model if ema is None else ema)
+    return model if ema is None else ema
 
 
 def refresh_bag_statistics(model, bags) -> int:
@@ -930,6 +977,22 @@ def main(argv: list[str] | None = None) -> int:
         "sees); 0 (default): train to the cap, validating on the held-out slides",
     )
     p.add_argument(
+        "--save-state-at",
+        type=int,
+        default=None,
+        metavar="E",
+        help="with --in-process: after epoch E save the trainer's state (RUN_DIR/state-eE.pt) and the evaluated "
+        "model (RUN_DIR/model-eE.pt), then go on",
+    )
+    p.add_argument(
+        "--resume-state",
+        type=Path,
+        default=None,
+        metavar="STATE",
+        help="with --in-process, one task, config and seed: continue from a --save-state-at state under this "
+        "command's --set options (the optimizer's and the schedule's may differ; the model's structure may not)",
+    )
+    p.add_argument(
         "--trace-slides",
         type=int,
         default=20,
@@ -974,6 +1037,12 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--device needs --in-process (foveate train takes --set use_gpu=true)")
     if args.val_fraction > 0 and not args.in_process:
         p.error("--val-fraction needs --in-process")
+    if (args.save_state_at is not None or args.resume_state is not None) and not args.in_process:
+        p.error("--save-state-at and --resume-state need --in-process")
+    if args.save_state_at is not None and args.save_state_at < 1:
+        p.error(f"--save-state-at must be an epoch >= 1, got {args.save_state_at}")
+    if args.resume_state is not None and not args.resume_state.is_file():
+        p.error(f"--resume-state {args.resume_state} is not a file")
     # without --val-fraction the held-out split is the trainer's validation split: no early stopping on it (train
     # to the cap, test the last epoch); with it, the config's early stopping runs on the carved validation split
     overrides = (["early_stopping.patience=0"] if args.val_fraction == 0 else []) + [*args.overrides]
@@ -1108,6 +1177,8 @@ def main(argv: list[str] | None = None) -> int:
                         trace,
                         val_fraction=args.val_fraction,
                         device=args.device,
+                        save_state_at=args.save_state_at,
+                        resume_state=args.resume_state,
                     )
                 else:
                     res = run_training(config, stores, seed, overrides, workdir, name, log)

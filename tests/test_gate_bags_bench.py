@@ -60,3 +60,51 @@ def test_bags_are_the_trainers_gate_and_pure_drops_the_filler(tmp_path):
     items = [(x[:2], pos[:2], y) for x, pos, y in zip(table["pixels"], table["positions"], table["target"])]
     row = gb.train_rule("perturbed_mean", [], split, 0, 1, items[:4], items[4:])
     assert 0.0 <= row["test_accuracy"] <= 1.0 and 0.0 <= row["train_accuracy"] <= 1.0
+    curve = gb.train_rule("perturbed_mean", [], split, 0, 2, items[:4], items[4:], as_trainer=True, curve=True)
+    assert [p[0] for p in curve["test_curve"]] == [1, 2]
+
+
+def test_fit_bags_as_the_trainer_averages_and_the_oracle_does_not():
+    """``as_trainer`` with ``optim.ema_epochs``: the model returned (and passed to ``after_epoch``) is the moving
+    average, not the trained model; without it, the trained model itself, bit-identical to ``as_trainer`` with no
+    average and one global clip."""
+    import dataclasses
+
+    from operators.checkpoint import build_model, with_num_classes
+    from pipeline.config import load_config
+    from pipeline.train import TrainConfig
+
+    rb = load_benchmark("robustness")
+    cfg = load_config(TrainConfig, rb.config_path("perturbed_mean"), [])
+    g = torch.Generator().manual_seed(0)
+    bags = [
+        (torch.randint(0, 256, (3, 3, 32, 32), generator=g, dtype=torch.uint8), torch.rand(3, 2, generator=g), i % 2)
+        for i in range(8)
+    ]
+
+    def run(optim, as_trainer):
+        torch.manual_seed(0)
+        model, _ = build_model(with_num_classes(cfg.model, 2))
+        seen = []
+        out = rb.fit_bags(
+            model,
+            optim,
+            lambda _e: bags,
+            2,
+            np.random.default_rng(0),
+            as_trainer=as_trainer,
+            after_epoch=lambda e, m: seen.append((e, m)),
+        )
+        return model, out, seen
+
+    assert cfg.optim.ema_epochs > 0
+    model, out, seen = run(cfg.optim, True)
+    assert out is not model and [e for e, _ in seen] == [0, 1] and all(m is out for _, m in seen)
+    w_live = dict(model.named_parameters())
+    assert any(not torch.equal(p, w_live[n]) for n, p in out.named_parameters())
+    plain = dataclasses.replace(cfg.optim, clip="global", ema_epochs=0.0)
+    m1, o1, _ = run(cfg.optim, False)
+    m2, o2, _ = run(plain, True)
+    assert o1 is m1 and o2 is m2
+    for (n, a), (_, b) in zip(m1.named_parameters(), m2.named_parameters()):
+        assert torch.equal(a, b), n

@@ -315,3 +315,38 @@ def test_the_oracle_ends_with_its_training_bags_feature_statistics(rb):
     torch.testing.assert_close(out.mean(0), torch.zeros(4), rtol=0, atol=1e-4)
     plain = FoveateModel(from_dict(ModelConfig, {"features": feats, "num_classes": 2}))
     assert rb.refresh_bag_statistics(plain, bags) == 0
+
+
+def test_a_saved_state_resumes_to_the_same_model(rb, tmp_path):
+    """``save_state_at`` E writes the trainer's state and the evaluated model after epoch E and training goes on; a
+    run resumed from that state ends with the same weights as the run that saved it."""
+    from tiny_stores import checker_stores
+
+    stores, labels = checker_stores(tmp_path / "stores", ["neg", "pos"], [0, 80], count=8)
+    overrides = [
+        f"data.labels={labels}",
+        "data.val_fraction=0.25",
+        "optim.epochs=3",
+        "optim.accumulate=2",
+        "early_stopping.patience=0",
+        "model.geometry.patch_size=32",
+        "model.geometry.stride=32",
+        "model.geometry.scorer_downsample=4",
+        "model.selection.k=2",
+        "model.selection.num_samples=4",
+        "model.scorer.channels=4",
+        "model.scorer.num_layers=2",
+        "model.features.widths=[4, 8]",
+        "model.features.blocks=[1, 1]",
+        "model.features.feature_dim=8",
+    ]
+    w = tmp_path / "w"
+    full = rb.run_training_in_process("demo", stores, 0, overrides, w, "full", tmp_path / "a.log", save_state_at=1)
+    state = w / "train" / "full" / "state-e1.pt"
+    assert state.is_file() and (w / "train" / "full" / "model-e1.pt").is_file()
+    assert torch.load(state, weights_only=False)["epoch"] == 1
+    res = rb.run_training_in_process("demo", stores, 0, overrides, w, "resumed", tmp_path / "b.log", resume_state=state)
+    assert [json.loads(ln)["epoch"] for ln in (tmp_path / "b.log").read_text().splitlines()] == [2, 3]
+    a = torch.load(full["checkpoint"], weights_only=False)["state_dict"]
+    b = torch.load(res["checkpoint"], weights_only=False)["state_dict"]
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

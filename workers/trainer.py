@@ -58,6 +58,7 @@ __all__ = [
     "EvalResult",
     "Trainer",
     "fit_gate_on_slides",
+    "ema_update",
     "lr_factor",
     "sigma_at",
     "slide_loss",
@@ -324,6 +325,27 @@ def lr_factor(step: int, total_steps: int, warmup: int, min_ratio: float = 0.0) 
 
 
 # ---------------------------------------------------------------------------------------------- loss
+@torch.no_grad()
+def ema_update(ema_model: torch.nn.Module, model: torch.nn.Module, step: int, decay: float) -> None:
+    """``ema = d * ema + (1 - d) * weights`` after an optimizer step (``step``: the steps done before it; ``d =
+    min(decay, (1 + step) / (10 + step))``), and the same for floating-point buffers (the running feature
+    statistics of ``model.features.standardise`` follow the last ~20 slides; the averaged weights get them averaged
+    over the same steps, as timm's ModelEmaV2 averages BatchNorm's); integer and bool buffers are copied, and so are
+    the statistics of a standardisation the average has not seen yet (fresh after a restart)."""
+    from operators.resnet import RunningStandardise
+
+    d = min(decay, (1.0 + step) / (10.0 + step))
+    for e, p in zip(ema_model.parameters(), model.parameters()):
+        e.lerp_(p.detach(), 1.0 - d)
+    for mod_e, mod in zip(ema_model.modules(), model.modules()):
+        fresh = isinstance(mod_e, RunningStandardise) and int(mod_e.count) == 0
+        for e, b in zip(mod_e.buffers(recurse=False), mod.buffers(recurse=False)):
+            if e.is_floating_point() and not fresh:
+                e.lerp_(b, 1.0 - d)
+            else:
+                e.copy_(b)
+
+
 def slide_loss(out, target: int) -> tuple[torch.Tensor, dict[str, float]]:
     """Cross-entropy plus the model's auxiliary loss terms (``out.aux_losses``, added as they are) of one
     slide's forward; returns (loss, {"ce": ..., aux name: ...} as floats)."""
@@ -651,24 +673,8 @@ class Trainer:
 
     @torch.no_grad()
     def _update_ema(self) -> None:
-        """``ema = d * ema + (1 - d) * weights`` after an optimizer step, and the same for floating-point buffers
-        (the running feature statistics of ``model.features.standardise`` follow the last ~20 slides; the averaged
-        weights get them averaged over the same steps, as timm's ModelEmaV2 averages BatchNorm's); integer and
-        bool buffers are copied, and so are the statistics of a standardisation the average has not seen yet
-        (fresh after a restart)."""
-        from operators.resnet import RunningStandardise
-
-        t = self.global_step  # steps done before this one
-        d = min(self.ema_decay, (1.0 + t) / (10.0 + t))
-        for e, p in zip(self.ema_model.parameters(), self.model.parameters()):
-            e.lerp_(p.detach(), 1.0 - d)
-        for mod_e, mod in zip(self.ema_model.modules(), self.model.modules()):
-            fresh = isinstance(mod_e, RunningStandardise) and int(mod_e.count) == 0
-            for e, b in zip(mod_e.buffers(recurse=False), mod.buffers(recurse=False)):
-                if e.is_floating_point() and not fresh:
-                    e.lerp_(b, 1.0 - d)
-                else:
-                    e.copy_(b)
+        """:func:`ema_update` of :attr:`ema_model` towards the model after an optimizer step."""
+        ema_update(self.ema_model, self.model, self.global_step, self.ema_decay)
 
     # ------------------------------------------------------------------ slides
     def _store(self, path: str):
