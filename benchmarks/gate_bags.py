@@ -22,6 +22,9 @@ Bag rules (``--bags``, comma-separated, one row each):
 Usage: python benchmarks/gate_bags.py --stores DATA/stores --checkpoint RUN/model.pt [...] --bags gate,union,oracle
        [--config perturbed_mean] [--set model.augment.symmetry=flips ...] [--epochs 40] [--seed 0] [--json OUT]
 (``--config`` and ``--set`` make the classifier, as ``robustness.py --oracle`` does; the split is the config's.)
+``--as-trainer --loop-split 0.2 --epochs 70`` train as the loop's second phase does (the trainer's per-module clip and
+moving average, the 214 training slides of ``robustness.py --val-fraction 0.2``, its epochs after the switch) but to
+the end, without a validation split; ``--curve`` adds the held-out accuracy after every epoch.
 """
 
 from __future__ import annotations

@@ -51,6 +51,10 @@ Usage:
   python benchmarks/robustness.py --in-process --seeds 0,2,4,6,8 --json a.json & \
   python benchmarks/robustness.py --in-process --seeds 1,3,5,7,9 --json b.json; wait
   python benchmarks/robustness.py --merge a.json b.json --json all.json
+  # a two-phase run that keeps its state at the switch, then its second phase replayed under other options:
+  python benchmarks/robustness.py --in-process --val-fraction 0.2 --configs perturbed_gate --seeds 0 --save-state-at 20
+  python benchmarks/robustness.py --in-process --val-fraction 0.2 --configs perturbed_gate --seeds 0 \
+      --resume-state WORKDIR/train/RUN/state-e20.pt --set optim.ema_epochs=0
 """
 
 from __future__ import annotations
@@ -298,7 +302,9 @@ def run_training_in_process(
     (:meth:`Trainer.state_dict`) is saved as ``RUN_DIR/state-eE.pt`` and the evaluated model as
     ``RUN_DIR/model-eE.pt``, and training goes on; ``resume_state``: training continues from such a state (its
     epoch, optimizer, generators), under this call's config: options of the optimizer and the schedule may differ
-    from the saved run's (e.g. a second phase replayed from the switch), the model's structure may not."""
+    from the saved run's (e.g. a second phase replayed from the switch), the model's structure may not; a replay
+    without the moving average (``optim.ema_epochs=0``) of a run with it takes the average's scorer, the one the
+    saved run freezes at the switch of ``schedule.select_until`` (so resume at the switch)."""
     import dataclasses
 
     import torch
@@ -335,7 +341,13 @@ def run_training_in_process(
         device=device,
     )
     if resume_state is not None:
-        trainer.load_state_dict(torch.load(resume_state, map_location="cpu", weights_only=False))
+        state = torch.load(resume_state, map_location="cpu", weights_only=False)
+        trainer.load_state_dict(state)
+        if trainer.ema_model is None and "ema" in state:  # the saved run would freeze its average's scorer
+            prefix = "scorer."
+            trainer.model.scorer.load_state_dict(
+                {k[len(prefix) :]: v for k, v in state["ema"].items() if k.startswith(prefix)}
+            )
     run_dir = workdir / "train" / run_name
     run_dir.mkdir(parents=True, exist_ok=True)
     metrics: dict[str, float] = {}
