@@ -232,3 +232,30 @@ def test_second_phase_drops_the_mean_skip_and_keeps_it_dropped_through_a_resume(
     again.step(records[:1], EpochResult(started=0.0))
     assert not any(p.requires_grad for p in again.model.aggregator.skip.parameters())
     assert all(torch.equal(p, torch.zeros_like(p)) for p in again.model.aggregator.skip.parameters())
+
+
+def test_the_restarted_classifier_is_drawn_from_its_own_seed(tmp_path):
+    """``select_restart_seed`` S: at the restart the feature network and aggregator are those of a model built
+    under seed S; None: under the run's own ``seed * 7919 + 1``. Bad values are errors."""
+    from operators.model import FoveateModel
+
+    for bad in (-1, 1.5, True, "one"):
+        with pytest.raises(ConfigError, match="select_restart_seed"):
+            ScheduleConfig(select_until=0.5, select_restart=True, select_restart_seed=bad)
+    with pytest.raises(ConfigError, match="select_restart_seed.*without schedule.select_restart"):
+        ScheduleConfig(select_until=0.5, select_restart_seed=3)
+    cfg = _config(discovery=False)
+    for restart_seed, drawn in ((5, 5), (None, 2 * 7919 + 1)):
+        tr = Trainer(
+            cfg,
+            OptimConfig(epochs=2, accumulate=1),
+            ScheduleConfig(select_until=0.5, select_restart=True, select_restart_seed=restart_seed),
+            slides_per_epoch=2,
+            seed=2,
+        )
+        tr._restart_classifier()
+        torch.manual_seed(drawn)
+        ref = FoveateModel(cfg)
+        for name in ("features", "aggregator"):
+            mine, want = getattr(tr.model, name).state_dict(), getattr(ref, name).state_dict()
+            assert all(torch.equal(mine[k], want[k]) for k in want), (restart_seed, name)

@@ -171,6 +171,11 @@ class ScheduleConfig:
     its mean (the first phase keeps the skip, which starts the attention path as the mean aggregator). Under study;
     False (default).
 
+    ``select_restart_seed``: the seed of the restarted classifier's initialisation (the same on every worker).
+    Which draw of the classifier learns the shape family's glyphs and which memorises its training slides is
+    a lottery (benchmarks/RESULTS.md, "The second phase's classifier is a lottery"); a replay of one run's second
+    phase under other seeds measures it. None (default): a seed of the run's own, ``seed * 7919 + 1``.
+
     ``gate_refits``: with a cell gate (``model.experimental.gate_candidates``), fit it again this many times, evenly
     spaced through the second phase, on the encoder as it is then (its bags and the encoder can improve each other).
     Under study; 0 (default): fitted once, at the switch.
@@ -188,6 +193,7 @@ class ScheduleConfig:
     select_restart_features: str = "fresh"
     select_weight_decay: float | None = None
     select_drop_skip: bool = False
+    select_restart_seed: int | None = None
     gate_refits: int = 0
 
     def __post_init__(self) -> None:
@@ -250,6 +256,19 @@ class ScheduleConfig:
             self.select_drop_skip,
             not self.select_drop_skip or self.select_restart,
             "false without schedule.select_restart (the skip is dropped where the classifier restarts)",
+        )
+        v = self.select_restart_seed
+        _check(
+            "schedule.select_restart_seed",
+            v,
+            v is None or (not isinstance(v, bool) and isinstance(v, int) and v >= 0),
+            "None or an int >= 0",
+        )
+        _check(
+            "schedule.select_restart_seed",
+            v,
+            v is None or self.select_restart,
+            "None without schedule.select_restart (it seeds the restart)",
         )
         _check(
             "schedule.gate_refits",
@@ -878,7 +897,8 @@ class Trainer:
         from operators.model import FoveateModel
 
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(self.seed * 7919 + 1)
+            seed = self.schedule.select_restart_seed
+            torch.manual_seed(self.seed * 7919 + 1 if seed is None else seed)
             fresh = FoveateModel(self.model.cfg)
         names = ("features", "feature_norm", "aggregator")
         for name in names:
