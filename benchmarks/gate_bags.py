@@ -30,6 +30,7 @@ the end, without a validation split; ``--curve`` adds the held-out accuracy afte
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -84,11 +85,14 @@ def train_rule(
     *,
     as_trainer: bool = False,
     curve: bool = False,
+    val_items=None,
 ) -> dict:
     """:func:`robustness.run_oracle`'s training on given bags (``[(patches uint8 [K, 3, p, p], positions [K, 2],
     target)]``): held-out and training accuracy / AUC. ``as_trainer``: clipped and averaged as the trainer does
     (:func:`robustness.fit_bags`); ``curve``: also the held-out accuracy and AUC after every epoch
-    (``test_curve``, before the final refresh of the feature statistics)."""
+    (``test_curve``, before the final refresh of the feature statistics); ``val_items``: bags of slides that do not
+    train (the loop's validation split): their accuracy and mean cross-entropy at the end (``val_accuracy``,
+    ``val_loss``; with ``curve`` also after every epoch, ``val_curve``)."""
     from robustness import config_path, fit_bags, predict_bags, refresh_bag_statistics
 
     from operators.checkpoint import build_model, with_num_classes
@@ -101,10 +105,18 @@ def train_rule(
     model, mcfg = build_model(mcfg)
     rng = np.random.default_rng(seed)
     points: list[list[float]] = []
+    val_points: list[list[float]] = []
+
+    def val_metrics(m) -> tuple[float, float]:
+        ys, probs = predict_bags(m, val_items)
+        loss = float(np.mean([-np.log(max(p[y], 1e-12)) for y, p in zip(ys, probs)]))
+        return classification_metrics(ys, probs)["accuracy"], loss
 
     def after(epoch, m):
         r = classification_metrics(*predict_bags(m, test_items))
         points.append([epoch + 1, r["accuracy"], r["auc"]])
+        if val_items:
+            val_points.append([epoch + 1, *val_metrics(m)])
 
     t0 = time.perf_counter()
     model = fit_bags(
@@ -125,14 +137,15 @@ def train_rule(
         "train_accuracy": tr["accuracy"],
         "train_seconds": time.perf_counter() - t0,
         **({"test_curve": points} if curve else {}),
+        **(dict(zip(("val_accuracy", "val_loss"), val_metrics(model))) if val_items else {}),
+        **({"val_curve": val_points} if curve and val_items else {}),
     }
 
 
 def loop_split(split, fraction: float, config: str, overrides: list[str]):
-    """``split`` with its training slides cut to those ``robustness.py --in-process --val-fraction fraction``
-    trains on (the same stratified draw, seeded by ``data.seed + 1``); the held-out slides stay."""
-    import dataclasses
-
+    """``(split, validation records)``: ``split`` with its training slides cut to those ``robustness.py
+    --in-process --val-fraction fraction`` trains on (the same stratified draw, seeded by ``data.seed + 1``), the
+    held-out slides as they are, and the training slides the loop validates on."""
     from robustness import config_path
 
     from pipeline.config import load_config
@@ -140,11 +153,11 @@ def loop_split(split, fraction: float, config: str, overrides: list[str]):
     from pipeline.train import TrainConfig
 
     cfg = load_config(TrainConfig, config_path(config), overrides)
-    train, _ = split_train_val(split.train, fraction, cfg.data.seed + 1)
-    return dataclasses.replace(split, train=train)
+    train, val = split_train_val(split.train, fraction, cfg.data.seed + 1)
+    return dataclasses.replace(split, train=train), val
 
 
-def _oracle_items(config: str, overrides: list[str], split, seed: int):
+def _oracle_items(config: str, overrides: list[str], split, seed: int, val_stores: frozenset = frozenset()):
     from robustness import config_path, oracle_cells
 
     from operators.checkpoint import with_num_classes
@@ -155,14 +168,14 @@ def _oracle_items(config: str, overrides: list[str], split, seed: int):
     cfg = load_config(TrainConfig, config_path(config), overrides)
     mcfg = with_num_classes(cfg.model, len(split.class_names))
     rng = np.random.default_rng(seed)
-    out = {}
+    out = {"train": [], "test": [], "val": []}
     for part, recs in (("train", split.train), ("test", split.test)):
-        items = []
         for rec in recs:
             si = prepare_slide(rec.store, mcfg)
             cells = torch.from_numpy(oracle_cells(si, split.boxes[rec.store], mcfg.selection.k, rng))
-            items.append((si.reader.read(cells), si.grid.cell_centres(cells), rec.target))
-        out[part] = items
+            out["val" if rec.store in val_stores else part].append(
+                (si.reader.read(cells), si.grid.cell_centres(cells), rec.target)
+            )
     return out
 
 
@@ -204,8 +217,11 @@ def main(argv: list[str] | None = None) -> dict:
         p.error(f"--loop-split must be in [0, 1), got {args.loop_split}")
     torch.set_num_threads(1)
     split = load_split(args.config, args.stores, args.overrides)
-    if args.loop_split > 0:
-        split = loop_split(split, args.loop_split, args.config, args.overrides)
+    val_stores: set[str] = set()
+    if args.loop_split > 0:  # the validation slides ride with the held-out ones through the table, then part
+        split, val = loop_split(split, args.loop_split, args.config, args.overrides)
+        val_stores = {r.store for r in val}
+        split = dataclasses.replace(split, test=[*val, *split.test])
     result = checkpoint_result("gate_bags.py", argv)
     rules = [r for r in args.bags.split(",") if r]
     oracle = None
@@ -225,7 +241,7 @@ def main(argv: list[str] | None = None) -> dict:
         for rule in rules:
             if rule == "oracle":
                 if oracle is None:
-                    oracle = _oracle_items(args.config, args.overrides, split, args.seed)
+                    oracle = _oracle_items(args.config, args.overrides, split, args.seed, frozenset(val_stores))
                 items, bag_stats = oracle, {}
             else:
                 keep = rule_keep(
@@ -238,11 +254,12 @@ def main(argv: list[str] | None = None) -> dict:
                     fits=args.fits,
                     keep_from=args.keep_from,
                 )
-                items = {"train": [], "test": []}
+                items = {"train": [], "test": [], "val": []}
                 stats = []
                 for i, k in enumerate(keep):
                     kt = torch.from_numpy(k)
                     part, target = table["split"][i], table["target"][i]
+                    part = "val" if table["store"][i] in val_stores else part
                     items[part].append((table["pixels"][i][kt], table["positions"][i][kt], target))
                     if part == "test":
                         boxes = split.boxes[table["store"][i]]
@@ -265,6 +282,7 @@ def main(argv: list[str] | None = None) -> dict:
                     items["test"],
                     as_trainer=args.as_trainer,
                     curve=args.curve,
+                    val_items=items.get("val"),
                 ),
                 **bag_stats,
             }

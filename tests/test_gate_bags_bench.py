@@ -60,8 +60,17 @@ def test_bags_are_the_trainers_gate_and_pure_drops_the_filler(tmp_path):
     items = [(x[:2], pos[:2], y) for x, pos, y in zip(table["pixels"], table["positions"], table["target"])]
     row = gb.train_rule("perturbed_mean", [], split, 0, 1, items[:4], items[4:])
     assert 0.0 <= row["test_accuracy"] <= 1.0 and 0.0 <= row["train_accuracy"] <= 1.0
-    curve = gb.train_rule("perturbed_mean", [], split, 0, 2, items[:4], items[4:], as_trainer=True, curve=True)
-    assert [p[0] for p in curve["test_curve"]] == [1, 2]
+    curve = gb.train_rule(
+        "perturbed_mean", [], split, 0, 2, items[:3], items[4:], as_trainer=True, curve=True, val_items=items[3:4]
+    )
+    assert [p[0] for p in curve["test_curve"]] == [1, 2] and [p[0] for p in curve["val_curve"]] == [1, 2]
+    assert curve["val_accuracy"] in (0.0, 1.0) and curve["val_loss"] > 0
+    # the loop's split: its training slides and its validation slides part the split's training slides
+    named = [SimpleNamespace(**vars(r), slide_id=f"s{i}") for i, r in enumerate(train)]
+    cut, val = gb.loop_split(rb.Split(["a", "b"], named, test), 0.25, "perturbed_mean", [])
+    assert cut.test == test and len(val) >= 1 and len(cut.train) >= 1
+    assert sorted(r.store for r in [*cut.train, *val]) == sorted(r.store for r in train)
+    assert not {r.store for r in cut.train} & {r.store for r in val}
 
 
 def test_fit_bags_as_the_trainer_averages_and_the_oracle_does_not():
