@@ -217,10 +217,10 @@ def main(argv: list[str] | None = None) -> dict:
         p.error(f"--loop-split must be in [0, 1), got {args.loop_split}")
     torch.set_num_threads(1)
     split = load_split(args.config, args.stores, args.overrides)
-    val_stores: set[str] = set()
+    val_stores: frozenset[str] = frozenset()
     if args.loop_split > 0:  # the validation slides ride with the held-out ones through the table, then part
         split, val = loop_split(split, args.loop_split, args.config, args.overrides)
-        val_stores = {r.store for r in val}
+        val_stores = frozenset(r.store for r in val)
         split = dataclasses.replace(split, test=[*val, *split.test])
     result = checkpoint_result("gate_bags.py", argv)
     rules = [r for r in args.bags.split(",") if r]
@@ -241,7 +241,7 @@ def main(argv: list[str] | None = None) -> dict:
         for rule in rules:
             if rule == "oracle":
                 if oracle is None:
-                    oracle = _oracle_items(args.config, args.overrides, split, args.seed, frozenset(val_stores))
+                    oracle = _oracle_items(args.config, args.overrides, split, args.seed, val_stores)
                 items, bag_stats = oracle, {}
             else:
                 keep = rule_keep(

@@ -762,11 +762,10 @@ def fit_bags(
 
     from pipeline.train import lr_factor
     from workers.slide_forward import augment_patches
-    from workers.trainer import ema_update
+    from workers.trainer import clip_gradients, clip_groups, ema_update
 
     params = [q for q in model.parameters() if q.requires_grad]
-    per_module = as_trainer and optim.clip == "per_module"
-    groups = [g for g in ([q for q in c.parameters() if q.requires_grad] for c in model.children()) if g]
+    groups = clip_groups(model) if as_trainer and optim.clip == "per_module" else None
     gen = torch.Generator().manual_seed(int(rng.integers(2**31)))  # the training's patch augmentation
     opt = torch.optim.AdamW(params, lr=optim.lr, weight_decay=optim.weight_decay)
     acc = optim.accumulate
@@ -796,9 +795,7 @@ def fit_bags(
                 loss = torch.nn.functional.cross_entropy(logits.reshape(1, -1), torch.tensor([y]))
                 (loss / len(batch)).backward()
                 losses.append(float(loss.detach()))
-            clip = optim.grad_clip if optim.grad_clip > 0 else 1e9
-            for g in groups if per_module else [params]:
-                torch.nn.utils.clip_grad_norm_(g, clip)
+            clip_gradients(params, groups, optim.grad_clip if optim.grad_clip > 0 else 1e9)
             opt.step()
             sched.step()
             if ema is not None:

@@ -16,6 +16,20 @@ from benchmark_modules import load_benchmark
 from operators.model import FoveateModel
 from workers.slide_forward import gate_candidates
 
+# a model small enough for an in-process training of a few epochs on tiny stores
+_TINY_MODEL = [
+    "model.geometry.patch_size=32",
+    "model.geometry.stride=32",
+    "model.geometry.scorer_downsample=4",
+    "model.selection.k=2",
+    "model.selection.num_samples=4",
+    "model.scorer.channels=4",
+    "model.scorer.num_layers=2",
+    "model.features.widths=[4, 8]",
+    "model.features.blocks=[1, 1]",
+    "model.features.feature_dim=8",
+]
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -203,16 +217,7 @@ def test_val_fraction_early_stops_on_training_slides_and_never_sees_the_held_out
         "data.val_fraction=0.34",
         "optim.epochs=6",
         "optim.accumulate=1",
-        "model.geometry.patch_size=32",
-        "model.geometry.stride=32",
-        "model.geometry.scorer_downsample=4",
-        "model.selection.k=2",
-        "model.selection.num_samples=4",
-        "model.scorer.channels=4",
-        "model.scorer.num_layers=2",
-        "model.features.widths=[4, 8]",
-        "model.features.blocks=[1, 1]",
-        "model.features.feature_dim=8",
+        *_TINY_MODEL,
         # no epoch improves val_loss by 10: epoch 1 stays the best, and the count starts at once
         "early_stopping.patience=1",
         "early_stopping.min_delta=10",
@@ -329,16 +334,7 @@ def test_a_saved_state_resumes_to_the_same_model(rb, tmp_path):
         "optim.epochs=3",
         "optim.accumulate=2",
         "early_stopping.patience=0",
-        "model.geometry.patch_size=32",
-        "model.geometry.stride=32",
-        "model.geometry.scorer_downsample=4",
-        "model.selection.k=2",
-        "model.selection.num_samples=4",
-        "model.scorer.channels=4",
-        "model.scorer.num_layers=2",
-        "model.features.widths=[4, 8]",
-        "model.features.blocks=[1, 1]",
-        "model.features.feature_dim=8",
+        *_TINY_MODEL,
     ]
     w = tmp_path / "w"
     full = rb.run_training_in_process("demo", stores, 0, overrides, w, "full", tmp_path / "a.log", save_state_at=1)

@@ -59,6 +59,8 @@ __all__ = [
     "Trainer",
     "fit_gate_on_slides",
     "ema_update",
+    "clip_groups",
+    "clip_gradients",
     "lr_factor",
     "sigma_at",
     "slide_loss",
@@ -343,7 +345,6 @@ def lr_factor(step: int, total_steps: int, warmup: int, min_ratio: float = 0.0) 
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * t))
 
 
-# ---------------------------------------------------------------------------------------------- loss
 @torch.no_grad()
 def ema_update(ema_model: torch.nn.Module, model: torch.nn.Module, step: int, decay: float) -> None:
     """``ema = d * ema + (1 - d) * weights`` after an optimizer step (``step``: the steps done before it; ``d =
@@ -365,6 +366,24 @@ def ema_update(ema_model: torch.nn.Module, model: torch.nn.Module, step: int, de
                 e.copy_(b)
 
 
+def clip_groups(model: torch.nn.Module) -> list[list[torch.nn.Parameter]]:
+    """The trainable parameters of each child module of ``model`` (the groups of ``optim.clip: per_module``)."""
+    groups = [[q for q in child.parameters() if q.requires_grad] for child in model.children()]
+    return [g for g in groups if g]
+
+
+def clip_gradients(params, groups, max_norm: float) -> float:
+    """Clip the gradients to ``max_norm``: each of ``groups`` on its own (``optim.clip: per_module``), or ``params``
+    as one when ``groups`` is None; returns the norm before clipping (per module: the root of the groups' squares)."""
+    if groups is None:
+        return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+    squares = 0.0
+    for group in groups:
+        squares += float(torch.nn.utils.clip_grad_norm_(group, max_norm)) ** 2
+    return squares**0.5
+
+
+# ---------------------------------------------------------------------------------------------- loss
 def slide_loss(out, target: int) -> tuple[torch.Tensor, dict[str, float]]:
     """Cross-entropy plus the model's auxiliary loss terms (``out.aux_losses``, added as they are) of one
     slide's forward; returns (loss, {"ce": ..., aux name: ...} as floats)."""
@@ -637,8 +656,7 @@ class Trainer:
         _load_resolved(gate_net, gate_encoder_init, "model.experimental.gate_encoder", gate_init, "gate_encoder_init")
         self.model = self.model.to(self.device)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        groups = [[q for q in child.parameters() if q.requires_grad] for child in self.model.children()]
-        self._clip_groups = [g for g in groups if g]
+        self._clip_groups = clip_groups(self.model)
         self.collective.broadcast_module(self.model)  # identical start on every worker
         self.optimizer = torch.optim.AdamW(self.params, lr=optim.lr, weight_decay=optim.weight_decay)
         self.steps_per_epoch = math.ceil(slides_per_epoch / optim.accumulate)
@@ -690,7 +708,6 @@ class Trainer:
         ``optim.ema_epochs`` > 0, else the trained model itself."""
         return self.ema_model if self.ema_model is not None else self.model
 
-    @torch.no_grad()
     def _update_ema(self) -> None:
         """:func:`ema_update` of :attr:`ema_model` towards the model after an optimizer step."""
         ema_update(self.ema_model, self.model, self.global_step, self.ema_decay)
@@ -817,13 +834,8 @@ class Trainer:
                 p.grad = None
         grad_norm = float("nan")
         if self.optim_cfg.grad_clip > 0:
-            if self.optim_cfg.clip == "per_module":
-                squares = 0.0
-                for group in self._clip_groups:
-                    squares += float(torch.nn.utils.clip_grad_norm_(group, self.optim_cfg.grad_clip)) ** 2
-                grad_norm = squares**0.5  # the norm before clipping, as for "global"
-            else:
-                grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.optim_cfg.grad_clip))
+            groups = self._clip_groups if self.optim_cfg.clip == "per_module" else None
+            grad_norm = clip_gradients(self.params, groups, self.optim_cfg.grad_clip)
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
         self.scheduler.step()
