@@ -178,6 +178,17 @@ class ScheduleConfig:
     a lottery (benchmarks/RESULTS.md, "The second phase's classifier is a lottery"); a replay of one run's second
     phase under other seeds measures it. None (default): a seed of the run's own, ``seed * 7919 + 1``.
 
+    ``select_draws``: at the restart of ``select_restart``, this many classifiers (each from its own
+    initialisation: the seed of ``select_restart_seed`` plus 0, 1, ...) train side by side on the same slides for
+    ``select_draws_epochs`` epochs, each with its own optimizer state, moving average and early-stopping rule; then
+    the one with the lowest validation loss seen so far is kept and the others are dropped. Which draw learns the
+    glyphs of the shape family and which memorises its training slides is a lottery, and the validation loss
+    tells them apart (benchmarks/RESULTS.md, "The second phase's classifier is a lottery"). Early stopping does not
+    stop training before the choice. 1 (default): one classifier.
+
+    ``select_draws_epochs``: the epochs of the second phase (the switch's epoch the first) after which
+    ``select_draws`` keeps one draw (at most until ``optim.epochs``).
+
     ``gate_refits``: with a cell gate (``model.experimental.gate_candidates``), fit it again this many times, evenly
     spaced through the second phase, on the encoder as it is then (its bags and the encoder can improve each other).
     Under study; 0 (default): fitted once, at the switch.
@@ -196,6 +207,8 @@ class ScheduleConfig:
     select_weight_decay: float | None = None
     select_drop_skip: bool = False
     select_restart_seed: int | None = None
+    select_draws: int = 1
+    select_draws_epochs: int = 20
     gate_refits: int = 0
 
     def __post_init__(self) -> None:
@@ -271,6 +284,15 @@ class ScheduleConfig:
             v,
             v is None or self.select_restart,
             "None without schedule.select_restart (it seeds the restart)",
+        )
+        for name in ("select_draws", "select_draws_epochs"):
+            v = getattr(self, name)
+            _check(f"schedule.{name}", v, not isinstance(v, bool) and isinstance(v, int) and v >= 1, "an int >= 1")
+        _check(
+            "schedule.select_draws",
+            self.select_draws,
+            self.select_draws == 1 or self.select_restart,
+            "1 without schedule.select_restart (the draws are restarts)",
         )
         _check(
             "schedule.gate_refits",
@@ -561,6 +583,44 @@ def fit_gate_on_slides(
     return gate.fit(f_all, s_all, torch.Generator().manual_seed(int(seed)), ranks=r_all)
 
 
+#: the parts of :class:`~operators.model.FoveateModel` that ``schedule.select_restart`` starts again
+CLASSIFIER = ("features", "feature_norm", "aggregator")
+
+
+class _Draw:
+    """One more second-phase classifier of ``schedule.select_draws`` (see :meth:`Trainer._new_draw`)."""
+
+    def __init__(self, seed, model, ema, optimizer, params, groups, stopper):
+        self.seed, self.model, self.ema, self.optimizer = int(seed), model, ema, optimizer
+        self.params, self.groups, self.stopper = params, groups, stopper
+        self.best_state: dict[str, torch.Tensor] | None = None
+
+    @property
+    def eval_model(self) -> torch.nn.Module:
+        return self.ema if self.ema is not None else self.model
+
+    def state_dict(self) -> dict[str, Any]:
+        parts = {name: getattr(self.model, name) for name in CLASSIFIER if getattr(self.model, name) is not None}
+        return {
+            "seed": self.seed,
+            "model": {name: m.state_dict() for name, m in parts.items()},
+            **({"ema": {name: getattr(self.ema, name).state_dict() for name in parts}} if self.ema is not None else {}),
+            "optimizer": self.optimizer.state_dict(),
+            **({"early_stopping": self.stopper.state_dict()} if self.stopper is not None else {}),
+            "best_model": self.best_state,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for name, sd in state["model"].items():
+            getattr(self.model, name).load_state_dict(sd)
+            if self.ema is not None:
+                getattr(self.ema, name).load_state_dict(state.get("ema", state["model"])[name])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.stopper is not None and state.get("early_stopping") is not None:
+            self.stopper.load_state_dict(state["early_stopping"])
+        self.best_state = state.get("best_model")
+
+
 class Trainer:
     """Model, optimiser, LR and sigma schedules and the selection-noise generator of one training worker.
 
@@ -681,10 +741,18 @@ class Trainer:
         if optim.ema_epochs > 0:
             self.ema_decay = 1.0 - 1.0 / max(optim.ema_epochs * self.steps_per_epoch, 1.0)
             self.ema_model = copy.deepcopy(self.model).eval().requires_grad_(False)
+        self.draws: list[_Draw] = []  # schedule.select_draws: the classifiers beside self.model's, until the choice
+        self._draw_losses: list[float] = []  # per draw (self.model's first): its lowest validation loss so far
+        self._draws_end: int | None = None  # the epoch after which one draw is kept
+        if schedule.select_draws > 1:
+            first_epoch = schedule.select_step(self.total_steps) // self.steps_per_epoch
+            self._draws_end = min(optim.epochs, first_epoch + schedule.select_draws_epochs)
         self.stopper: EarlyStopping | None = None
+        self._stopping = early_stopping
         if early_stopping is not None and early_stopping.patience > 0:
             floor = earliest_stop_epoch(early_stopping, optim.epochs, schedule, model_config)
-            self.stopper = EarlyStopping.from_config(early_stopping, min_epochs=floor)
+            self._stop_floor = max(floor, self._draws_end or 0)  # no stop before the draws' choice
+            self.stopper = EarlyStopping.from_config(early_stopping, min_epochs=self._stop_floor)
         self.best_state: dict[str, torch.Tensor] | None = None  # eval_model's weights at stopper.best_epoch (CPU)
         self.stop_reason: str | None = None  # "patience" or "cap" once training has ended
         self.feature_cache = None
@@ -749,6 +817,7 @@ class Trainer:
         rare: float = 1.0,
         model: torch.nn.Module | None = None,
         fixed_selection: str | None = None,
+        cache: bool = True,
     ):
         from workers.slide_forward import forward_slide
 
@@ -761,7 +830,7 @@ class Trainer:
             target=target,
             rarity=rarity,
             rare_scale=rare,
-            feature_cache=self.feature_cache,
+            feature_cache=self.feature_cache if cache else None,
             fixed_selection=fixed_selection,
         )
 
@@ -841,6 +910,8 @@ class Trainer:
         self.scheduler.step()
         if self.ema_model is not None:
             self._update_ema()
+        if fixed and self.draws:
+            self._step_draws(batch, sigma, lr)
         self.global_step += 1
         dt = time.perf_counter() - t0
         stats = torch.tensor(
@@ -902,19 +973,19 @@ class Trainer:
             100 * float(kept),
         )
 
-    def _restart_classifier(self) -> None:
-        """``schedule.select_restart``: the feature network, its standardisation and the aggregator from a fresh
-        initialisation (the same on every worker: a seed of their own), their optimizer state dropped; the moving
-        average restarts from the weights as they now are, and early stopping starts over (no best epoch)."""
+    def _fresh_classifier(
+        self, model: torch.nn.Module, seed: int, optimizer: torch.optim.Optimizer | None = None
+    ) -> None:
+        """``model``'s feature network, standardisation and aggregator from a fresh initialisation under ``seed``
+        (the gate's encoder or ``model.features.init`` where ``schedule.select_restart_features`` /
+        ``features_init`` say so); their state in ``optimizer`` dropped."""
         from operators.model import FoveateModel
 
         with torch.random.fork_rng(devices=[]):
-            seed = self.schedule.select_restart_seed
-            torch.manual_seed(self.seed * 7919 + 1 if seed is None else seed)
-            fresh = FoveateModel(self.model.cfg)
-        names = ("features", "feature_norm", "aggregator")
-        for name in names:
-            mine = getattr(self.model, name)
+            torch.manual_seed(seed)
+            fresh = FoveateModel(model.cfg)
+        for name in CLASSIFIER:
+            mine = getattr(model, name)
             if mine is None:
                 continue
             state = getattr(fresh, name).state_dict()
@@ -923,19 +994,157 @@ class Trainer:
             elif name == "features" and self._features_init is not None:  # a pretrained start stays the start
                 state = self._features_init
             mine.load_state_dict(state)
-            for p in mine.parameters():
-                self.optimizer.state.pop(p, None)
+            if optimizer is not None:
+                for p in mine.parameters():
+                    optimizer.state.pop(p, None)
+
+    def _restart_classifier(self) -> None:
+        """``schedule.select_restart``: the feature network, its standardisation and the aggregator from a fresh
+        initialisation (the same on every worker: a seed of their own), their optimizer state dropped; the moving
+        average restarts from the weights as they now are, and early stopping starts over (no best epoch). With
+        ``schedule.select_draws`` the other draws start here (:meth:`_new_draw`)."""
+        seed = self.schedule.select_restart_seed
+        base = self.seed * 7919 + 1 if seed is None else seed
+        self._fresh_classifier(self.model, base, self.optimizer)
         if self.ema_model is not None:
             self.ema_model.load_state_dict(self.model.state_dict())
         if self.stopper is not None:  # a new model: the first phase's best epoch is no candidate for export
             self.stopper.restart()
             self.best_state = None
-        log.info("classifier restarted at step %d (schedule.select_restart)", self.global_step)
+        n = self.schedule.select_draws
+        self.draws = [self._new_draw(base + i) for i in range(1, n)]
+        self._draw_losses = [math.inf] * n if n > 1 else []
+        log.info(
+            "classifier restarted at step %d (schedule.select_restart)%s",
+            self.global_step,
+            f", {n} draws until epoch {self._draws_end}" if n > 1 else "",
+        )
+
+    # ------------------------------------------------------------------ select_draws
+    def _new_draw(self, seed: int) -> _Draw:
+        """One more classifier of ``schedule.select_draws``: a copy of :attr:`model` sharing its frozen scorer
+        and cell gate (their moving averages too), the classifier freshly initialised under ``seed``, its own
+        AdamW, moving average and early-stopping rule."""
+        model = copy.deepcopy(self.model)
+        model.scorer = self.model.scorer
+        if self.model.gate is not None:
+            model.gate = self.model.gate
+        self._fresh_classifier(model, seed)
+        ema = None
+        if self.ema_model is not None:
+            ema = copy.deepcopy(model).eval().requires_grad_(False)
+            ema.scorer = self.ema_model.scorer
+            if self.ema_model.gate is not None:
+                ema.gate = self.ema_model.gate
+        parts = [getattr(model, name) for name in CLASSIFIER if getattr(model, name) is not None]
+        groups = [g for g in ([p for p in m.parameters() if p.requires_grad] for m in parts) if g]
+        params = [p for g in groups for p in g]
+        group = self.optimizer.param_groups[0]
+        optimizer = torch.optim.AdamW(params, lr=group["lr"], weight_decay=group["weight_decay"])
+        stopper = None
+        if self.stopper is not None:
+            stopper = EarlyStopping.from_config(self._stopping, min_epochs=self._stop_floor)
+        return _Draw(seed, model, ema, optimizer, params, groups, stopper)
+
+    def _step_draws(self, batch: Sequence[Any], sigma: float, lr: float) -> None:
+        """The optimizer step of every other draw of ``schedule.select_draws`` on ``batch``, the slides
+        :attr:`model` has just stepped on, at its learning rate and weight decay."""
+        wd = self.optimizer.param_groups[0]["weight_decay"]
+        for d in self.draws:
+            d.optimizer.zero_grad(set_to_none=True)
+            for rec in batch:
+                out = self._forward(
+                    self._store(rec.store),
+                    training=True,
+                    sigma=sigma,
+                    target=rec.target,
+                    model=d.model,
+                    fixed_selection=self.schedule.select_bag,
+                    cache=False,
+                )
+                loss, _ = slide_loss(out, rec.target)
+                (loss / len(batch)).backward()
+            self.collective.allreduce_grads(d.params)
+            if self.optim_cfg.grad_clip > 0:
+                groups = d.groups if self.optim_cfg.clip == "per_module" else None
+                clip_gradients(d.params, groups, self.optim_cfg.grad_clip)
+            for g in d.optimizer.param_groups:
+                g["lr"], g["weight_decay"] = lr, wd
+            d.optimizer.step()
+            if d.ema is not None:
+                for name in CLASSIFIER:
+                    if getattr(d.model, name) is not None:
+                        ema_update(getattr(d.ema, name), getattr(d.model, name), self.global_step, self.ema_decay)
+
+    def _screen_draws(self, metrics: dict[str, float], val_records: Sequence[Any]) -> None:
+        """After an epoch of ``schedule.select_draws``: validate every other draw (``draw<i>_val_loss`` /
+        ``draw<i>_val_accuracy`` in rank 0's ``metrics``), follow each one's lowest validation loss, and at the
+        epoch of the choice keep the draw with the lowest (``select_draw``: its index, 0 the run's own), its
+        validation metrics replacing ``metrics``' ``val_*``. Before the choice each draw's early-stopping rule
+        sees its own epochs (a kept draw goes on with its own count and best epoch)."""
+        end = self.epoch >= self._draws_end
+        vals = []
+        for d in self.draws:
+            val = self.evaluate(val_records, model=d.eval_model)
+            m = self._val_metrics(self.collective.all_gather((val.targets, val.probs, val.loss, val.patches)))
+            vals.append(m)
+            if not end and d.stopper is not None:  # at the choice the kept one's rule sees the epoch as the run's
+                self._update_stopper(d.stopper, m)
+                if d.stopper.best_epoch == self.epoch:
+                    d.best_state = {k: v.detach().to("cpu", copy=True) for k, v in d.eval_model.state_dict().items()}
+        mine = [metrics.get("val_loss")] + [m.get("val_loss") for m in vals] if self.rank == 0 else None
+        for i, v in enumerate(self.collective.all_gather(mine)[0]):  # rank 0's values: one choice on every rank
+            if v is not None and math.isfinite(v):
+                self._draw_losses[i] = min(self._draw_losses[i], float(v))
+        if self.rank == 0:
+            for i, m in enumerate(vals, 1):
+                metrics.update({f"draw{i}_{k}": m[k] for k in ("val_loss", "val_accuracy") if k in m})
+        if not end:
+            return
+        kept = min(range(len(self._draw_losses)), key=lambda i: (self._draw_losses[i], i))
+        log.info(
+            "select_draws: draw %d of %d kept at epoch %d (lowest validation losses %s)",
+            kept,
+            len(self._draw_losses),
+            self.epoch,
+            ", ".join(f"{v:.4f}" for v in self._draw_losses),
+        )
+        if self.rank == 0:
+            metrics["select_draw"] = kept
+            if kept:
+                metrics.update(vals[kept - 1])
+        if kept:
+            self._take_draw(self.draws[kept - 1])
+        self.draws = []
+
+    def _take_draw(self, d: _Draw) -> None:
+        """:attr:`model` (and its moving average, optimizer state, early-stopping rule and best epoch's weights)
+        becomes draw ``d``."""
+        for name in CLASSIFIER:
+            if getattr(self.model, name) is None:
+                continue
+            getattr(self.model, name).load_state_dict(getattr(d.model, name).state_dict())
+            if self.ema_model is not None:
+                getattr(self.ema_model, name).load_state_dict(getattr(d.ema, name).state_dict())
+        mine = dict(self.model.named_parameters())
+        for name, p in d.model.named_parameters():
+            if name.split(".", 1)[0] not in CLASSIFIER:
+                continue
+            q = mine[name]
+            state = d.optimizer.state.get(p)
+            self.optimizer.state.pop(q, None)
+            if state:
+                self.optimizer.state[q] = {k: v.clone() if torch.is_tensor(v) else v for k, v in state.items()}
+        if self.stopper is not None and d.stopper is not None:
+            self.stopper.load_state_dict(d.stopper.state_dict())
+            self.best_state = d.best_state
 
     def _drop_skip(self) -> None:
         """``schedule.select_drop_skip``: the aggregator's mean skip (and the moving average's) set to zero and
         frozen; the attention path alone classifies from here on."""
-        for model in (self.model, self.ema_model):
+        pairs = [(self.model, self.optimizer), (self.ema_model, None)]
+        pairs += [pair for d in self.draws for pair in ((d.model, d.optimizer), (d.ema, None))]
+        for model, optimizer in pairs:
             skip = None if model is None else getattr(model.aggregator, "skip", None)
             if skip is None:
                 continue
@@ -943,14 +1152,17 @@ class Trainer:
                 for p in skip.parameters():
                     p.zero_()
             skip.requires_grad_(False)
-            for p in skip.parameters():
-                self.optimizer.state.pop(p, None)
+            if optimizer is not None:
+                for p in skip.parameters():
+                    optimizer.state.pop(p, None)
 
     def train_epoch(self, records: Sequence[Any]) -> EpochResult:
         """One epoch over this worker's ``records`` (already sharded and shuffled), ``optim.accumulate``
         slides per optimizer step."""
         self._train_records = records  # the cell gate is fitted on them when the selection is fixed
         self.model.train()
+        for d in self.draws:
+            d.model.train()
         result = EpochResult(started=time.perf_counter())
         acc = self.optim_cfg.accumulate
         ahead = None  # the next step's slides, prepared by a reader thread while this step runs
@@ -978,14 +1190,17 @@ class Trainer:
         return result
 
     # ------------------------------------------------------------------ evaluate
-    def evaluate(self, records: Sequence[Any]) -> EvalResult:
-        """Hard-selection predictions of ``records`` by :attr:`eval_model` (eval mode, no gradients)."""
-        model = self.eval_model
+    def evaluate(self, records: Sequence[Any], model: torch.nn.Module | None = None) -> EvalResult:
+        """Hard-selection predictions of ``records`` by ``model`` (default :attr:`eval_model`; eval mode, no
+        gradients)."""
+        model = self.eval_model if model is None else model
         model.eval()
         targets, probs, loss_sum, patches = [], [], 0.0, 0
         with torch.no_grad():
             for rec in records:
-                out = self._forward(self._store(rec.store), training=False, sigma=0.0, model=model)
+                out = self._forward(
+                    self._store(rec.store), training=False, sigma=0.0, model=model, cache=model is self.eval_model
+                )
                 logits = out.logits.reshape(1, -1).float()
                 loss_sum += float(
                     torch.nn.functional.cross_entropy(logits, torch.tensor([rec.target], device=logits.device))
@@ -1043,19 +1258,14 @@ class Trainer:
             for name in sorted({k for g in gathered for k in g["parts"]}):  # each loss term's mean over the slides
                 total = sum(g["parts"].get(name, 0.0) for g in gathered)
                 metrics[f"epoch_train_loss_{name}"] = total / max(len(tt), 1)
-            vt = [t for g in gathered for t in g["val"][0]]
-            vp = [p for g in gathered for p in g["val"][1]]
-            if vt:
-                metrics["val_loss"] = sum(g["val"][2] for g in gathered) / len(vt)
-                metrics.update(classification_metrics(vt, np.array(vp), prefix="val_"))
-                correct = int(sum(int(np.argmax(p)) == t for t, p in zip(vt, vp)))
-                chance = max(np.bincount(np.asarray(vt, dtype=np.int64)).tolist()) / len(vt)
-                metrics["val_chance_p"] = chance_p_value(correct, len(vt), chance)
+            metrics.update(self._val_metrics([g["val"] for g in gathered]))
             metrics["epoch_seconds"] = time.perf_counter() - ep.started
             metrics["epoch_patches_per_second"] = ep.patches / max(ep.step_seconds, 1e-9)
             metrics["epoch_seconds_per_step"] = ep.step_seconds / max(self.steps_per_epoch, 1)
             metrics["epoch_peak_memory_mb"] = peak_memory_mb(self.device)
             metrics["train_seconds"] = self.train_seconds
+        if self.draws:
+            self._screen_draws(metrics, val_records)
         self._early_stopping(metrics)
         if self.stop_reason is not None and self.refresh_feature_stats(train_records) > 1:
             val = self.evaluate(val_records)
@@ -1068,6 +1278,29 @@ class Trainer:
                 )
         return metrics
 
+    def _val_metrics(self, gathered: Sequence[tuple]) -> dict[str, float]:
+        """``val_loss``, the classification metrics (``val_*``) and ``val_chance_p`` of every worker's
+        ``(targets, probs, loss sum, patches)`` (empty on ranks other than 0 and without validation slides)."""
+        vt = [t for g in gathered for t in g[0]]
+        if self.rank != 0 or not vt:
+            return {}
+        vp = [p for g in gathered for p in g[1]]
+        metrics = {"val_loss": sum(g[2] for g in gathered) / len(vt)}
+        metrics.update(classification_metrics(vt, np.array(vp), prefix="val_"))
+        correct = int(sum(int(np.argmax(p)) == t for t, p in zip(vt, vp)))
+        chance = max(np.bincount(np.asarray(vt, dtype=np.int64)).tolist()) / len(vt)
+        metrics["val_chance_p"] = chance_p_value(correct, len(vt), chance)
+        return metrics
+
+    def _update_stopper(self, stopper: EarlyStopping, metrics: dict[str, float]) -> bool:
+        """Feed rank 0's value of ``stopper``'s metric (and whether it beats chance) to ``stopper`` on every rank;
+        returns its decision."""
+        value, p = self.collective.all_gather(
+            (metrics.get(stopper.metric), metrics.get("val_chance_p")) if self.rank == 0 else None
+        )[0]
+        beats = p is not None and p < CHANCE_ALPHA
+        return stopper.update(self.epoch, math.nan if value is None else float(value), beats_chance=beats)
+
     def _early_stopping(self, metrics: dict[str, float]) -> None:
         """After an epoch's validation: feed rank 0's metric to the stopping rule on every rank (the same value,
         so every worker decides the same), keep the weights of a new best epoch, and when training ends here
@@ -1077,11 +1310,7 @@ class Trainer:
         stop = False
         if self.stopper is not None:
             name = self.stopper.metric
-            value, p = self.collective.all_gather(
-                (metrics.get(name), metrics.get("val_chance_p")) if self.rank == 0 else None
-            )[0]
-            beats = p is not None and p < CHANCE_ALPHA
-            stop = self.stopper.update(self.epoch, math.nan if value is None else float(value), beats_chance=beats)
+            stop = self._update_stopper(self.stopper, metrics)
             if self.stopper.best_epoch == self.epoch:
                 self.best_state = {k: v.detach().to("cpu", copy=True) for k, v in self.eval_model.state_dict().items()}
             if self.rank == 0 and self.stopper.best is not None:
@@ -1119,6 +1348,7 @@ class Trainer:
                 if self.stopper is not None
                 else {}
             ),
+            **({"draws": [d.state_dict() for d in self.draws], "draw_losses": self._draw_losses} if self.draws else {}),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -1137,3 +1367,9 @@ class Trainer:
         if self.stopper is not None and state.get("early_stopping") is not None:
             self.stopper.load_state_dict(state["early_stopping"])
             self.best_state = state.get("best_model")
+        self.draws = []
+        for d_state in state.get("draws") or []:  # a checkpoint before the choice of schedule.select_draws
+            d = self._new_draw(int(d_state["seed"]))
+            d.load_state_dict(d_state)
+            self.draws.append(d)
+        self._draw_losses = [float(v) for v in state.get("draw_losses") or []]
