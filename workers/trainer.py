@@ -184,7 +184,9 @@ class ScheduleConfig:
     the one with the lowest validation loss seen so far is kept and the others are dropped. Which draw learns the
     glyphs of the shape family and which memorises its training slides is a lottery, and the validation loss
     tells them apart (benchmarks/RESULTS.md, "The second phase's classifier is a lottery"). Early stopping does not
-    stop training before the choice. 1 (default): one classifier.
+    stop training before the choice. Under study: at 3 draws no draw learnt on three first phases, the chance of
+    one is what is short ("Several draws of the second phase's classifier side by side"); 1 (default): one
+    classifier.
 
     ``select_draws_epochs``: the epochs of the second phase (the switch's epoch the first) after which
     ``select_draws`` keeps one draw (at most until ``optim.epochs``).
