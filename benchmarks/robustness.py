@@ -1099,11 +1099,17 @@ def main(argv: list[str] | None = None) -> int:
     for task in tasks:
         stores = prepare_data(task, workdir, args.data_seed, args.synth_jobs)
         data_info[task.name] = json.loads((stores.parent / "READY").read_text())
-        split = load_split(configs[0], stores, overrides)
+        # what the family's labels keep (foveate synth's archive.json), before the command's --set (which win)
+        from pipeline.synthetic.tasks import task_label_symmetry
+
+        label_symmetry = task_label_symmetry(task.family, task.classes)
+        data_info[task.name]["label_symmetry"] = label_symmetry
+        task_overrides = [f"data.label_symmetry={label_symmetry}", *overrides]
+        split = load_split(configs[0], stores, task_overrides)
         from pipeline.config import load_config
         from pipeline.train import TrainConfig
 
-        mcfg = load_config(TrainConfig, ROOT / "configs" / f"{configs[0]}.yaml", overrides).model
+        mcfg = load_config(TrainConfig, ROOT / "configs" / f"{configs[0]}.yaml", task_overrides).model
         chance = chance_hit_rate(split, mcfg)
         dchance = chance_hit_rate(split, mcfg, "distractors")
         data_info[task.name].update(
@@ -1129,8 +1135,8 @@ def main(argv: list[str] | None = None) -> int:
                     split,
                     seed,
                     args.epochs
-                    or load_config(TrainConfig, ROOT / "configs" / f"{configs[0]}.yaml", overrides).optim.epochs,
-                    overrides,
+                    or load_config(TrainConfig, ROOT / "configs" / f"{configs[0]}.yaml", task_overrides).optim.epochs,
+                    task_overrides,
                     args.oracle_bag,
                 )
                 oracle_rows.append({"task": task.name, "config": configs[0], "seed": seed, **o})
@@ -1179,7 +1185,7 @@ def main(argv: list[str] | None = None) -> int:
                         config,
                         stores,
                         seed,
-                        overrides,
+                        task_overrides,
                         workdir,
                         name,
                         log,
@@ -1190,7 +1196,7 @@ def main(argv: list[str] | None = None) -> int:
                         resume_state=args.resume_state,
                     )
                 else:
-                    res = run_training(config, stores, seed, overrides, workdir, name, log)
+                    res = run_training(config, stores, seed, task_overrides, workdir, name, log)
                 m = res["metrics"]
                 row.update(
                     {

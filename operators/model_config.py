@@ -42,6 +42,10 @@ __all__ = [
     "SelectionConfig",
     "EvidenceConfig",
     "AugmentConfig",
+    "SYMMETRIES",
+    "LABEL_SYMMETRIES",
+    "AUTO_SYMMETRY_FALLBACK",
+    "resolve_symmetry",
     "FEATURE_KINDS",
     "FeaturesConfig",
     "is_init_uri",
@@ -391,6 +395,45 @@ class EvidenceConfig:
 
 
 SYMMETRIES = ("none", "rot180", "flips", "dihedral")
+"""The patch symmetries of :class:`AugmentConfig`, each group inside the next (the identity; a half turn; the half
+turn and the two axis mirrors; all 8 turns and mirrors of the square)."""
+LABEL_SYMMETRIES = ("unknown", *SYMMETRIES)
+"""What ``data.label_symmetry`` may state: the largest of :data:`SYMMETRIES` that keeps every label, or
+``unknown``."""
+AUTO_SYMMETRY_FALLBACK = "flips"
+"""What ``model.augment.symmetry: auto`` uses where the archive states no label symmetry (``unknown``): the four
+symmetries that keep horizontal and vertical apart."""
+
+
+def resolve_symmetry(symmetry: str, label_symmetry: str) -> str:
+    """The patch symmetry training draws from: ``symmetry`` (``model.augment.symmetry``) against what the archive
+    states its labels keep (``data.label_symmetry``).
+
+    Args:
+        symmetry: one of :data:`SYMMETRIES` or ``auto``.
+        label_symmetry: one of :data:`LABEL_SYMMETRIES`.
+
+    Returns:
+        ``auto``: ``label_symmetry``, or :data:`AUTO_SYMMETRY_FALLBACK` where it is ``unknown``; otherwise
+        ``symmetry`` itself.
+
+    Raises:
+        ConfigError: an unknown value, or an explicit ``symmetry`` larger than the stated ``label_symmetry`` (the
+            augmentation would turn some patches into another class's).
+    """
+    if symmetry not in (*SYMMETRIES, "auto"):
+        raise ConfigError(f"model.augment.symmetry must be one of {(*SYMMETRIES, 'auto')}, got {symmetry!r}")
+    if label_symmetry not in LABEL_SYMMETRIES:
+        raise ConfigError(f"data.label_symmetry must be one of {LABEL_SYMMETRIES}, got {label_symmetry!r}")
+    if symmetry == "auto":
+        return AUTO_SYMMETRY_FALLBACK if label_symmetry == "unknown" else label_symmetry
+    if label_symmetry != "unknown" and SYMMETRIES.index(symmetry) > SYMMETRIES.index(label_symmetry):
+        raise ConfigError(
+            f"model.augment.symmetry={symmetry!r} turns patches in ways the labels do not keep: the archive states "
+            f"data.label_symmetry={label_symmetry!r}; use a symmetry in {SYMMETRIES[: SYMMETRIES.index(label_symmetry) + 1]} "
+            "or 'auto'"
+        )
+    return symmetry
 
 
 @dataclass(frozen=True)
@@ -402,12 +445,14 @@ class AugmentConfig:
     symmetry: str = "none"
     """Each patch turned by a symmetry drawn per patch: ``rot180`` (a half turn or not: keeps every orientation),
     ``flips`` (the half turn and the two mirrors: keeps horizontal and vertical), ``dihedral`` (the 8 flips and
-    quarter turns: only where orientation carries no label), ``none``."""
+    quarter turns: only where orientation carries no label), ``none``; ``auto``: the archive's stated
+    ``data.label_symmetry`` (``flips`` where it states none), resolved when the training config is loaded
+    (:func:`resolve_symmetry`; an explicit value larger than the stated one is an error)."""
 
     def __post_init__(self) -> None:
         _num("model.augment.color_jitter", self.color_jitter, 0, 1)
-        if self.symmetry not in SYMMETRIES:
-            raise ValueError(f"model.augment.symmetry must be one of {SYMMETRIES}, got {self.symmetry!r}")
+        if self.symmetry not in (*SYMMETRIES, "auto"):
+            raise ValueError(f"model.augment.symmetry must be one of {(*SYMMETRIES, 'auto')}, got {self.symmetry!r}")
 
 
 # ---------------------------------------------------------------------------------------------- features

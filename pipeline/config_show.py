@@ -62,6 +62,10 @@ def provenance(config: str | None, overrides: list[str]) -> tuple[Any, dict[str,
     sources = {}
     for key in _leaves(to_dict(cfg)):
         sources[key] = "--set" if within(key, from_set) else "file" if within(key, from_file) else "default"
+    # `auto` is resolved when the config loads: say so where it was given
+    raw = apply_overrides(file_data, overrides)
+    if ((raw.get("model") or {}).get("augment") or {}).get("symmetry") == "auto":
+        sources["model.augment.symmetry"] += f" (auto: data.label_symmetry={cfg.data.label_symmetry})"
     return cfg, sources
 
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from operators.errors import ConfigError
+from operators.model_config import LABEL_SYMMETRIES
 from workers import storage
 from workers.store import is_complete
 
@@ -57,6 +58,13 @@ class DataConfig:
         val_fraction: fraction of each class held out for validation (0 = no validation set).
         seed: seed of the split and of the per-epoch slide order.
         classes: optional explicit class order (class name -> index = position); every label must be in it.
+        label_symmetry: the symmetries of the square every label keeps, as the one who knows the task states it
+            (:data:`operators.model_config.LABEL_SYMMETRIES`): ``dihedral`` where orientation and handedness carry
+            no label (stained tissue, most cell and gland morphology), ``flips`` where horizontal against vertical
+            does, ``rot180`` where mirrors change a label too (diagonals, handed shapes), ``none`` where any turn
+            does, ``unknown`` (default) where nobody has said. ``model.augment.symmetry: auto`` draws from it;
+            an explicit augmentation larger than it is an error. ``foveate synth`` writes each family's in
+            ``archive.json``.
     """
 
     stores: str = "stores"
@@ -65,10 +73,13 @@ class DataConfig:
     val_fraction: float = 0.25
     seed: int = 0
     classes: tuple[str, ...] = ()
+    label_symmetry: str = "unknown"
 
     def __post_init__(self) -> None:
         if not 0 <= self.val_fraction < 1:
             raise ConfigError(f"data.val_fraction: got {self.val_fraction!r}, must be in [0, 1)")
+        if self.label_symmetry not in LABEL_SYMMETRIES:
+            raise ConfigError(f"data.label_symmetry: got {self.label_symmetry!r}, must be one of {LABEL_SYMMETRIES}")
 
 
 @dataclass(frozen=True)

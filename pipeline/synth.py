@@ -105,6 +105,12 @@ def run(args: argparse.Namespace) -> int:
         )
     finally:
         bar.close()
+    from pipeline.synthetic.tasks import task_label_symmetry
+
+    print(
+        f"the labels keep the symmetry {task_label_symmetry(task, classes)!r} "
+        f"(train with --set data.label_symmetry={task_label_symmetry(task, classes)}; {out / 'archive.json'})"
+    )
     if task != "checker":
         counts = df["label"].value_counts()
         per = ", ".join(f"{n} {name}" for name, n in sorted(counts.items()))

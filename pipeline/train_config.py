@@ -9,10 +9,11 @@ Each section validates itself in ``__post_init__`` and raises ``ConfigError``: `
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from operators.errors import ConfigError
-from operators.model_config import ModelConfig
+from operators.model_config import ModelConfig, resolve_symmetry
 from pipeline.data import DataConfig
 from workers.early_stopping import EarlyStoppingConfig
 from workers.pretrain import PretrainConfig
@@ -150,6 +151,12 @@ class TrainConfig:
             " or ".join(PLACEMENT_STRATEGIES),
         )
         _check("max_failures", self.max_failures, self.max_failures >= -1, ">= -1 (-1 = unlimited)")
+        # model.augment.symmetry against what the archive states its labels keep: `auto` becomes a symmetry here,
+        # so every consumer of a loaded config sees one of SYMMETRIES
+        symmetry = resolve_symmetry(self.model.augment.symmetry, self.data.label_symmetry)
+        if symmetry != self.model.augment.symmetry:
+            augment = dataclasses.replace(self.model.augment, symmetry=symmetry)
+            object.__setattr__(self, "model", dataclasses.replace(self.model, augment=augment))
         if isinstance(self.feature_cache, bool):  # YAML reads a bare off / on as a bool
             object.__setattr__(self, "feature_cache", "auto" if self.feature_cache else "off")
         _check(

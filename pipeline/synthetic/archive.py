@@ -1,12 +1,13 @@
 """The archive driver (``foveate synth``): a folder of synthetic slides of one task family plus ``labels.csv``.
 
 Draws each slide's label, size and seed from the archive's seed, writes the slides
-(:func:`pipeline.synthetic.tiff.write_synthetic_slide`, in this process or a pool of processes) and the label
-table.
+(:func:`pipeline.synthetic.tiff.write_synthetic_slide`, in this process or a pool of processes), the label
+table and ``archive.json`` (the family, its classes and the symmetry its labels keep).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -17,10 +18,10 @@ from typing import Any
 import numpy as np
 
 from pipeline.synthetic.checker import MAX_SIDE, MIN_SIDE, _check_int
-from pipeline.synthetic.tasks import check_task, task_class_names
+from pipeline.synthetic.tasks import check_task, task_class_names, task_label_symmetry
 from pipeline.synthetic.tiff import EXTENSIONS, level_dimensions, write_synthetic_slide
 
-__all__ = ["ARCHIVE_FORMATS", "parse_size", "synth_archive"]
+__all__ = ["ARCHIVE_FORMATS", "ARCHIVE_INFO", "parse_size", "synth_archive", "write_archive_info"]
 
 log = logging.getLogger(__name__)
 
@@ -219,4 +220,23 @@ def synth_archive(
         rows = [row(i, infos[i]) for i in range(count)]
     df = pd.DataFrame(rows, columns=["path", "label"])
     df.to_csv(out / "labels.csv", index=False)
+    write_archive_info(out, task, classes)
     return df
+
+
+ARCHIVE_INFO = "archive.json"
+
+
+def write_archive_info(out_dir: Path, task: str, classes: int) -> dict[str, Any]:
+    """Write ``<out_dir>/archive.json``: the family, its classes and what its labels keep (``label_symmetry``, for
+    ``data.label_symmetry``); returns the written dict."""
+    info = {
+        "task": task,
+        "classes": int(classes),
+        "class_names": list(task_class_names(task, classes) or ("0", "1")),
+        "label_symmetry": task_label_symmetry(task, classes),
+    }
+    tmp = Path(out_dir) / f".{ARCHIVE_INFO}.tmp"
+    tmp.write_text(json.dumps(info, indent=2) + "\n")
+    tmp.replace(Path(out_dir) / ARCHIVE_INFO)
+    return info

@@ -32,7 +32,7 @@ from pipeline.synthetic.shapes import (
     shape_class_names,
 )
 
-__all__ = ["TASKS", "check_task", "task_class_names", "task_layout"]
+__all__ = ["TASKS", "check_task", "task_class_names", "task_label_symmetry", "task_layout"]
 
 TASKS = ("checker", "objects", "shapes")
 
@@ -62,6 +62,21 @@ def task_class_names(task: str, classes: int) -> tuple[str, ...] | None:
     if task == "shapes":
         return shape_class_names(classes)
     return None
+
+
+def task_label_symmetry(task: str, classes: int) -> str:
+    """The largest group of symmetries of the square (:data:`operators.model_config.SYMMETRIES`) that keeps every
+    label of the family ``task`` with ``classes`` classes (checked by :func:`check_task`): what its archive states
+    as ``data.label_symmetry``.
+
+    ``checker``: ``dihedral`` (a checkerboard and a flat fill stay what they are under every turn and mirror);
+    ``shapes``: ``dihedral`` (every glyph is drawn at a random angle and none is a turn or mirror of another);
+    ``objects``: ``flips`` with 2 or 3 classes (horizontal, vertical, checkerboard: a quarter turn swaps the
+    first two, a mirror keeps them), ``rot180`` from 4 classes (a mirror turns diagonal stripes antidiagonal)."""
+    task, classes = check_task(task, classes)
+    if task == "objects":
+        return "flips" if classes <= 3 else "rot180"
+    return "dihedral"
 
 
 def task_layout(
