@@ -44,6 +44,7 @@ __all__ = [
     "AugmentConfig",
     "SYMMETRIES",
     "LABEL_SYMMETRIES",
+    "AUGMENT_SYMMETRIES",
     "AUTO_SYMMETRY_FALLBACK",
     "resolve_symmetry",
     "FEATURE_KINDS",
@@ -400,6 +401,8 @@ turn and the two axis mirrors; all 8 turns and mirrors of the square)."""
 LABEL_SYMMETRIES = ("unknown", *SYMMETRIES)
 """What ``data.label_symmetry`` may state: the largest of :data:`SYMMETRIES` that keeps every label, or
 ``unknown``."""
+AUGMENT_SYMMETRIES = (*SYMMETRIES, "auto")
+"""What ``model.augment.symmetry`` may say: one of :data:`SYMMETRIES`, or ``auto`` (:func:`resolve_symmetry`)."""
 AUTO_SYMMETRY_FALLBACK = "flips"
 """What ``model.augment.symmetry: auto`` uses where the archive states no label symmetry (``unknown``): the four
 symmetries that keep horizontal and vertical apart."""
@@ -421,8 +424,8 @@ def resolve_symmetry(symmetry: str, label_symmetry: str) -> str:
         ConfigError: an unknown value, or an explicit ``symmetry`` larger than the stated ``label_symmetry`` (the
             augmentation would turn some patches into another class's).
     """
-    if symmetry not in (*SYMMETRIES, "auto"):
-        raise ConfigError(f"model.augment.symmetry must be one of {(*SYMMETRIES, 'auto')}, got {symmetry!r}")
+    if symmetry not in AUGMENT_SYMMETRIES:
+        raise ConfigError(f"model.augment.symmetry must be one of {AUGMENT_SYMMETRIES}, got {symmetry!r}")
     if label_symmetry not in LABEL_SYMMETRIES:
         raise ConfigError(f"data.label_symmetry must be one of {LABEL_SYMMETRIES}, got {label_symmetry!r}")
     if symmetry == "auto":
@@ -451,8 +454,8 @@ class AugmentConfig:
 
     def __post_init__(self) -> None:
         _num("model.augment.color_jitter", self.color_jitter, 0, 1)
-        if self.symmetry not in (*SYMMETRIES, "auto"):
-            raise ValueError(f"model.augment.symmetry must be one of {(*SYMMETRIES, 'auto')}, got {self.symmetry!r}")
+        if self.symmetry not in AUGMENT_SYMMETRIES:
+            raise ValueError(f"model.augment.symmetry must be one of {AUGMENT_SYMMETRIES}, got {self.symmetry!r}")
 
 
 # ---------------------------------------------------------------------------------------------- features

@@ -107,9 +107,10 @@ def run(args: argparse.Namespace) -> int:
         bar.close()
     from pipeline.synthetic.tasks import task_label_symmetry
 
+    label_symmetry = task_label_symmetry(task, classes)
     print(
-        f"the labels keep the symmetry {task_label_symmetry(task, classes)!r} "
-        f"(train with --set data.label_symmetry={task_label_symmetry(task, classes)}; {out / 'archive.json'})"
+        f"the labels keep the symmetry {label_symmetry!r} "
+        f"(train with --set data.label_symmetry={label_symmetry}; {out / 'archive.json'})"
     )
     if task != "checker":
         counts = df["label"].value_counts()
