@@ -121,8 +121,11 @@ def stopping_line(cfg: TrainConfig, metrics: dict[str, float]) -> str | None:
     stopped = metrics.get("stopped_epoch")
     if stopped is None:
         return None
-    line = f"epochs: {int(stopped)} of at most {cfg.optim.epochs}"
-    if int(stopped) < cfg.optim.epochs:
+    cap, most = cfg.optim.epochs, max(cfg.optim.epochs, cfg.early_stopping.max_epochs)
+    line = f"epochs: {int(stopped)} of at most {most}"
+    if most > cap:
+        line += f" (optim.epochs {cap}; past it while still learning)"
+    if int(stopped) < cap or cap < int(stopped) < most:
         line += " (early stop)"
     name = f"best_{cfg.early_stopping.metric}"
     if "best_epoch" in metrics and name in metrics:
@@ -379,7 +382,9 @@ def train(
         )
         metrics = {k: float(v) for k, v in (result.metrics or {}).items()}
         stopped, best_name = metrics.get("stopped_epoch"), f"best_{config.early_stopping.metric}"
-        if stopped is not None and stopped < config.optim.epochs and best_name in metrics:
+        cap = config.optim.epochs
+        most = max(cap, config.early_stopping.max_epochs)
+        if stopped is not None and (stopped < cap or cap < stopped < most) and best_name in metrics:
             es = config.early_stopping
             log.info(
                 "%s",
@@ -432,13 +437,16 @@ def _log_early_stopping(cfg: TrainConfig, val_recs) -> None:
     else:
         floor = earliest_stop_epoch(es, cfg.optim.epochs, cfg.schedule, cfg.model)
         log.info(
-            "early stopping on %s (patience %d, min_delta %g, not before epoch %d), at most %d epochs; the best "
+            "early stopping on %s (patience %d, min_delta %g, not before epoch %d), at most %d epochs%s; the best "
             "epoch's model is kept",
             es.metric,
             es.patience,
             es.min_delta,
             max(floor, 1),
             cfg.optim.epochs,
+            f" (to {es.max_epochs} while still learning, early_stopping.max_epochs)"
+            if es.max_epochs > cfg.optim.epochs
+            else "",
         )
 
 
@@ -660,8 +668,10 @@ class _TrainProgress:
         if not history:
             return
         last = max(history, key=lambda m: m.step)
-        epoch = min(self.epochs, math.ceil(last.step / self.steps_per_epoch))
-        postfix = f"epoch {epoch}/{self.epochs}, loss {last.value:.3f}"
+        epoch = math.ceil(last.step / self.steps_per_epoch)
+        if epoch > self.epochs:  # early_stopping.max_epochs: past the cap while still learning, one epoch at a time
+            self._bar.set_total(self.steps_per_epoch * epoch)
+        postfix = f"epoch {epoch}/{self.epochs}" + ("+" if epoch > self.epochs else "") + f", loss {last.value:.3f}"
         if "val_accuracy" in latest:
             postfix += f", val_accuracy {latest['val_accuracy']:.2f}"
         self._bar.update(max(0, last.step - self._bar.n), postfix=postfix)

@@ -151,6 +151,15 @@ class TrainConfig:
             " or ".join(PLACEMENT_STRATEGIES),
         )
         _check("max_failures", self.max_failures, self.max_failures >= -1, ">= -1 (-1 = unlimited)")
+        es = self.early_stopping
+        _check(
+            "early_stopping.max_epochs",
+            es.max_epochs,
+            es.max_epochs == 0 or (es.max_epochs >= self.optim.epochs and es.patience > 0),
+            f"0 (end at optim.epochs) or an epoch >= optim.epochs ({self.optim.epochs}) with early_stopping.patience "
+            f"> 0 (got patience {es.patience}): training goes past the cap only while the stopping rule says the "
+            "model is still learning",
+        )
         # model.augment.symmetry against what the archive states its labels keep: `auto` becomes a symmetry here,
         # so every consumer of a loaded config sees one of SYMMETRIES
         symmetry = resolve_symmetry(self.model.augment.symmetry, self.data.label_symmetry)

@@ -9,7 +9,7 @@ trainer's state, ``model.pt`` = a model checkpoint, ``operators.checkpoint``) wi
 Training ends at ``optim.epochs`` or earlier by early stopping (``early_stopping``; every rank gets the same
 decision from the trainer); the last checkpoint's ``model.pt`` then holds the best epoch's weights (its metadata
 names that ``epoch`` and the ``stopped_epoch``), rank 0 logs ``stopped_epoch`` and the run's tag
-``foveate.stop_reason`` (``patience`` or ``cap``), and a ``--resume`` of a finished run trains no further.
+``foveate.stop_reason`` (``patience``, ``cap`` or ``max_epochs``), and a ``--resume`` of a finished run trains no further.
 """
 
 from __future__ import annotations

@@ -380,9 +380,9 @@ def _scheduler(name: str, *, max_t: int, grace_period: int, reduction_factor: fl
 
 
 def _max_epochs(config: TrainConfig, space: SearchSpace) -> int:
-    out = config.optim.epochs
+    out = max(config.optim.epochs, config.early_stopping.max_epochs)
     for p in space.params:
-        if p.key == "optim.epochs":
+        if p.key in ("optim.epochs", "early_stopping.max_epochs"):
             out = max(out, *(int(a) for a in p.args))
     return out
 

@@ -204,6 +204,7 @@ def test_config_section_defaults_and_errors():
         "min_epochs": 0,
         "after_chance": True,
         "chance_epochs": 2,
+        "max_epochs": 0,
     }
     with pytest.raises(ConfigError, match="early_stopping.after_chance: got 'yes', must be true or false"):
         EarlyStoppingConfig(after_chance="yes")
@@ -242,3 +243,90 @@ def test_no_stop_before_the_scheduled_exploration_ends():
     assert earliest_stop_epoch(es, 20, ScheduleConfig(rarity_start=0.0, rare_until=0.7), model) == 14
     assert earliest_stop_epoch(es, 7, ScheduleConfig(rarity_start=0.5, rarity_until=0.5)) == 4  # 3.5 -> 4
     assert earliest_stop_epoch(EarlyStoppingConfig(min_epochs=25), 30, demo) == 25
+
+
+# ------------------------------------------------------------------ past the cap while still learning
+
+
+def _cap_trainer(overrides):
+    from workers.trainer import Trainer
+
+    cfg = load_config(
+        TrainConfig, None, ["optim.epochs=4", "early_stopping.chance_epochs=1", "model.num_classes=2", *overrides]
+    )
+    assert earliest_stop_epoch(cfg.early_stopping, cfg.optim.epochs, cfg.schedule, cfg.model) <= 3
+    return Trainer(cfg.model, cfg.optim, cfg.schedule, slides_per_epoch=4, early_stopping=cfg.early_stopping)
+
+
+def _feed(trainer, values, p: float = 0.001) -> list[int]:
+    """The trainer's end-of-epoch decision for each validation loss in turn (no training: the rule's input only);
+    returns the epochs it went through."""
+    seen = []
+    for v in values:
+        trainer.epoch += 1
+        trainer._early_stopping({"val_loss": v, "val_chance_p": p})
+        seen.append(trainer.epoch)
+        if trainer.finished:
+            break
+    return seen
+
+
+def test_max_epochs_trains_past_the_cap_only_while_the_curve_still_improves():
+    improving = [1.0 - 0.05 * i for i in range(20)]
+    # off (the default): the cap ends it, whatever the curve says
+    tr = _cap_trainer(["early_stopping.patience=2"])
+    assert tr.max_epochs == 4 and _feed(tr, improving) == [1, 2, 3, 4] and tr.stop_reason == "cap"
+    # still improving at the cap: on, one epoch at a time, until patience stops it; the best epoch is kept
+    tr = _cap_trainer(["early_stopping.patience=2", "early_stopping.max_epochs=10"])
+    assert _feed(tr, [1.0, 0.9, 0.8, 0.7, 0.6, 0.65, 0.66, 0.5]) == [1, 2, 3, 4, 5, 6, 7]
+    assert tr.stop_reason == "patience" and tr.stopper.best_epoch == 5 and tr.finished
+    # ... or until max_epochs
+    tr = _cap_trainer(["early_stopping.patience=2", "early_stopping.max_epochs=6"])
+    assert _feed(tr, improving) == [1, 2, 3, 4, 5, 6] and tr.stop_reason == "max_epochs"
+    assert tr.stopper.best_epoch == 6
+    # still at chance at the cap: not learning, the cap ends it
+    tr = _cap_trainer(["early_stopping.patience=2", "early_stopping.max_epochs=10"])
+    assert _feed(tr, improving, p=0.5) == [1, 2, 3, 4] and tr.stop_reason == "cap"
+    # patience used up exactly at the cap: the cap ends it
+    tr = _cap_trainer(["early_stopping.patience=3", "early_stopping.max_epochs=10"])
+    assert _feed(tr, [0.5, 0.6, 0.7, 0.8, 0.1]) == [1, 2, 3, 4] and tr.stop_reason == "cap"
+    # one improvement left in the patience at the cap is enough
+    tr = _cap_trainer(["early_stopping.patience=3", "early_stopping.max_epochs=10"])
+    assert _feed(tr, [0.5, 0.6, 0.7, 0.4, 0.45, 0.46, 0.47]) == [1, 2, 3, 4, 5, 6, 7]
+    assert tr.stop_reason == "patience" and tr.stopper.best_epoch == 4
+    # a resumed trainer goes on past the cap from its saved count
+    tr = _cap_trainer(["early_stopping.patience=2", "early_stopping.max_epochs=10"])
+    _feed(tr, improving[:5])
+    state = tr.state_dict()
+    again = _cap_trainer(["early_stopping.patience=2", "early_stopping.max_epochs=10"])
+    again.load_state_dict(state)
+    assert again.epoch == 5 and not again.finished
+    assert _feed(again, [0.9, 0.9]) == [6, 7] and again.stop_reason == "patience" and again.stopper.best_epoch == 5
+
+
+def test_max_epochs_config_errors_and_the_rules_learning_test():
+    with pytest.raises(ConfigError, match=r"early_stopping.max_epochs: got 3, must be 0 .* >= optim.epochs \(4\)"):
+        load_config(TrainConfig, None, ["optim.epochs=4", "early_stopping.max_epochs=3"])
+    with pytest.raises(ConfigError, match=r"early_stopping.max_epochs: got 8, .*got patience 0"):
+        load_config(TrainConfig, None, ["optim.epochs=4", "early_stopping.max_epochs=8", "early_stopping.patience=0"])
+    with pytest.raises(ConfigError, match="early_stopping.max_epochs: got -1"):
+        EarlyStoppingConfig(max_epochs=-1)
+    assert (
+        load_config(TrainConfig, None, ["optim.epochs=4", "early_stopping.max_epochs=4"]).early_stopping.max_epochs == 4
+    )
+    rule = EarlyStopping("val_loss", patience=2, after_chance=True)
+    assert not rule.learning()  # no best yet
+    rule.update(1, 1.0, beats_chance=False)
+    assert not rule.learning()  # a best, but chance not beaten: not counting
+    rule.update(2, 0.9, beats_chance=True)
+    assert rule.learning()
+    rule.update(3, 0.95, beats_chance=True)
+    assert rule.learning()  # one bad epoch of two
+    assert rule.update(4, 0.95, beats_chance=True) and not rule.learning()
+
+
+def test_past_the_cap_the_lr_stays_at_its_floor():
+    from workers.trainer import lr_factor
+
+    assert lr_factor(100, 100, 5, 0.5) == pytest.approx(0.5)
+    assert lr_factor(250, 100, 5, 0.5) == pytest.approx(0.5)

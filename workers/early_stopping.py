@@ -94,13 +94,19 @@ class EarlyStoppingConfig:
     epochs before are no candidates for the exported model (unless chance is never beaten)."""
     chance_epochs: int = 2
     """With ``after_chance``: epochs in a row the validation accuracy must beat chance before the count starts."""
+    max_epochs: int = 0
+    """0 (the default): training ends at ``optim.epochs``. Above ``optim.epochs``: a model still learning at the cap
+    trains on past it, one epoch at a time, while the validation curve says so: the rule is counting (with
+    ``after_chance``, the model has beaten chance) and has not run out of patience; at most to this epoch. A model
+    still at chance, or one whose patience ran out at the cap, ends at the cap. The schedules stay fractions of
+    ``optim.epochs`` (past it the LR stays at its floor, ``optim.min_lr_ratio``)."""
 
     def __post_init__(self) -> None:
         if self.metric not in METRICS:
             raise ConfigError(f"early_stopping.metric: got {self.metric!r}, must be one of {list(METRICS)}")
         if isinstance(self.chance_epochs, bool) or not isinstance(self.chance_epochs, int) or self.chance_epochs < 1:
             raise ConfigError(f"early_stopping.chance_epochs: got {self.chance_epochs!r}, must be an integer >= 1")
-        for name in ("patience", "min_epochs"):
+        for name in ("patience", "min_epochs", "max_epochs"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ConfigError(f"early_stopping.{name}: got {v!r}, must be an integer >= 0")
@@ -203,6 +209,12 @@ class EarlyStopping:
         if stop:
             self.stopped_epoch = int(epoch)
         return stop
+
+    def learning(self) -> bool:
+        """Whether the validation curve says the model is still learning: the rule counts (with ``after_chance``,
+        chance has been beaten), has a best epoch and has not run out of patience (the test for training on past
+        ``optim.epochs``, ``max_epochs``)."""
+        return self.counting and self.best is not None and not self.stopped and self.bad_epochs < self.patience
 
     def restart(self) -> None:
         """Start over: no best value and no count, as for a new model (the classifier restarted by

@@ -755,6 +755,15 @@ class Trainer:
             floor = earliest_stop_epoch(early_stopping, optim.epochs, schedule, model_config)
             self._stop_floor = max(floor, self._draws_end or 0)  # no stop before the draws' choice
             self.stopper = EarlyStopping.from_config(early_stopping, min_epochs=self._stop_floor)
+        # early_stopping.max_epochs: past optim.epochs while the rule says the model is still learning
+        self.max_epochs = int(optim.epochs)
+        if self.stopper is not None and early_stopping.max_epochs > 0:
+            if early_stopping.max_epochs < optim.epochs:
+                raise ValueError(
+                    f"early_stopping.max_epochs: got {early_stopping.max_epochs}, must be 0 or >= optim.epochs "
+                    f"({optim.epochs})"
+                )
+            self.max_epochs = int(early_stopping.max_epochs)
         self.best_state: dict[str, torch.Tensor] | None = None  # eval_model's weights at stopper.best_epoch (CPU)
         self.stop_reason: str | None = None  # "patience" or "cap" once training has ended
         self.feature_cache = None
@@ -769,8 +778,9 @@ class Trainer:
 
     @property
     def finished(self) -> bool:
-        """Training has ended: stopped early (``stop_reason`` ``"patience"``) or at ``optim.epochs``."""
-        return self.stop_reason is not None or self.epoch >= self.optim_cfg.epochs
+        """Training has ended: stopped early (``stop_reason`` ``"patience"``), at ``optim.epochs`` (``"cap"``) or,
+        trained past it (``early_stopping.max_epochs``), at its patience or ``max_epochs`` (``"max_epochs"``)."""
+        return self.stop_reason is not None or self.epoch >= self.max_epochs
 
     @property
     def eval_model(self) -> torch.nn.Module:
@@ -1318,12 +1328,27 @@ class Trainer:
             if self.rank == 0 and self.stopper.best is not None:
                 metrics["best_epoch"] = self.stopper.best_epoch
                 metrics[f"best_{name}"] = self.stopper.best
-        if stop and self.epoch < cap:
+        if stop and self.epoch != cap:  # at the cap itself the cap ends it
             self.stop_reason = "patience"
             if self.rank == 0:
                 log.info("%s", self.stopper.message())
+        elif self.epoch >= self.max_epochs > cap:
+            self.stop_reason = "max_epochs"
         elif self.epoch >= cap:
-            self.stop_reason = "cap"
+            if self.epoch < self.max_epochs and self.stopper is not None and self.stopper.learning():
+                if self.rank == 0 and self.epoch == cap:
+                    log.info(
+                        "epoch %d is optim.epochs, but %s still improves (best epoch %d, %d of patience %d used): "
+                        "training on, at most to epoch %d (early_stopping.max_epochs)",
+                        cap,
+                        self.stopper.metric,
+                        self.stopper.best_epoch,
+                        self.stopper.bad_epochs,
+                        self.stopper.patience,
+                        self.max_epochs,
+                    )
+            else:
+                self.stop_reason = "cap"
         if self.stop_reason is None:
             return
         if self.best_state is not None and self.stopper.best_epoch != self.epoch:
