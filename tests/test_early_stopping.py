@@ -284,9 +284,22 @@ def test_max_epochs_trains_past_the_cap_only_while_the_curve_still_improves():
     tr = _cap_trainer(["early_stopping.patience=2", "early_stopping.max_epochs=6"])
     assert _feed(tr, improving) == [1, 2, 3, 4, 5, 6] and tr.stop_reason == "max_epochs"
     assert tr.stopper.best_epoch == 6
-    # still at chance at the cap: not learning, the cap ends it
+    # at chance with a flat curve at the cap (stuck, or memorising): the cap ends it
     tr = _cap_trainer(["early_stopping.patience=2", "early_stopping.max_epochs=10"])
-    assert _feed(tr, improving, p=0.5) == [1, 2, 3, 4] and tr.stop_reason == "cap"
+    assert _feed(tr, [0.69, 0.68, 0.70, 0.71, 0.5], p=0.5) == [1, 2, 3, 4] and tr.stop_reason == "cap"
+    # at chance but the curve still falls (a late starter about to leave chance): on, until it is flat for patience
+    tr = _cap_trainer(["early_stopping.patience=2", "early_stopping.max_epochs=10"])
+    assert _feed(tr, [0.69, 0.68, 0.67, 0.66, 0.65, 0.655, 0.66, 0.1], p=0.5) == [1, 2, 3, 4, 5, 6, 7]
+    assert tr.stop_reason == "patience" and tr.stopper.best_epoch == 5
+    # ... and once it beats chance past the cap, the rule's own count takes over
+    tr = _cap_trainer(["early_stopping.patience=2", "early_stopping.max_epochs=20"])
+    ps = [0.5] * 5 + [0.001] * 10
+    seen = []
+    for v, p in zip([0.69, 0.68, 0.67, 0.66, 0.65, 0.60, 0.62, 0.55, 0.56, 0.57, 0.4], ps):
+        seen += _feed(tr, [v], p=p)
+        if tr.finished:
+            break
+    assert seen == list(range(1, 11)) and tr.stop_reason == "patience" and tr.stopper.best_epoch == 8
     # patience used up exactly at the cap: the cap ends it
     tr = _cap_trainer(["early_stopping.patience=3", "early_stopping.max_epochs=10"])
     assert _feed(tr, [0.5, 0.6, 0.7, 0.8, 0.1]) == [1, 2, 3, 4] and tr.stop_reason == "cap"
@@ -317,12 +330,24 @@ def test_max_epochs_config_errors_and_the_rules_learning_test():
     rule = EarlyStopping("val_loss", patience=2, after_chance=True)
     assert not rule.learning()  # no best yet
     rule.update(1, 1.0, beats_chance=False)
-    assert not rule.learning()  # a best, but chance not beaten: not counting
+    assert rule.learning()  # chance not beaten, but the curve has just reached its best
     rule.update(2, 0.9, beats_chance=True)
     assert rule.learning()
     rule.update(3, 0.95, beats_chance=True)
     assert rule.learning()  # one bad epoch of two
     assert rule.update(4, 0.95, beats_chance=True) and not rule.learning()
+    # before chance is beaten, the curve's own new bests within the patience say it is learning
+    rule = EarlyStopping("val_loss", patience=2, after_chance=True)
+    for epoch, v in enumerate([0.7, 0.6, 0.65], start=1):
+        rule.update(epoch, v, beats_chance=False)
+    assert rule.learning() and rule.curve_best_epoch == 2
+    rule.update(4, 0.61, beats_chance=False)
+    assert not rule.learning() and not rule.stopped  # flat for 2 epochs; the rule itself never stops at chance
+    again = EarlyStopping("val_loss", patience=2, after_chance=True)
+    again.load_state_dict(rule.state_dict())
+    assert (again.curve_best, again.curve_best_epoch, again.last_epoch) == (0.6, 2, 4) and not again.learning()
+    rule.restart()
+    assert rule.curve_best is None and not rule.learning()
 
 
 def test_past_the_cap_the_lr_stays_at_its_floor():

@@ -96,9 +96,10 @@ class EarlyStoppingConfig:
     """With ``after_chance``: epochs in a row the validation accuracy must beat chance before the count starts."""
     max_epochs: int = 0
     """0 (the default): training ends at ``optim.epochs``. Above ``optim.epochs``: a model still learning at the cap
-    trains on past it, one epoch at a time, while the validation curve says so: the rule is counting (with
-    ``after_chance``, the model has beaten chance) and has not run out of patience; at most to this epoch. A model
-    still at chance, or one whose patience ran out at the cap, ends at the cap. The schedules stay fractions of
+    trains on past it, one epoch at a time, while the validation curve says so (:meth:`EarlyStopping.learning`: the
+    rule counts and has patience left, or the metric reached a new best within the last ``patience`` epochs, chance
+    beaten or not); at most to this epoch. A model whose curve has been flat for ``patience`` epochs (stuck at
+    chance, or memorising) or whose patience ran out at the cap ends at the cap. The schedules stay fractions of
     ``optim.epochs`` (past it the LR stays at its floor, ``optim.min_lr_ratio``)."""
 
     def __post_init__(self) -> None:
@@ -164,6 +165,11 @@ class EarlyStopping:
         self.chance_epochs = int(chance_epochs)
         self.chance_epoch = 0  # the epoch the count started at (after_chance); 0: not yet
         self.chance_streak = 0  # epochs in a row told the model beats chance, up to the current one
+        # the curve itself, chance or not (learning()): its best value since the start (or restart), that epoch's
+        # number and the last epoch seen
+        self.curve_best: float | None = None
+        self.curve_best_epoch = 0
+        self.last_epoch = 0
 
     @classmethod
     def from_config(cls, config: EarlyStoppingConfig, *, min_epochs: int | None = None) -> EarlyStopping:
@@ -179,13 +185,16 @@ class EarlyStopping:
 
     def improves(self, value: float) -> bool:
         """Whether ``value`` beats the best so far by more than ``min_delta`` (any finite value beats none)."""
+        return self._beats(value, self.best)
+
+    def _beats(self, value: float | None, best: float | None) -> bool:
         if value is None or not math.isfinite(value):
             return False
-        if self.best is None:
+        if best is None:
             return True
         if self.mode == "min":
-            return value < self.best - self.min_delta
-        return value > self.best + self.min_delta
+            return value < best - self.min_delta
+        return value > best + self.min_delta
 
     @property
     def counting(self) -> bool:
@@ -196,6 +205,9 @@ class EarlyStopping:
         """Record ``epoch``'s (1-based) metric ``value`` and whether the model beats chance this epoch (read with
         ``after_chance`` only); True when training should stop after this epoch."""
         self.chance_streak = self.chance_streak + 1 if beats_chance else 0
+        self.last_epoch = int(epoch)
+        if self._beats(value, self.curve_best):
+            self.curve_best, self.curve_best_epoch = float(value), int(epoch)
         if self.after_chance and self.chance_streak >= self.chance_epochs and self.chance_epoch == 0:
             # the first epoch past chance (the last of a streak) is the first candidate: an earlier one is never
             # exported
@@ -211,10 +223,15 @@ class EarlyStopping:
         return stop
 
     def learning(self) -> bool:
-        """Whether the validation curve says the model is still learning: the rule counts (with ``after_chance``,
-        chance has been beaten), has a best epoch and has not run out of patience (the test for training on past
-        ``optim.epochs``, ``max_epochs``)."""
-        return self.counting and self.best is not None and not self.stopped and self.bad_epochs < self.patience
+        """Whether the validation curve says the model is still learning (the test for training on past
+        ``optim.epochs``, ``max_epochs``): the rule has not stopped, and either it counts (with ``after_chance``,
+        chance has been beaten) and has patience left, or the curve itself (chance beaten or not) reached a new
+        best within the last ``patience`` epochs — a model about to leave chance, not one stuck at it."""
+        if self.stopped:
+            return False
+        if self.counting and self.best is not None and self.bad_epochs < self.patience:
+            return True
+        return self.curve_best_epoch > 0 and self.last_epoch - self.curve_best_epoch < self.patience
 
     def restart(self) -> None:
         """Start over: no best value and no count, as for a new model (the classifier restarted by
@@ -222,6 +239,7 @@ class EarlyStopping:
         already decided stay."""
         self.best, self.best_epoch, self.bad_epochs, self.chance_epoch = None, 0, 0, 0
         self.chance_streak = 0
+        self.curve_best, self.curve_best_epoch = None, 0
 
     @property
     def stopped(self) -> bool:
@@ -242,6 +260,9 @@ class EarlyStopping:
             "stopped_epoch": self.stopped_epoch,
             "chance_epoch": self.chance_epoch,
             "chance_streak": self.chance_streak,
+            "curve_best": self.curve_best,
+            "curve_best_epoch": self.curve_best_epoch,
+            "last_epoch": self.last_epoch,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -258,6 +279,10 @@ class EarlyStopping:
         self.stopped_epoch = int(state.get("stopped_epoch", 0))
         self.chance_epoch = int(state.get("chance_epoch", 0))
         self.chance_streak = int(state.get("chance_streak", 0))
+        curve = state.get("curve_best")  # absent in a state saved before the curve was kept: none yet
+        self.curve_best = None if curve is None else float(curve)
+        self.curve_best_epoch = int(state.get("curve_best_epoch", 0))
+        self.last_epoch = int(state.get("last_epoch", 0))
 
 
 def stop_message(metric: str, min_delta: float, stopped_epoch: int, best_epoch: int, best: float) -> str:

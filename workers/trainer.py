@@ -1338,17 +1338,28 @@ class Trainer:
             if self.epoch < self.max_epochs and self.stopper is not None and self.stopper.learning():
                 if self.rank == 0 and self.epoch == cap:
                     log.info(
-                        "epoch %d is optim.epochs, but %s still improves (best epoch %d, %d of patience %d used): "
+                        "epoch %d is optim.epochs, but %s still improves (last new best at epoch %d, patience %d): "
                         "training on, at most to epoch %d (early_stopping.max_epochs)",
                         cap,
                         self.stopper.metric,
-                        self.stopper.best_epoch,
-                        self.stopper.bad_epochs,
+                        max(self.stopper.best_epoch, self.stopper.curve_best_epoch),
                         self.stopper.patience,
                         self.max_epochs,
                     )
-            else:
+            elif self.epoch == cap:
                 self.stop_reason = "cap"
+            else:  # past the cap, the curve has been flat for patience epochs
+                self.stop_reason = "patience"
+                if self.rank == 0:
+                    log.info(
+                        "epoch %d (past optim.epochs %d): %s has not reached a new best for %d epochs; best epoch %d "
+                        "restored",
+                        self.epoch,
+                        cap,
+                        self.stopper.metric,
+                        self.stopper.patience,
+                        self.stopper.best_epoch,
+                    )
         if self.stop_reason is None:
             return
         if self.best_state is not None and self.stopper.best_epoch != self.epoch:
