@@ -86,6 +86,7 @@ def demo(
         raise ValueError(f"workers must be a positive integer, got {workers!r}")
     import ray
 
+    from pipeline.archive_info import read_archive_info
     from pipeline.config import load_config
     from pipeline.runtime import init_ray
     from pipeline.tracking import resolve_tracking_uri
@@ -127,7 +128,11 @@ def demo(
 
         t0 = time.monotonic()
         # the demo's seed drives everything random: the slides, the split, the initialisation and the selection noise
-        ov = [f"data.stores={stores}", "data.labels=manifest", f"seed={seed}", f"data.seed={seed}", *overrides]
+        ov = [f"data.stores={stores}", "data.labels=manifest", f"seed={seed}", f"data.seed={seed}"]
+        stated = (read_archive_info(stores) or {}).get("label_symmetry")  # synth's statement, carried by ingest
+        if stated is not None:
+            ov.append(f"data.label_symmetry={stated}")
+        ov += list(overrides)
         if epochs is not None:
             ov.append(f"optim.epochs={epochs}")
         cfg = load_config(TrainConfig, config, ov)

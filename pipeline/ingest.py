@@ -27,6 +27,7 @@ from typing import Any
 
 from operators.errors import ConfigError
 from pipeline import __version__
+from pipeline.archive_info import carry_archive_info
 from pipeline.config import add_config_arguments, config_from_cli
 from pipeline.ingest_inputs import discover_inputs
 from pipeline.ingest_manifest import merge_manifest
@@ -354,6 +355,7 @@ def _ingest_locked(
     slides = discover_inputs(inputs)
     if not slides:
         raise ValueError(f"no slides found in {list(map(str, inputs))}: nothing to ingest, no manifest written")
+    carry_archive_info(inputs, out)  # the archive's statement (archive.json) travels with its stores
     log.info("ingest: %d slide(s) from %d input(s) -> %s", len(slides), len(inputs), out)
     rows: dict[str, dict[str, Any]] = {}
     states: dict[str, _SlideState] = {}

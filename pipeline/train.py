@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from pipeline.archive_info import statement_warnings
 from pipeline.config import ConfigError, add_config_arguments, config_from_cli, to_dict
 from pipeline.data import SlideRecord, build_slide_table, split_train_val
 from pipeline.train_config import OptimConfig, ScheduleConfig, TrackingConfig, TrainConfig
@@ -278,6 +279,8 @@ def train(
 
     config = _resolve(config, workers=workers, workdir=workdir)
     table = build_slide_table(config.data)
+    for line in statement_warnings(config.data.stores, config.data.label_symmetry):
+        log.warning("%s", line)
     if config.model.num_classes != table.num_classes:
         log.info(
             "model.num_classes: %d in the config, overridden from the data: %d",

@@ -1,6 +1,7 @@
 """`foveate demo` (the README's main command) end to end on embedded defaults, at a tiny size: its output on the
 terminal (foveate's lines and the summary, none of Ray's or MLflow's internals) and what it writes."""
 
+import json
 import re
 
 import pandas as pd
@@ -43,6 +44,9 @@ def test_demo_end_to_end_tiny(tmp_path, capfd):
     run_id = re.search(r"run ([0-9a-f]{32})", out).group(1)
     preds = pd.read_parquet(preds_path)
     manifest = pd.read_parquet(wd / "stores" / "manifest.parquet")
+    # synth's statement travelled with the stores (ingest carried it), and the demo trained with it
+    assert json.loads((wd / "stores" / "archive.json").read_text())["label_symmetry"] == "dihedral"
+    assert "states label_symmetry" not in err
     # every synthetic slide was ingested, and scored exactly once with the model trained in this run
     assert (manifest["status"] == "ok").sum() == 6
     assert sorted(preds["slide_id"]) == sorted(manifest["slide_id"])

@@ -117,3 +117,41 @@ def test_config_show_marks_a_resolved_auto(capsys):
     assert cfg.model.augment.symmetry == "dihedral"
     assert sources["model.augment.symmetry"] == "file (auto: data.label_symmetry=dihedral)"
     assert sources["data.label_symmetry"] == "--set"
+
+
+def test_ingest_carries_the_archives_statement_and_train_says_when_the_config_does_not_follow_it(tmp_path, caplog):
+    from pipeline.archive_info import ARCHIVE_INFO, carry_archive_info, read_archive_info, statement_warnings
+
+    a, b, out = tmp_path / "a", tmp_path / "b", tmp_path / "stores"
+    a.mkdir()
+    b.mkdir()
+    (a / "labels.csv").write_text("path,label\n")
+    (a / ARCHIVE_INFO).write_text('{"label_symmetry": "dihedral"}')
+    # an input folder's own statement, or the one beside an input file: carried into the store folder
+    assert carry_archive_info([a / "labels.csv"], str(out)) == {"label_symmetry": "dihedral"}
+    assert read_archive_info(out) == {"label_symmetry": "dihedral"}
+    assert read_archive_info(tmp_path / "none") is None
+    # the config follows it: nothing to say; it does not: one line naming the file and the fix
+    assert statement_warnings(out, "dihedral") == []
+    (line,) = statement_warnings(out, "unknown")
+    assert str(out / ARCHIVE_INFO) in line and "--set data.label_symmetry=dihedral" in line
+    (line,) = statement_warnings(out, "flips")
+    assert "'flips'" in line and "'dihedral'" in line and "the config's is used" in line
+    assert statement_warnings(tmp_path / "none", "unknown") == []
+    # inputs that disagree: nothing carried, a warning names both
+    (b / ARCHIVE_INFO).write_text('{"label_symmetry": "rot180"}')
+    out2 = tmp_path / "stores2"
+    with caplog.at_level("WARNING", logger="pipeline.archive_info"):
+        assert carry_archive_info([a, b], str(out2)) is None
+    assert "disagree" in caplog.text and "rot180" in caplog.text and not (out2 / ARCHIVE_INFO).exists()
+    # a statement that is not one: a clear error before anything is written
+    (b / ARCHIVE_INFO).write_text('{"label_symmetry": "mirror"}')
+    with pytest.raises(ValueError, match=r"label_symmetry 'mirror' is not one of \['unknown', 'none'"):
+        carry_archive_info([b], str(out2))
+    (b / ARCHIVE_INFO).write_text("[1, 2]")
+    with pytest.raises(ValueError, match="expected a JSON object"):
+        carry_archive_info([b], str(out2))
+    (b / ARCHIVE_INFO).write_text("{")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        carry_archive_info([b], str(out2))
+    assert not out2.exists()

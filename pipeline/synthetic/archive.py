@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from pipeline.archive_info import ARCHIVE_INFO
 from pipeline.synthetic.checker import MAX_SIDE, MIN_SIDE, _check_int
 from pipeline.synthetic.tasks import check_task, task_class_names, task_label_symmetry
 from pipeline.synthetic.tiff import EXTENSIONS, level_dimensions, write_synthetic_slide
@@ -222,9 +223,6 @@ def synth_archive(
     df.to_csv(out / "labels.csv", index=False)
     write_archive_info(out, task, classes)
     return df
-
-
-ARCHIVE_INFO = "archive.json"
 
 
 def write_archive_info(out_dir: Path, task: str, classes: int) -> dict[str, Any]:
