@@ -355,3 +355,19 @@ def test_past_the_cap_the_lr_stays_at_its_floor():
 
     assert lr_factor(100, 100, 5, 0.5) == pytest.approx(0.5)
     assert lr_factor(250, 100, 5, 0.5) == pytest.approx(0.5)
+
+
+def test_the_summary_line_says_where_training_ended_against_the_cap():
+    from pipeline.train import stopping_line
+
+    cfg = load_config(TrainConfig, None, ["optim.epochs=30", "early_stopping.max_epochs=60"])
+    best = {"best_epoch": 40.0, "best_val_loss": 0.25}
+    line = stopping_line(cfg, {"stopped_epoch": 50.0, **best})
+    assert line.startswith("epochs: 50 of at most 60 (optim.epochs 30; past it while still learning) (early stop)")
+    assert line.endswith("the model is epoch 40's, best_val_loss=0.25")
+    assert "(early stop)" not in stopping_line(cfg, {"stopped_epoch": 60.0, **best})  # max_epochs
+    assert "(early stop)" not in stopping_line(cfg, {"stopped_epoch": 30.0, **best})  # the cap
+    assert "(early stop)" in stopping_line(cfg, {"stopped_epoch": 20.0, **best})
+    plain = load_config(TrainConfig, None, ["optim.epochs=30"])
+    assert stopping_line(plain, {"stopped_epoch": 30.0}) == "epochs: 30 of at most 30"
+    assert stopping_line(plain, {}) is None
