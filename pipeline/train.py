@@ -116,6 +116,13 @@ class TrainResult:
         return "\n".join(lines)
 
 
+def _stopped_early(cfg: TrainConfig, stopped: float) -> bool:
+    """Whether a run that ended after epoch ``stopped`` ended by early stopping: before ``optim.epochs``, or past it
+    (``early_stopping.max_epochs``) before ``max_epochs``."""
+    cap, most = cfg.optim.epochs, max(cfg.optim.epochs, cfg.early_stopping.max_epochs)
+    return int(stopped) < cap or cap < int(stopped) < most
+
+
 def stopping_line(cfg: TrainConfig, metrics: dict[str, float]) -> str | None:
     """``epochs: 25 of at most 30 (early stop); the model is epoch 20's, best val_loss=0.04301`` (None when the
     metrics do not say)."""
@@ -126,7 +133,7 @@ def stopping_line(cfg: TrainConfig, metrics: dict[str, float]) -> str | None:
     line = f"epochs: {int(stopped)} of at most {most}"
     if most > cap:
         line += f" (optim.epochs {cap}; past it while still learning)"
-    if int(stopped) < cap or cap < int(stopped) < most:
+    if _stopped_early(cfg, stopped):
         line += " (early stop)"
     name = f"best_{cfg.early_stopping.metric}"
     if "best_epoch" in metrics and name in metrics:
@@ -385,9 +392,7 @@ def train(
         )
         metrics = {k: float(v) for k, v in (result.metrics or {}).items()}
         stopped, best_name = metrics.get("stopped_epoch"), f"best_{config.early_stopping.metric}"
-        cap = config.optim.epochs
-        most = max(cap, config.early_stopping.max_epochs)
-        if stopped is not None and (stopped < cap or cap < stopped < most) and best_name in metrics:
+        if stopped is not None and _stopped_early(config, stopped) and best_name in metrics:
             es = config.early_stopping
             log.info(
                 "%s",
