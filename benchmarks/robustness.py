@@ -974,7 +974,7 @@ def main(argv: list[str] | None = None) -> int:
         "--in-process",
         action="store_true",
         help="train with workers.trainer.Trainer in this process (same numerics as foveate train on one worker, "
-        "no Ray/MLflow start-up per run; use --jobs 1)",
+        "no Ray/MLflow start-up per run; takes --jobs 1: one process per seed, joined with --merge)",
     )
     p.add_argument("--device", default="cpu", help="with --in-process: where the model trains (cpu, cuda)")
     p.add_argument(
@@ -1040,6 +1040,12 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--seeds must be comma-separated integers, got {args.seeds!r}")
     if args.jobs < 1:
         p.error("--jobs must be >= 1")
+    if args.in_process and args.jobs > 1:
+        p.error(
+            f"--in-process takes --jobs 1, got --jobs {args.jobs}: in-process runs are threads of this process and "
+            "share torch's global RNG, so a run's initial weights would not be its seed's; start one process per "
+            "seed (each with its own --json) and join them with --merge"
+        )
     if not 0.0 <= args.val_fraction < 1.0:
         p.error(f"--val-fraction must be in [0, 1), got {args.val_fraction}")
     if args.device != "cpu" and not args.in_process:

@@ -113,6 +113,14 @@ def test_cli_rejects_unknown_task_and_config(rb, capsys):
     assert "perturbed_mean" in rb.available_configs() and "demo" not in rb.available_configs()
 
 
+def test_in_process_runs_refuse_several_jobs(rb, capsys):
+    # threads of one process share torch's global RNG: the second run's weights would not be its seed's
+    with pytest.raises(SystemExit):
+        rb.main(["--tasks", "checker-quick", "--configs", "perturbed_mean", "--in-process", "--jobs", "2"])
+    err = capsys.readouterr().err
+    assert "--in-process takes --jobs 1, got --jobs 2" in err and "--merge" in err
+
+
 def test_merge_combines_processes_and_keeps_the_last_duplicate(rb, tmp_path, capsys):
     def row(seed, acc, config="c"):
         return {"task": "t", "config": config, "seed": seed, "test_accuracy": acc, "train_seconds": 10.0}
