@@ -45,13 +45,18 @@ def _trainer(seed: int) -> Trainer:
 
 
 def train_digest(store: str, seed: int) -> str:
-    """SHA-256 of the trained model's state and its last validation loss."""
+    """SHA-256 of the trained model's state and its last validation loss (trained on one torch thread, as
+    ``robustness.py --in-process`` trains; the caller's thread count is restored)."""
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    records = [SimpleNamespace(store=store, target=0), SimpleNamespace(store=store, target=1)]
-    tr = _trainer(seed)
-    metrics: dict = {}
-    while not tr.finished:
-        metrics = tr.run_epoch(records, records)
+    try:
+        records = [SimpleNamespace(store=store, target=0), SimpleNamespace(store=store, target=1)]
+        tr = _trainer(seed)
+        metrics: dict = {}
+        while not tr.finished:
+            metrics = tr.run_epoch(records, records)
+    finally:
+        torch.set_num_threads(threads)
     h = hashlib.sha256()
     for k, v in sorted(tr.model.state_dict().items()):
         h.update(k.encode())
@@ -68,11 +73,7 @@ def store(tmp_path_factory) -> str:
 
 
 def test_same_seed_same_weights_different_seed_different(store):
-    threads = torch.get_num_threads()
-    try:
-        a, b, other = train_digest(store, 3), train_digest(store, 3), train_digest(store, 4)
-    finally:
-        torch.set_num_threads(threads)
+    a, b, other = train_digest(store, 3), train_digest(store, 3), train_digest(store, 4)
     assert a == b
     assert other != a
 
@@ -87,11 +88,7 @@ def test_an_epoch_draws_nothing_from_the_global_rng(store):
 
 
 def test_a_new_process_trains_the_same_weights(store):
-    threads = torch.get_num_threads()
-    try:
-        here = train_digest(store, 3)
-    finally:
-        torch.set_num_threads(threads)
+    here = train_digest(store, 3)
     code = SCRIPT.format(tests=str(TESTS), root=str(TESTS.parent), store=store)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
     assert out.stdout.strip().splitlines()[-1] == here
