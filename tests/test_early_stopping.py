@@ -16,7 +16,7 @@ import torch
 from pipeline.config import ConfigError, load_config, to_dict
 from pipeline.train_config import EarlyStoppingConfig, ScheduleConfig, TrainConfig
 from workers.early_stopping import CHANCE_ALPHA, EarlyStopping, chance_p_value, stop_message
-from workers.trainer import earliest_stop_epoch
+from workers.trainer import Trainer, earliest_stop_epoch
 
 
 def _run(rule: EarlyStopping, values, start: int = 1) -> list[bool]:
@@ -249,8 +249,6 @@ def test_no_stop_before_the_scheduled_exploration_ends():
 
 
 def _cap_trainer(overrides):
-    from workers.trainer import Trainer
-
     cfg = load_config(
         TrainConfig, None, ["optim.epochs=4", "early_stopping.chance_epochs=1", "model.num_classes=2", *overrides]
     )
@@ -324,6 +322,14 @@ def test_max_epochs_config_errors_and_the_rules_learning_test():
         load_config(TrainConfig, None, ["optim.epochs=4", "early_stopping.max_epochs=8", "early_stopping.patience=0"])
     with pytest.raises(ConfigError, match="early_stopping.max_epochs: got -1"):
         EarlyStoppingConfig(max_epochs=-1)
+    # a Trainer built directly (the benchmarks do) refuses what the config refuses, rather than ignore max_epochs
+    cfg = load_config(TrainConfig, None, ["optim.epochs=4", "model.num_classes=2"])
+    for es, match in [
+        (EarlyStoppingConfig(patience=0, max_epochs=8), "got 8 with early_stopping.patience 0"),
+        (EarlyStoppingConfig(patience=2, max_epochs=3), r"got 3, must be 0 or >= optim.epochs \(4\)"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            Trainer(cfg.model, cfg.optim, cfg.schedule, slides_per_epoch=4, early_stopping=es)
     assert (
         load_config(TrainConfig, None, ["optim.epochs=4", "early_stopping.max_epochs=4"]).early_stopping.max_epochs == 4
     )

@@ -757,11 +757,16 @@ class Trainer:
             self.stopper = EarlyStopping.from_config(early_stopping, min_epochs=self._stop_floor)
         # early_stopping.max_epochs: past optim.epochs while the rule says the model is still learning
         self.max_epochs = int(optim.epochs)
-        if self.stopper is not None and early_stopping.max_epochs > 0:
+        if early_stopping is not None and early_stopping.max_epochs > 0:
             if early_stopping.max_epochs < optim.epochs:
                 raise ValueError(
                     f"early_stopping.max_epochs: got {early_stopping.max_epochs}, must be 0 or >= optim.epochs "
                     f"({optim.epochs})"
+                )
+            if self.stopper is None:  # patience 0: no rule to say the model is still learning
+                raise ValueError(
+                    f"early_stopping.max_epochs: got {early_stopping.max_epochs} with early_stopping.patience 0; "
+                    "training past optim.epochs needs the stopping rule: set patience >= 1, or max_epochs 0"
                 )
             self.max_epochs = int(early_stopping.max_epochs)
         self.best_state: dict[str, torch.Tensor] | None = None  # eval_model's weights at stopper.best_epoch (CPU)
